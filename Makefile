@@ -1,0 +1,32 @@
+# The README's first two commands: `make demo` (set up, then run the main job) and `make test`
+# (set up, then run the whole test suite). Set-up is a virtual environment in .venv with
+# torch==2.13.0 and the package installed in editable mode; it is redone when pyproject.toml changes.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed-stamp
+DEMO_ARGS ?=
+TEST_ARGS ?=
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "hgraph needs Python >= 3.10"'
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m hgraph demo $(DEMO_ARGS)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(TEST_ARGS)
+
+bench: $(STAMP)
+	for b in benchmarks/*_bench.py; do OMP_NUM_THREADS=1 $(VENV)/bin/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,424 @@
+"""``hgraph.compile``: one explicit, inspectable program per strategy and rank.
+
+Data flow (each step a pass or a cached product, see docs/architecture.md)::
+
+    model --trace--> fx graph (forward + summed loss, params as inputs)
+      per stage mesh (cp, tp):  annotate -> localize            (+ user passes)   = local program
+      per (cp, tp, pp):         partition                                        = stage programs
+      per strategy:             insert_comm: Pull / Push plans (LNK), activation boundaries
+      per (strategy, rank):     RankProgram = its stage program + pulls + pushes + 1F1B schedule
+
+Everything is built once in ``compile`` and cached, so switching strategies between iterations
+costs nothing but the Pulls the new strategy needs. Optimizer state lives in the fixed layout of
+``hgraph.zero`` and never moves.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from hgraph.errors import HGraphError, InputError, StrategyError
+from hgraph.frontend import TracedModel, trace
+from hgraph.layout import Layout
+from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
+from hgraph.passes.partition import StageGraph, partition
+from hgraph.passes.pipeline import Pass, PassManager, PassRecord
+from hgraph.runtime.executor import RankProgram
+from hgraph.strategy import Pipeline, Strategy, as_strategies
+from hgraph.zero import optimizer_layout
+
+StrategyLike = Union[int, Strategy]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Knobs of ``compile`` (all optional)."""
+
+    compute_dtype: Optional[torch.dtype] = None
+    sequence_parallel: bool = False
+    vocab_parallel: bool = True
+    schedule: str = "none"
+    layer_costs: Optional[tuple[float, ...]] = None
+    topology: Any = None
+
+
+@dataclass
+class CompileContext:
+    """What passes see besides the graph: the traced model, the stage mesh and the options.
+
+    Passes that produce more than a graph (stage cuts, plans) leave it here for later passes.
+    """
+
+    traced: TracedModel
+    world_size: int
+    options: CompileOptions
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    strategy: Optional[Strategy] = None
+    stages: Optional[list[StageGraph]] = None
+    parameter_comm: dict[str, ParameterComm] = field(default_factory=dict)
+
+    @property
+    def mesh(self) -> tuple[int, int]:
+        return (self.cp, self.tp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.options.sequence_parallel
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.options.vocab_parallel
+
+
+def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    from hgraph.passes.annotate import annotate
+
+    return annotate(gm, ctx)
+
+
+def _localize_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    from hgraph.passes.localize import localize
+
+    return localize(gm, ctx)
+
+
+MESH_PASSES = (Pass("annotate", _annotate_pass), Pass("localize", _localize_pass))
+
+
+def model_dims(model: nn.Module) -> dict[str, int]:
+    """Heads, kv heads, hidden size, vocabulary and layers, read from the model's config."""
+    cfg = getattr(model, "config", None)
+    dims: dict[str, int] = {}
+    if cfg is None:
+        return dims
+    names = {
+        "heads": ("heads", "num_attention_heads", "n_head"),
+        "kv_heads": ("kv_heads", "num_key_value_heads"),
+        "hidden": ("hidden", "hidden_size", "n_embd"),
+        "vocab": ("vocab_size",),
+        "layers": ("layers", "num_hidden_layers", "n_layer"),
+    }
+    for key, options in names.items():
+        for attr in options:
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int):
+                dims[key] = value
+                break
+    if "heads" in dims and "kv_heads" not in dims:
+        dims["kv_heads"] = dims["heads"]
+    return dims
+
+
+def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: dict[str, int]) -> None:
+    """Check every strategy against the world and the model; one clear error per problem."""
+    for s in strategies:
+        s.check_world_size(world_size)
+        for p in s.pipelines:
+            for key, label in (("heads", "attention heads"), ("kv_heads", "key/value heads"), ("hidden", "hidden size"), ("vocab", "vocabulary")):
+                if key in dims and dims[key] % p.tp:
+                    raise StrategyError(
+                        f"strategy {s}: tp={p.tp} does not divide the {label} ({dims[key]}); "
+                        f"use a tp that divides {dims[key]}"
+                    )
+            if "layers" in dims and p.pp > dims["layers"]:
+                raise StrategyError(
+                    f"strategy {s}: pp={p.pp} exceeds the model's {dims['layers']} layers; use pp <= {dims['layers']}"
+                )
+
+
+class CompiledModel:
+    """A model compiled for a list of strategies; see the module docstring for what it holds."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        traced: TracedModel,
+        strategies: list[Strategy],
+        options: CompileOptions,
+        user_passes: Sequence[Any] = (),
+        disabled: Iterable[str] = (),
+    ) -> None:
+        self.model = model
+        self.traced = traced
+        self.strategies = strategies
+        self.options = options
+        self.world_size = strategies[0].world_size
+        self.pass_history: list[PassRecord] = []
+        self._user_passes = list(user_passes)
+        self._disabled = frozenset(disabled)
+        self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
+        self.optimizer_layouts: dict[str, Layout] = {
+            fqn: optimizer_layout(shape, self.world_size) for fqn, shape in self.param_shapes.items()
+        }
+        self._local: dict[tuple[int, int], fx.GraphModule] = {}
+        self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
+        self._param_comm: dict[int, dict[str, ParameterComm]] = {}
+        self._programs: dict[tuple[int, int], RankProgram] = {}
+        start = time.perf_counter()
+        for i in range(len(strategies)):
+            self._build_strategy(i)
+        self.compile_seconds = time.perf_counter() - start
+
+    # ------------------------------------------------------------------ building
+    def _context(self, **kw: Any) -> CompileContext:
+        return CompileContext(self.traced, self.world_size, self.options, **kw)
+
+    def local_program(self, cp: int, tp: int) -> fx.GraphModule:
+        """The local (per-rank) program of a ``cp x tp`` stage mesh, before pipeline cuts."""
+        key = (cp, tp)
+        if key not in self._local:
+            gm = copy.deepcopy(self.traced.graph_module)
+            manager = PassManager.build(MESH_PASSES, self._user_passes_at(MESH_PASSES), self._disabled_at(MESH_PASSES))
+            self._local[key] = manager.run(gm, self._context(cp=cp, tp=tp))
+            self.pass_history += manager.history
+        return self._local[key]
+
+    def _user_passes_at(self, builtin: Sequence[Pass]) -> list[Pass]:
+        names = {p.name for p in builtin}
+        return [p for p in self._user_passes if isinstance(p, Pass) and (p.after in names or p.before in names)]
+
+    def _disabled_at(self, builtin: Sequence[Pass]) -> frozenset[str]:
+        return frozenset(self._disabled & {p.name for p in builtin})
+
+    def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
+        key = (pipeline.cp, pipeline.tp, pipeline.pp)
+        if key not in self._stages:
+            gm = self.local_program(pipeline.cp, pipeline.tp)
+            start = time.perf_counter()
+            params = set(self.traced.param_names)
+            self._stages[key] = partition(
+                gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs
+            )
+            self.pass_history.append(
+                PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
+            )
+        return self._stages[key]
+
+    def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
+        gm = self.local_program(cp, tp)
+        out = {}
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" and n.name in self.traced.param_names:
+                spec = n.meta.get(key)
+                if spec is None:
+                    raise HGraphError(f"localize left parameter {n.name} without {key}")
+                out[self.traced.param_names[n.name]] = tuple(spec)
+        return out
+
+    def _build_strategy(self, index: int) -> None:
+        strategy = self.strategies[index]
+        start = time.perf_counter()
+        users: dict[str, list[tuple[int, int]]] = {}
+        specs, grad_specs = {}, {}
+        for i, pipeline in enumerate(strategy.pipelines):
+            mesh = pipeline.stage_mesh
+            specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
+            grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
+            for sg in self.stage_graphs(pipeline):
+                for ph in sg.params:
+                    users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
+        itemsize = torch.finfo(self.options.compute_dtype or torch.float32).bits // 8
+        self._param_comm[index] = plan_parameters(
+            strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, itemsize,
+            self.options.topology,
+        )
+        self.pass_history.append(PassRecord(f"insert_comm[{strategy}]", time.perf_counter() - start, 0, 0))
+
+    # ------------------------------------------------------------------ inspection
+    def strategy_index(self, strategy: StrategyLike) -> int:
+        """Index of ``strategy`` (an index or one of the compiled ``Strategy`` objects)."""
+        if isinstance(strategy, int) and not isinstance(strategy, bool):
+            if not 0 <= strategy < len(self.strategies):
+                raise StrategyError(f"strategy index {strategy} out of range 0..{len(self.strategies) - 1}")
+            return strategy
+        if isinstance(strategy, str):
+            strategy = Strategy.parse(strategy)
+        for i, s in enumerate(self.strategies):
+            if s == strategy:
+                return i
+        raise StrategyError(
+            f"strategy {strategy} was not compiled; compiled: {', '.join(map(str, self.strategies))}"
+        )
+
+    def program(self, strategy: StrategyLike, rank: int) -> RankProgram:
+        """The per-rank program: its stage's forward graph, pulls, pushes and schedule."""
+        index = self.strategy_index(strategy)
+        key = (index, rank)
+        if key not in self._programs:
+            self._programs[key] = self._make_program(index, rank)
+        return self._programs[key]
+
+    def _make_program(self, index: int, rank: int) -> RankProgram:
+        s = self.strategies[index]
+        if not 0 <= rank < self.world_size:
+            raise StrategyError(f"rank {rank} out of range for world size {self.world_size}")
+        pi = s.pipeline_of(rank)
+        pipeline = s.pipelines[pi]
+        stage = pipeline.stage_of(rank)
+        ranks = pipeline.stage_ranks(stage)
+        pos = ranks.index(rank)
+        c, t = divmod(pos, pipeline.tp)
+        groups = {
+            "tp": tuple(ranks[c * pipeline.tp + j] for j in range(pipeline.tp)),
+            "cp": tuple(ranks[j * pipeline.tp + t] for j in range(pipeline.cp)),
+            "stage": tuple(ranks),
+            "pipeline": tuple(pipeline.ranks or ()),
+        }
+        stages = self.stage_graphs(pipeline)
+        comm = self._param_comm[index]
+        order = self._layer_order()
+        pulls = [comm[name] for name in order if name in comm]
+        return RankProgram(
+            strategy_index=index,
+            rank=rank,
+            pipeline=pi,
+            stage=stage,
+            pp=pipeline.pp,
+            groups=groups,
+            stage_graph=stages[stage],
+            param_of_placeholder=dict(self.traced.param_names),
+            pulls=pulls,
+            pushes=list(reversed(pulls)),
+            activations=activation_subgraphs(stages, s, pi),
+            compute_dtype=self.options.compute_dtype,
+        )
+
+    def _layer_order(self) -> list[str]:
+        """Parameters in the order the forward pass uses them (placeholder order of the trace)."""
+        return list(self.traced.param_names.values())
+
+    def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:
+        """Communication subgraphs this rank takes part in: pulls, activations (in-stage and
+        between stages), pushes, in execution order."""
+        prog = self.program(strategy, rank)
+        records: list[CommSubgraph] = [pc.pull for pc in prog.pulls if rank in pc.pull.plan.ranks]
+        for n in prog.stage_graph.gm.graph.nodes:
+            info = n.meta.get("hgraph_comm")
+            if info:
+                records.append(_activation_record(n, info))
+        records += [a for a in prog.activations if f"stage{prog.stage}" in str(a.src) or f"stage{prog.stage}" in str(a.dst)]
+        records += [pc.push for pc in prog.pushes if rank in pc.push.plan.ranks]
+        return records
+
+    def explain(self, strategy: StrategyLike, rank: int) -> str:
+        """Readable summary of one rank's program: compute, the three subgraph kinds, layouts, bytes."""
+        prog = self.program(strategy, rank)
+        s = self.strategies[prog.strategy_index]
+        sg = prog.stage_graph
+        lines = [
+            f"strategy {s} — rank {rank}: pipeline {prog.pipeline} {s.pipelines[prog.pipeline]}, "
+            f"stage {prog.stage}/{prog.pp} (layers {list(sg.layers)}), groups "
+            + ", ".join(f"{k}={list(v)}" for k, v in prog.groups.items()),
+        ]
+        compute = [n for n in sg.gm.graph.nodes if n.op == "call_function" and not n.meta.get("hgraph_comm")]
+        lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
+                     + " ".join(str(x) for x in prog.schedule(4)))
+        totals: dict[str, int] = {}
+        for rec in self.subgraphs(strategy, rank):
+            lines.append("  " + str(rec))
+            totals[rec.kind] = totals.get(rec.kind, 0) + rec.bytes
+        lines.append("bytes: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+        return "\n".join(lines)
+
+    def write_dot(self, strategy: StrategyLike, rank: int, path: str) -> str:
+        """Write the rank's stage program as Graphviz dot (communication nodes highlighted)."""
+        sg = self.program(strategy, rank).stage_graph
+        lines = ["digraph hgraph {", "  node [shape=box, fontsize=10];"]
+        for n in sg.gm.graph.nodes:
+            style = ', style=filled, fillcolor="#ffd27f"' if n.meta.get("hgraph_comm") else ""
+            label = f"{n.name}\\n{getattr(n.target, '__name__', n.target)}" if n.op == "call_function" else n.name
+            lines.append(f'  "{n.name}" [label="{label}"{style}];')
+            for a in n.all_input_nodes:
+                lines.append(f'  "{a.name}" -> "{n.name}";')
+        lines.append("}")
+        text = "\n".join(lines) + "\n"
+        with open(path, "w") as fh:
+            fh.write(text)
+        return text
+
+    def __str__(self) -> str:
+        return (
+            f"CompiledModel({type(self.model).__name__}, world {self.world_size}, strategies: "
+            + "; ".join(str(s) for s in self.strategies)
+            + f", compiled in {self.compile_seconds:.2f}s)"
+        )
+
+    # ------------------------------------------------------------------ execution
+    def simulate(
+        self,
+        strategy: StrategyLike,
+        input_ids: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads."""
+        from hgraph.simulate import simulate_strategy
+
+        return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
+
+
+def _activation_record(node: fx.Node, info: Any) -> CommSubgraph:
+    if isinstance(info, CommSubgraph):
+        return info
+    if isinstance(info, dict):
+        src = info.get("src")
+        dst = info.get("dst")
+        fmt = lambda spec: ",".join(map(str, spec)) if isinstance(spec, (tuple, list)) else str(spec)  # noqa: E731
+        return CommSubgraph(
+            info.get("kind", "communicate_activation"),
+            f"{info.get('tensor', node.name)} ({info.get('op', node.target)}/{info.get('mesh_dim', '')})",
+            fmt(src),
+            fmt(dst),
+            int(info.get("bytes", 0) or 0),
+        )
+    return CommSubgraph("communicate_activation", node.name, "?", "?", 0)
+
+
+def compile(
+    model: nn.Module,
+    strategies: Sequence[Union[Strategy, Pipeline, str]],
+    *,
+    example_inputs: Any,
+    loss_fn: Any = None,
+    passes: Sequence[Any] = (),
+    disable: Iterable[str] = (),
+    compute_dtype: Optional[torch.dtype] = None,
+    sequence_parallel: bool = False,
+    vocab_parallel: bool = True,
+    schedule: str = "none",
+    layer_costs: Optional[Sequence[float]] = None,
+    topology: Any = None,
+) -> CompiledModel:
+    """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
+
+    ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
+    ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
+    ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
+    ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
+    """
+    strategies = as_strategies(strategies)
+    if not strategies:
+        raise StrategyError("compile needs at least one strategy")
+    world = strategies[0].world_size
+    validate_strategies(strategies, world, model_dims(model))
+    if schedule not in ("none", "overlap"):
+        raise HGraphError(f"schedule={schedule!r}; expected 'none' or 'overlap'")
+    options = CompileOptions(
+        compute_dtype=compute_dtype,
+        sequence_parallel=sequence_parallel,
+        vocab_parallel=vocab_parallel,
+        schedule=schedule,
+        layer_costs=tuple(layer_costs) if layer_costs is not None else None,
+        topology=topology,
+    )
+    traced = trace(model, example_inputs, loss_fn)
+    return CompiledModel(model, traced, strategies, options, passes, disable)

@@ -1,0 +1,120 @@
+"""Single-process execution of a compiled strategy: every rank a thread, collectives in memory.
+
+``compiled.simulate`` is the correctness oracle of the compiler: it runs the very programs the
+runtime runs (Pull, 1F1B stages, Push) on simulated ranks and returns the token-mean loss and the
+full gradient of every parameter, to compare with the unmodified model.
+
+How the batch is spread (the runtime's planner decides this in training; here it is fixed):
+rows are split across pipelines in order (``torch.tensor_split``), each row is one micro-batch, and
+with context parallelism a row is cut into ``2·cp`` chunks, rank ``c`` taking chunks ``c`` and
+``2·cp − 1 − c`` (causal load balance).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from hgraph.errors import InputError
+from hgraph.runtime.comm import Communicator, run_threads
+from hgraph.runtime.context import RankContext, rank_context
+from hgraph.runtime.executor import run_iteration
+
+if TYPE_CHECKING:
+    from hgraph.compiler import CompiledModel
+
+
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """Targets of a causal LM: each position predicts the next token; the last predicts nothing."""
+    targets = torch.full_like(input_ids, -100)
+    targets[..., :-1] = input_ids[..., 1:]
+    return targets
+
+
+def cp_chunk_indices(length: int, cp: int, index: int) -> torch.Tensor:
+    """Token positions rank ``index`` of ``cp`` holds: chunks ``index`` and ``2cp-1-index`` of 2·cp."""
+    if cp == 1:
+        return torch.arange(length)
+    if length % (2 * cp):
+        raise InputError(f"sequence length {length} must be divisible by 2*cp = {2 * cp} for context parallelism")
+    size = length // (2 * cp)
+    a, b = index, 2 * cp - 1 - index
+    return torch.cat([torch.arange(a * size, (a + 1) * size), torch.arange(b * size, (b + 1) * size)])
+
+
+def shard_parameters(compiled: "CompiledModel", rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's fp32 optimizer-layout shards of full parameters."""
+    return {
+        fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(rank)].clone()
+        for fqn, layout in compiled.optimizer_layouts.items()
+    }
+
+
+def assemble(compiled: "CompiledModel", shards: list[dict[str, Optional[torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's optimizer-layout shards."""
+    out = {}
+    for fqn, layout in compiled.optimizer_layouts.items():
+        full = torch.zeros(layout.shape, dtype=torch.float32)
+        for rank in range(compiled.world_size):
+            shard = shards[rank][fqn]
+            if shard is not None:
+                full[layout.local_slices(rank)] = shard
+        out[fqn] = full
+    return out
+
+
+def micro_batches_for(
+    compiled: "CompiledModel", rank: int, strategy_index: int, rows: list[dict[str, torch.Tensor]]
+) -> list[dict[str, torch.Tensor]]:
+    """This rank's local view of its pipeline's micro-batches (cp split; buffers added)."""
+    program = compiled.program(strategy_index, rank)
+    cp = len(program.groups["cp"])
+    c = program.groups["cp"].index(rank)
+    buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
+    out = []
+    for row in rows:
+        idx = cp_chunk_indices(row["input_ids"].shape[-1], cp, c)
+        mb = {k: v[..., idx] for k, v in row.items()}
+        mb.update(buffers)
+        out.append(mb)
+    return out
+
+
+def simulate_strategy(
+    compiled: "CompiledModel",
+    index: int,
+    input_ids: torch.Tensor,
+    targets: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise InputError(f"input_ids must be a [batch, seq] LongTensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+    if targets is None:
+        targets = next_token_targets(input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    tokens = int((targets != -100).sum())
+    if tokens == 0:
+        raise InputError("the batch has no target tokens; nothing to train on")
+    strategy = compiled.strategies[index]
+    parts = torch.tensor_split(torch.arange(input_ids.shape[0]), len(strategy.pipelines))
+    rows_of_pipeline = [
+        [
+            {"input_ids": input_ids[r : r + 1], "position_ids": position_ids[r : r + 1], "targets": targets[r : r + 1]}
+            for r in part.tolist()
+        ]
+        for part in parts
+    ]
+    params = compiled.traced.params()
+
+    def body(comm: Communicator):
+        rank = comm.rank
+        program = compiled.program(index, rank)
+        mbs = micro_batches_for(compiled, rank, index, rows_of_pipeline[program.pipeline])
+        with rank_context(RankContext(rank, comm, program.groups)):
+            return run_iteration(program, shard_parameters(compiled, rank, params), mbs, 1.0 / tokens)
+
+    outputs = run_threads(body, compiled.world_size)
+    loss = torch.tensor(sum(o.loss_sum for o in outputs) / tokens)
+    return loss, assemble(compiled, [o.grad_shards for o in outputs])

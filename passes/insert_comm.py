@@ -1,0 +1,137 @@
+"""Insert-communication pass: plan the three kinds of communication subgraphs of a strategy.
+
+* **Pull Parameter** (one per parameter): the fp32 shard of the fixed optimizer layout, cast to the
+  compute dtype first (halving bytes for bf16), resharded into the compute layouts of every
+  (pipeline, stage) that uses it. Several users (pipelines, or stages holding a tied weight) form a
+  ``LayoutUnion("duplicate")``.
+* **Push Gradient** (one per parameter): the gradients of those users, each in the placement
+  autograd leaves it in (Partial over cp/tp where the local backward produced partial sums), form a
+  ``LayoutUnion("partial")`` (tied weights and data-parallel pipelines are summed) and are reduced
+  and moved into the optimizer layout in one LNK plan.
+* **Communicate Activation**: stage boundaries of each pipeline (forward activations and backward
+  activation gradients, same placement on both stages, so rank ``(c, t)`` of stage ``s`` talks to
+  rank ``(c, t)`` of stage ``s+1``); reshards inside a stage were already inserted by ``localize``
+  as ``hgraph.runtime.ops`` nodes.
+
+Plans come from ``hgraph.lnk.solve`` and are cached there by layout pair, so strategies that share
+a layout pair share the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.fx as fx
+
+from hgraph.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.lnk import solve
+from hgraph.strategy import Strategy
+
+PULL, PUSH, ACTIVATION = "pull_parameter", "push_gradient", "communicate_activation"
+
+
+@dataclass(frozen=True)
+class CommSubgraph:
+    """One named communication subgraph: its kind, tensor, layouts, logical bytes and LNK plan."""
+
+    kind: str
+    tensor: str
+    src: Union[AnyLayout, str]
+    dst: Union[AnyLayout, str]
+    bytes: int
+    plan: Any = None
+    direction: str = "forward"
+
+    def __str__(self) -> str:
+        arrow = "<-" if self.direction == "backward" else "->"
+        return f"{self.kind:<22} {self.tensor:<44} {self.src} {arrow} {self.dst}  {self.bytes} B"
+
+
+@dataclass(frozen=True)
+class ParameterComm:
+    """Pull and push of one parameter in one strategy, and which (pipeline, stage) pairs use it."""
+
+    name: str
+    holders: tuple[tuple[int, int], ...]
+    pull: CommSubgraph
+    push: CommSubgraph
+
+
+def _union(layouts: list[Layout], hetero: str) -> AnyLayout:
+    return layouts[0] if len(layouts) == 1 else LayoutUnion(tuple(layouts), hetero)  # type: ignore[arg-type]
+
+
+def plan_parameters(
+    strategy: Strategy,
+    users: dict[str, list[tuple[int, int]]],
+    specs: dict[tuple[int, int], dict[str, tuple]],
+    grad_specs: dict[tuple[int, int], dict[str, tuple]],
+    shapes: dict[str, tuple[int, ...]],
+    optimizer_layouts: dict[str, Layout],
+    itemsize: int,
+    topology: Optional[Any] = None,
+) -> dict[str, ParameterComm]:
+    """Pull/push plans for every parameter of ``strategy``.
+
+    ``users[name]`` lists the (pipeline, stage) pairs whose stage program takes the parameter;
+    ``specs[(cp, tp)][name]`` / ``grad_specs[...]`` are its compute and gradient placements on that
+    stage mesh.
+    """
+    out: dict[str, ParameterComm] = {}
+    for name, holders in users.items():
+        compute, grads = [], []
+        for pipeline_index, stage in holders:
+            pipeline = strategy.pipelines[pipeline_index]
+            mesh = pipeline.stage_mesh
+            ranks = pipeline.stage_ranks(stage)
+            compute.append(Layout(shapes[name], ranks, mesh, specs[mesh][name]))
+            grads.append(Layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
+        opt = optimizer_layouts[name]
+        dst = _union(compute, "duplicate")
+        src = _union(grads, "partial")
+        pull_plan = solve(opt, dst, topology, itemsize=itemsize)
+        push_plan = solve(src, opt, topology, itemsize=itemsize)
+        out[name] = ParameterComm(
+            name=name,
+            holders=tuple(holders),
+            pull=CommSubgraph(PULL, name, opt, dst, pull_plan.bytes_moved, pull_plan),
+            push=CommSubgraph(PUSH, name, src, opt, push_plan.bytes_moved, push_plan, direction="backward"),
+        )
+    return out
+
+
+def activation_subgraphs(stage_graphs: list, strategy: Strategy, pipeline_index: int) -> list[CommSubgraph]:
+    """Communicate Activation records for the stage boundaries of one pipeline (both directions)."""
+    pipeline = strategy.pipelines[pipeline_index]
+    records = []
+    for sg in stage_graphs:
+        for b in sg.send:
+            node = next(n for n in sg.gm.graph.nodes if n.name == b.name) if _has(sg.gm, b.name) else None
+            spec = node.meta.get("hgraph_spec") if node is not None else None
+            src = f"stage{b.src}{list(pipeline.stage_ranks(b.src))}"
+            dst = f"stage{b.dst}{list(pipeline.stage_ranks(b.dst))}"
+            if spec is not None:
+                src += " " + ",".join(map(str, spec))
+            nbytes = _bytes(node) if node is not None else 0
+            records.append(CommSubgraph(ACTIVATION, b.name, src, dst, nbytes))
+            records.append(CommSubgraph(ACTIVATION, b.name + ".grad", dst, src, nbytes, direction="backward"))
+    return records
+
+
+def _has(gm: fx.GraphModule, name: str) -> bool:
+    return any(n.name == name for n in gm.graph.nodes)
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    total = val.element_size()
+    for d in val.shape:
+        try:
+            total *= int(d)
+        except (TypeError, ValueError):
+            return 0
+    return total

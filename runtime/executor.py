@@ -1,0 +1,219 @@
+"""Run one rank's program for one iteration: Pull Parameters, 1F1B over micro-batches, Push Gradients.
+
+The same code runs on real processes (``ProcessGroupComm``) and on simulated ranks
+(``ThreadComm`` in ``compiled.simulate``): all communication goes through the rank context.
+
+Loss scaling: a stage program returns the *summed* token loss of its micro-batch; every backward
+starts from ``loss * loss_scale`` with ``loss_scale = 1 / tokens of the whole iteration``, so the
+pushed gradients are those of the global token-mean loss whatever the dispatch and packing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from hgraph.errors import CommunicationError, InputError
+from hgraph.runtime.context import current
+from hgraph.runtime.reshard import execute
+from hgraph.runtime.schedule import Step, one_f_one_b
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+_HEADER = 10  # dtype code, ndim, up to 8 sizes
+
+
+@dataclass
+class RankProgram:
+    """Everything one rank runs in an iteration of one strategy (see ``CompiledModel.program``)."""
+
+    strategy_index: int
+    rank: int
+    pipeline: int
+    stage: int
+    pp: int
+    groups: dict[str, tuple[int, ...]]
+    stage_graph: Any  # passes.partition.StageGraph
+    param_of_placeholder: dict[str, str]
+    pulls: list[Any]  # ParameterComm, layer order
+    pushes: list[Any]  # ParameterComm, reverse layer order
+    activations: list[Any] = field(default_factory=list)
+    compute_dtype: Optional[torch.dtype] = None
+
+    def schedule(self, num_micro_batches: int) -> list[Step]:
+        return one_f_one_b(self.pp, self.stage, num_micro_batches)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def reports_loss(self) -> bool:
+        """Exactly one rank per (pipeline, cp index) adds its loss to the iteration's total."""
+        return self.is_last_stage and current_index(self.groups, "tp", self.rank) == 0
+
+
+def current_index(groups: dict[str, tuple[int, ...]], dim: str, rank: int) -> int:
+    group = groups.get(dim, (rank,))
+    return group.index(rank)
+
+
+@dataclass
+class IterationOutput:
+    """What a rank contributes: its share of the summed loss and its optimizer-layout gradient shards."""
+
+    loss_sum: float
+    grad_shards: dict[str, Optional[torch.Tensor]]
+    micro_batches: int
+
+
+def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run every Pull Parameter plan; returns the compute-layout parameters this rank holds (leaves)."""
+    comm = current().comm
+    local: dict[str, torch.Tensor] = {}
+    for pc in program.pulls:
+        src = shards[pc.name]
+        if program.compute_dtype is not None:
+            src = src.to(program.compute_dtype)
+        out = execute(pc.pull.plan, src, comm)
+        if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
+            local[pc.name] = out.detach().requires_grad_(True)
+    return local
+
+
+def push_gradients(
+    program: RankProgram, params: dict[str, torch.Tensor], shards: dict[str, torch.Tensor]
+) -> dict[str, Optional[torch.Tensor]]:
+    """Run every Push Gradient plan; returns this rank's optimizer-layout gradient shards."""
+    comm = current().comm
+    out: dict[str, Optional[torch.Tensor]] = {}
+    for pc in program.pushes:
+        p = params.get(pc.name)
+        grad = None
+        if p is not None:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        shard = execute(pc.push.plan, grad, comm)
+        if shard is not None:
+            shard = shard.to(shards[pc.name].dtype)
+        out[pc.name] = shard
+    return out
+
+
+def _send_header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _HEADER - 2:
+        raise CommunicationError(f"cannot send a {t.dim()}-d activation; at most {_HEADER - 2} dims")
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0] = _DTYPES.index(t.dtype)
+    h[1] = t.dim()
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _from_header(h: torch.Tensor) -> torch.Tensor:
+    ndim = int(h[1])
+    return torch.empty(tuple(int(x) for x in h[2 : 2 + ndim]), dtype=_DTYPES[int(h[0])])
+
+
+def run_iteration(
+    program: RankProgram,
+    shards: dict[str, torch.Tensor],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    loss_scale: float,
+    on_step: Optional[Callable[[str, Step], None]] = None,
+) -> IterationOutput:
+    """Pull, run the 1F1B schedule over this pipeline's micro-batches, push."""
+    comm = current().comm
+    sg = program.stage_graph
+    params = pull_parameters(program, shards)
+    pipeline_ranks = program.groups["pipeline"]
+    n = len(pipeline_ranks) // program.pp
+    pos = pipeline_ranks.index(program.rank) % n
+    prev_rank = pipeline_ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
+    next_rank = pipeline_ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
+
+    recv_names = [b.name for b in sg.recv]
+    received: dict[int, list[torch.Tensor]] = {}
+    outputs: dict[int, list[torch.Tensor]] = {}
+    grads_in: dict[int, list[torch.Tensor]] = {}
+    losses: dict[int, torch.Tensor] = {}
+    loss_total = 0.0
+
+    def forward(mb: int) -> None:
+        batch = micro_batches[mb]
+        args: list[Any] = []
+        for name in sg.params:
+            args.append(params[program.param_of_placeholder[name]])
+        for name in sg.inputs:
+            if name not in batch:
+                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
+            args.append(batch[name])
+        args.extend(received.get(mb, []))
+        outs = sg.gm(*args)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if sg.returns_loss:
+            losses[mb] = outs[0]
+            outs = outs[1:]
+        outputs[mb] = outs
+
+    def backward(mb: int) -> None:
+        nonlocal loss_total
+        if sg.returns_loss:
+            loss = losses.pop(mb)
+            loss_total += float(loss.detach())
+            (loss * loss_scale).backward()
+        else:
+            outs = outputs.pop(mb)
+            pairs = [(o, g) for o, g in zip(outs, grads_in.pop(mb)) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        outputs.pop(mb, None)
+
+    def communicate(step: Step) -> None:
+        headers_out, headers_in = [], []
+        for a in step.actions:
+            if a.kind == "SEND_F":
+                headers_out += [(next_rank, _send_header(t)) for t in outputs[a.mb]]
+            elif a.kind == "RECV_F":
+                headers_in += [(prev_rank, torch.zeros(_HEADER, dtype=torch.int64)) for _ in recv_names]
+        if headers_out or headers_in:
+            comm.exchange(headers_out, headers_in)
+        sends, recvs = [], []
+        header_iter = iter(headers_in)
+        for a in step.actions:
+            if a.kind == "SEND_F":
+                sends += [(next_rank, t.detach()) for t in outputs[a.mb]]
+            elif a.kind == "SEND_B":
+                sends += [(prev_rank, r.grad if r.grad is not None else torch.zeros_like(r)) for r in received[a.mb]]
+            elif a.kind == "RECV_F":
+                bufs = [_from_header(next(header_iter)[1]) for _ in recv_names]
+                received[a.mb] = bufs
+                recvs += [(prev_rank, b) for b in bufs]
+            elif a.kind == "RECV_B":
+                bufs = [torch.empty_like(t) for t in outputs[a.mb]]
+                grads_in[a.mb] = bufs
+                recvs += [(next_rank, b) for b in bufs]
+        comm.exchange(sends, recvs)
+        for a in step.actions:
+            if a.kind == "SEND_B":
+                received.pop(a.mb)  # its gradients are gone to the previous stage
+            elif a.kind == "RECV_F":
+                received[a.mb] = [
+                    b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]
+                ]
+
+    for step in program.schedule(len(micro_batches)):
+        if on_step is not None:
+            on_step("begin", step)
+        action = step.actions[0]
+        if action.kind == "F":
+            forward(action.mb)
+        elif action.kind == "B":
+            backward(action.mb)
+        else:
+            communicate(step)
+        if on_step is not None:
+            on_step("end", step)
+    grad_shards = push_gradients(program, params, shards)
+    reported = loss_total if program.reports_loss else 0.0
+    return IterationOutput(reported, grad_shards, len(micro_batches))
