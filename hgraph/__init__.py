@@ -21,8 +21,43 @@ from hgraph.errors import (
 from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
 from hgraph.strategy import Pipeline, Strategy
 
+
+def __getattr__(name: str):
+    # Heavy parts (torch.export, the runtime) load on first use, so `import hgraph` stays light.
+    if name in ("compile", "CompiledModel"):
+        from hgraph import compiler
+
+        return getattr(compiler, name)
+    if name == "Pass":
+        from hgraph.passes.pipeline import Pass
+
+        return Pass
+    if name == "launch":
+        from hgraph.runtime.launch import launch
+
+        return launch
+    if name == "init_from_env":
+        from hgraph.runtime.launch import init_from_env
+
+        return init_from_env
+    if name == "Trainer":
+        from hgraph.runtime.trainer import Trainer
+
+        return Trainer
+    if name in ("rules", "lnk", "planner", "frontend", "models"):
+        import importlib
+
+        return importlib.import_module(f"hgraph.{name}")
+    raise AttributeError(f"module 'hgraph' has no attribute {name!r}")
+
 __all__ = [
     "CheckpointError",
+    "CompiledModel",
+    "Pass",
+    "Trainer",
+    "compile",
+    "init_from_env",
+    "launch",
     "CommunicationError",
     "CostModelError",
     "HGraphError",

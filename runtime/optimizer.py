@@ -1,0 +1,111 @@
+"""The optimization side: fp32 master shards and AdamW states in the fixed ZeRO layout.
+
+Each rank owns the shards ``hgraph.zero.optimizer_layout`` gives it and steps them alone; nothing
+here depends on the strategy, so switching strategies never moves optimizer state. The update is
+element-wise and follows ``torch.optim.AdamW`` exactly, so a sharded run matches a single-process
+AdamW run up to the summation order of gradients. ``ShardedAdamW`` is a ``torch.optim.Optimizer``,
+so torch's learning-rate schedulers drive it as usual.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from hgraph.errors import CheckpointError, TrainingError
+from hgraph.runtime.comm import Communicator
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW over this rank's fp32 shards (``names`` keep the parameter FQNs, in a fixed order)."""
+
+    def __init__(
+        self,
+        shards: dict[str, torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        replicated: frozenset[str] = frozenset(),
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise TrainingError(
+                f"invalid AdamW settings lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}; "
+                "need lr, eps, weight_decay >= 0 and 0 <= beta < 1"
+            )
+        self.names = list(shards)
+        self.replicated = replicated
+        params = [shards[n].detach().to(torch.float32).clone() for n in self.names]
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for p in params:
+            self.state[p] = {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    @property
+    def shards(self) -> dict[str, torch.Tensor]:
+        """FQN -> this rank's current fp32 master shard."""
+        return dict(zip(self.names, self.param_groups[0]["params"]))
+
+    def global_grad_norm(self, grads: dict[str, Optional[torch.Tensor]], comm: Communicator, world: tuple[int, ...]) -> float:
+        """L2 norm of the whole gradient over all ranks (replicated shards counted once)."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for name in self.names:
+            g = grads.get(name)
+            if g is None or (name in self.replicated and comm.rank != world[0]):
+                continue
+            total += g.to(torch.float64).pow(2).sum()
+        if len(world) > 1:
+            total = comm.all_reduce(total, world)
+        return math.sqrt(float(total))
+
+    @torch.no_grad()
+    def apply(self, grads: dict[str, Optional[torch.Tensor]], scale: float = 1.0) -> None:
+        """One AdamW step with ``grads * scale`` (missing grads count as zero)."""
+        group = self.param_groups[0]
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for name, p in zip(self.names, group["params"]):
+            g = grads.get(name)
+            g = torch.zeros_like(p) if g is None else g.to(torch.float32)
+            if scale != 1.0:
+                g = g * scale
+            state = self.state[p]
+            state["step"] += 1
+            step = state["step"]
+            p.mul_(1 - lr * wd)
+            state["exp_avg"].lerp_(g, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bias1 = 1 - beta1**step
+            bias2_sqrt = (1 - beta2**step) ** 0.5
+            denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(eps)
+            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+
+    def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Plain tensors per parameter: master shard, Adam moments and step (for checkpoints)."""
+        out = {}
+        for name, p in zip(self.names, self.param_groups[0]["params"]):
+            st = self.state[p]
+            out[name] = {
+                "param": p.detach().clone(),
+                "exp_avg": st["exp_avg"].clone(),
+                "exp_avg_sq": st["exp_avg_sq"].clone(),
+                "step": torch.tensor(st["step"], dtype=torch.int64),
+            }
+        return out
+
+    @torch.no_grad()
+    def load_shard_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of ``shard_state``; shapes must match this rank's shards."""
+        for name, p in zip(self.names, self.param_groups[0]["params"]):
+            if name not in state:
+                raise CheckpointError(f"checkpoint lacks optimizer state for parameter {name!r}")
+            entry = state[name]
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                if tuple(entry[key].shape) != tuple(p.shape):
+                    raise CheckpointError(
+                        f"checkpoint {key} of {name!r} has shape {tuple(entry[key].shape)}, expected {tuple(p.shape)}"
+                    )
+            p.copy_(entry["param"])
+            self.state[p]["exp_avg"].copy_(entry["exp_avg"])
+            self.state[p]["exp_avg_sq"].copy_(entry["exp_avg_sq"])
+            self.state[p]["step"] = int(entry["step"])

@@ -1,0 +1,234 @@
+"""``hgraph.Trainer``: one training iteration per ``step`` on every rank, any strategy each time.
+
+Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors).
+The planner (or the given strategy with a default dispatch) decides which pipeline runs which
+sequences, packed into which micro-batches; each rank builds its own micro-batches from that
+decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
+token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
+same gradients as one device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from hgraph.errors import InputError, TrainingError
+from hgraph.layout import Layout, Replicate
+from hgraph.lnk import solve
+from hgraph.runtime.comm import Communicator
+from hgraph.runtime.context import RankContext, rank_context
+from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.optimizer import ShardedAdamW
+from hgraph.runtime.reshard import default_comm, execute
+
+log = logging.getLogger("hgraph.trainer")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which sequences each pipeline of ``strategy_index`` runs, as micro-batches of sequence indices."""
+
+    strategy_index: int
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    predicted_ms: Optional[float] = None
+
+    def __str__(self) -> str:
+        parts = [
+            f"p{i}: " + " ".join("[" + ",".join(map(str, mb)) + "]" for mb in mbs)
+            for i, mbs in enumerate(self.micro_batches)
+        ]
+        return f"strategy {self.strategy_index}: " + "; ".join(parts)
+
+
+def default_dispatch(
+    pipelines: Sequence[Any], lengths: Sequence[int], micro_batch_tokens: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Longest sequence first to the pipeline with the least tokens per rank; then pack each
+    pipeline's sequences first-fit-decreasing into micro-batches of at most ``micro_batch_tokens``
+    (a longer sequence gets a micro-batch of its own), at least ``pp`` of them when there are enough
+    sequences so the pipeline fills."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    load = [0.0] * len(pipelines)
+    assigned: list[list[int]] = [[] for _ in pipelines]
+    for i in order:
+        p = min(range(len(pipelines)), key=lambda j: (load[j] + lengths[i]) / pipelines[j].size)
+        assigned[p].append(i)
+        load[p] += lengths[i]
+    out = []
+    for p, seqs in zip(pipelines, assigned):
+        total = sum(lengths[i] for i in seqs)
+        budget = micro_batch_tokens
+        if p.pp > 1 and len(seqs) >= p.pp:
+            budget = min(budget, max(max((lengths[i] for i in seqs), default=1), math.ceil(total / p.pp)))
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in seqs:
+            for b in range(len(bins)):
+                if room[b] >= lengths[i]:
+                    bins[b].append(i)
+                    room[b] -= lengths[i]
+                    break
+            else:
+                bins.append([i])
+                room.append(budget - lengths[i])
+        out.append(tuple(tuple(b) for b in bins))
+    return tuple(out)
+
+
+def pack_micro_batch(sequences: Sequence[torch.Tensor], align: int = 1) -> dict[str, torch.Tensor]:
+    """Concatenate sequences into one ``[1, tokens]`` micro-batch: positions restart per sequence
+    and each sequence's last token predicts nothing; padded (as its own ignored segment) to ``align``."""
+    ids, pos, tgt = [], [], []
+    for s in sequences:
+        s = s.reshape(-1).to(torch.long)
+        ids.append(s)
+        pos.append(torch.arange(len(s)))
+        t = torch.full_like(s, -100)
+        t[:-1] = s[1:]
+        tgt.append(t)
+    total = sum(len(s) for s in ids)
+    pad = (-total) % align
+    if pad:
+        ids.append(torch.zeros(pad, dtype=torch.long))
+        pos.append(torch.arange(pad))
+        tgt.append(torch.full((pad,), -100, dtype=torch.long))
+    return {
+        "input_ids": torch.cat(ids)[None],
+        "position_ids": torch.cat(pos)[None],
+        "targets": torch.cat(tgt)[None],
+    }
+
+
+class Trainer:
+    """Trains a ``CompiledModel`` with a sharded AdamW; construct and call it on every rank."""
+
+    def __init__(
+        self,
+        compiled: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: Optional[float] = None,
+        planner: Any = None,
+        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+        comm: Optional[Communicator] = None,
+        micro_batch_tokens: int = 4096,
+    ) -> None:
+        self.compiled = compiled
+        self.comm = comm if comm is not None else default_comm()
+        if self.comm.world_size != compiled.world_size:
+            raise InputError(
+                f"the program was compiled for {compiled.world_size} ranks but this world has "
+                f"{self.comm.world_size}; launch with world_size={compiled.world_size}"
+            )
+        self.rank = self.comm.rank
+        self.world = tuple(range(compiled.world_size))
+        self.planner = planner
+        self.grad_clip = grad_clip
+        self.micro_batch_tokens = micro_batch_tokens
+        params = compiled.traced.params()
+        layouts = compiled.optimizer_layouts
+        shards = {
+            fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(self.rank)].clone()
+            for fqn, layout in layouts.items()
+        }
+        replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
+        self.optimizer = ShardedAdamW(shards, lr, betas, eps, weight_decay, replicated)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.iteration = 0
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ planning
+    def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
+        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given)."""
+        if strategy is None and self.planner is not None:
+            plan = self.planner.plan(list(lengths))
+            if any(src[1] != 0 for src in plan.sources) or len(plan.sources) != len(lengths):
+                raise TrainingError("the planner split sequences; the trainer needs whole sequences (split_long=False)")
+            index = self.compiled.strategy_index(plan.strategy)
+            mbs = tuple(
+                tuple(tuple(plan.sources[i][0] for i in mb) for mb in p.micro_batches) for p in plan.pipelines
+            )
+            return Dispatch(index, mbs, plan.predicted_ms)
+        index = self.compiled.strategy_index(0 if strategy is None else strategy)
+        pipelines = self.compiled.strategies[index].pipelines
+        return Dispatch(index, default_dispatch(pipelines, lengths, self.micro_batch_tokens))
+
+    # ------------------------------------------------------------------ training
+    def step(self, sequences: Sequence[torch.Tensor], strategy: Union[int, Any, None] = None) -> float:
+        """One iteration on the global batch ``sequences``; returns the token-mean loss."""
+        start = time.perf_counter()
+        if not sequences:
+            raise InputError("trainer.step got an empty batch; give at least one sequence")
+        lengths = []
+        for i, s in enumerate(sequences):
+            if not isinstance(s, torch.Tensor) or s.dim() != 1 or s.dtype != torch.long:
+                raise InputError(f"sequence {i} must be a 1-D LongTensor of token ids, got {type(s).__name__} "
+                                 f"{getattr(s, 'dtype', '')} {tuple(getattr(s, 'shape', ()))}")
+            if len(s) < 2:
+                raise InputError(f"sequence {i} has {len(s)} token(s); need at least 2 to predict a next token")
+            lengths.append(len(s))
+        d = self.dispatch(lengths, strategy)
+        program = self.compiled.program(d.strategy_index, self.rank)
+        cp = len(program.groups["cp"])
+        align = 2 * cp if cp > 1 else 1
+        if self.compiled.options.sequence_parallel:
+            align = math.lcm(align, len(program.groups["tp"]))
+        tokens = sum(l - 1 for l in lengths)
+        from hgraph.simulate import cp_chunk_indices
+
+        c = program.groups["cp"].index(self.rank)
+        buffers = {ph: self.compiled.traced.buffers()[fqn] for ph, fqn in self.compiled.traced.buffer_names.items()}
+        mbs = []
+        for mb in d.micro_batches[program.pipeline]:
+            packed = pack_micro_batch([sequences[i] for i in mb], align)
+            idx = cp_chunk_indices(packed["input_ids"].shape[-1], cp, c)
+            local = {k: v[..., idx] for k, v in packed.items()}
+            local.update(buffers)
+            mbs.append(local)
+        with rank_context(RankContext(self.rank, self.comm, program.groups)):
+            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens)
+        loss = float(self.comm.all_reduce(torch.tensor([out.loss_sum], dtype=torch.float64), self.world)) / tokens
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"non-finite loss {loss} at iteration {self.iteration}; optimizer state left unchanged "
+                "(lower the learning rate or check the data)"
+            )
+        norm = self.optimizer.global_grad_norm(out.grad_shards, self.comm, self.world)
+        scale = 1.0
+        if self.grad_clip is not None and norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)
+        self.optimizer.apply(out.grad_shards, scale)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        record = {
+            "iteration": self.iteration,
+            "loss": loss,
+            "strategy": str(self.compiled.strategies[d.strategy_index]),
+            "strategy_index": d.strategy_index,
+            "grad_norm": norm,
+            "predicted_ms": d.predicted_ms,
+            "seconds": time.perf_counter() - start,
+            "micro_batches": [len(m) for m in d.micro_batches],
+        }
+        self.history.append(record)
+        log.info("iter %d loss %.4f strategy %s %.3fs", self.iteration, loss, record["strategy"], record["seconds"])
+        self.iteration += 1
+        return loss
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
+        out = {}
+        world = self.world
+        for fqn, shard in self.optimizer.shards.items():
+            src = self.compiled.optimizer_layouts[fqn]
+            dst = Layout(src.shape, world, (len(world),), (Replicate(),))
+            out[fqn] = execute(solve(src, dst), shard.detach(), self.comm)
+        return out
