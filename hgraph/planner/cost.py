@@ -1,0 +1,284 @@
+"""The cost model: per-stage time ``T(l) = a*l^2 + b*l + c`` and MaxLen for each parallel scheme.
+
+A ``CostModel`` is the planner's only view of hardware and model. It comes from a cost table (the
+JSON format of the bundled presets, see ``from_table``), from ``hgraph.planner.analytic`` (FLOP
+counts and alpha-beta communication) or from ``hgraph profile`` (measured and fitted). All three
+produce the same table format, so every model can be written out and read back.
+
+Context parallelism: a table lists the schemes it was measured for; an entry may carry ``"cp": n``
+(the analytic model writes such entries, with the ring-attention communication in ``b``). A cp > 1
+scheme that the table does not list is not guessed: ``stage_cost`` raises ``CostModelError``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hgraph.errors import CostModelError
+from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
+
+PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")
+
+_TOP_KEYS = {"strategies", "memory_regression", "model_config", "cluster_config", "comm_cost"}
+_ENTRY_KEYS = {"tp", "pp", "cp", "a", "b", "c"}
+_CLUSTER_KEYS = {"gpus_per_node", "gpu_memory_bound", "utilization_seqlen", "world_size"}
+
+
+@dataclass(frozen=True, order=True)
+class Scheme:
+    """One pipeline's parallel degrees; ``str`` gives ``"tp2,pp4"`` (cp shown only when > 1)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CostModelError(f"Scheme {name}={value!r}; every degree must be an integer >= 1")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one pipeline of this scheme occupies."""
+        return self.tp * self.pp * self.cp
+
+    @classmethod
+    def parse(cls, text: str) -> Scheme:
+        """Read ``"tp2,pp4"`` / ``"tp4,cp2"`` / ``"(tp8)"``; omitted degrees are 1."""
+        degrees = {"tp": 1, "pp": 1, "cp": 1}
+        for token in filter(None, (t.strip() for t in text.strip().strip("()").split(","))):
+            m = re.fullmatch(r"(tp|pp|cp)([1-9]\d*)", token)
+            if not m:
+                raise CostModelError(f"cannot parse scheme {text!r}; write e.g. 'tp2,pp4' or 'tp4,cp2'")
+            degrees[m.group(1)] = int(m.group(2))
+        return cls(**degrees)
+
+    @classmethod
+    def of(cls, pipeline: Any) -> Scheme:
+        """The scheme of anything with ``tp``/``pp``/``cp`` attributes (e.g. ``hgraph.Pipeline``)."""
+        return cls(pipeline.tp, pipeline.pp, getattr(pipeline, "cp", 1))
+
+    def __str__(self) -> str:
+        text = f"tp{self.tp},pp{self.pp}"
+        return text + (f",cp{self.cp}" if self.cp > 1 else "")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Time of one pipeline stage for one micro-batch, in milliseconds: ``T(l) = a*l^2 + b*l + c``.
+
+    ``a`` is attention (quadratic per sequence), ``b`` linear work, ``c`` fixed per-micro-batch cost.
+    """
+
+    a: float
+    b: float
+    c: float
+
+    def seq_time(self, length: float) -> float:
+        """One sequence's share ``a*l^2 + b*l`` (no ``c``: that is paid once per micro-batch)."""
+        return self.a * length * length + self.b * length
+
+    def micro_batch_time(self, lengths: Iterable[float]) -> float:
+        """``sum(a*l_i^2 + b*l_i) + c``: packed sequences never attend across their boundaries."""
+        return sum(self.seq_time(l) for l in lengths) + self.c
+
+    def __str__(self) -> str:
+        return f"T(l) = {self.a:.4g}*l^2 + {self.b:.4g}*l + {self.c:.4g} ms"
+
+
+class CostModel:
+    """Immutable map from scheme to ``StageCost`` and MaxLen, for one model on one kind of cluster.
+
+    ``world_size`` (optional) is the GPU count the optimizer states are sharded over; it refines
+    MaxLen (see ``hgraph.planner.memory``). ``with_world_size`` returns a copy with it set.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        stage_costs: Mapping[Scheme, StageCost],
+        memory: MemoryRegression,
+        gpus_per_node: int,
+        world_size: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not stage_costs:
+            raise CostModelError(f"cost model {name!r} has no schemes")
+        self._name = name
+        self._costs = dict(stage_costs)
+        self._memory = memory
+        self._gpus_per_node = integer(gpus_per_node, "cluster_config.gpus_per_node")
+        self._world_size = None if world_size is None else integer(world_size, "world_size")
+        self._extra = json.loads(json.dumps(dict(extra or {})))  # private deep copy
+        for scheme in self._costs:
+            self._memory.activation_bytes(scheme.tp)  # every scheme needs its A_tp
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self._gpus_per_node
+
+    @property
+    def world_size(self) -> int | None:
+        return self._world_size
+
+    @property
+    def memory(self) -> MemoryRegression:
+        return self._memory
+
+    @property
+    def schemes(self) -> tuple[Scheme, ...]:
+        """Known schemes, in table order."""
+        return tuple(self._costs)
+
+    def stage_cost(self, scheme: Scheme) -> StageCost:
+        """Per-stage ``T(l)`` of ``scheme``; an unknown scheme raises ``CostModelError``."""
+        try:
+            return self._costs[scheme]
+        except KeyError:
+            known = ", ".join(str(s) for s in self._costs)
+            raise CostModelError(
+                f"cost model {self._name!r} has no scheme {scheme}; known: {known}"
+            ) from None
+
+    def max_len(self, scheme: Scheme, world_size: int | None = None) -> int:
+        """MaxLen (tokens per micro-batch, aligned down to 128) of a known scheme, DESIGN.md A5."""
+        self.stage_cost(scheme)
+        world = world_size if world_size is not None else self._world_size
+        return self._memory.max_len(scheme.tp, scheme.pp, scheme.cp, world)
+
+    def with_world_size(self, world_size: int) -> CostModel:
+        """A copy whose MaxLen counts the optimizer shard of a ``world_size``-GPU world."""
+        return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra)
+
+    def __repr__(self) -> str:
+        world = f", world_size={self._world_size}" if self._world_size else ""
+        return f"CostModel({self._name!r}, {len(self._costs)} schemes{world})"
+
+    def __str__(self) -> str:
+        lines = [repr(self)]
+        for s, cost in self._costs.items():
+            lines.append(f"  {s!s:<14} {cost}  MaxLen {self.max_len(s)}")
+        return "\n".join(lines)
+
+    # -- the table format -------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str) -> CostModel:
+        """One of the bundled tables: ``llama7b_a800``, ``llama13b_a800``, ``llama32b_a800``."""
+        if name not in PRESETS:
+            raise CostModelError(f"unknown cost model preset {name!r}; known: {', '.join(PRESETS)}")
+        text = resources.files("hgraph.planner").joinpath("presets", f"{name}.json").read_text()
+        return cls.from_table(json.loads(text), name=name)
+
+    @classmethod
+    def from_table(cls, table: str | Path | Mapping[str, Any], name: str | None = None) -> CostModel:
+        """Build from a table (a dict, or the path of a JSON file), checking every field.
+
+        Format: ``{"strategies": [{"tp", "pp", ["cp"], "a", "b", "c"}, ...], "memory_regression":
+        {...}, "model_config": {"H", "L", "V"}, "cluster_config": {"gpus_per_node",
+        "gpu_memory_bound", ["utilization_seqlen"], ["world_size"]}, ["comm_cost"]}``; keys that start
+        with ``_`` are comments and are kept.
+        """
+        if isinstance(table, (str, Path)):
+            path = Path(table)
+            try:
+                loaded = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise CostModelError(f"cost table {path} is not valid JSON: {exc}") from None
+            return cls.from_table(loaded, name=name or path.stem)
+        if not isinstance(table, Mapping):
+            raise CostModelError(f"a cost table is a JSON object, got {type(table).__name__}")
+        unknown = sorted(k for k in table if k not in _TOP_KEYS and not str(k).startswith("_"))
+        if unknown:
+            raise CostModelError(f"cost table has unknown keys {unknown}; allowed: {sorted(_TOP_KEYS)}")
+        entries = get_field(table, "strategies", "")
+        if not isinstance(entries, list) or not entries:
+            raise CostModelError("cost table field strategies: expected a non-empty list of schemes")
+        costs: dict[Scheme, StageCost] = {}
+        for i, entry in enumerate(entries):
+            scheme, cost = _read_entry(entry, f"strategies[{i}]")
+            if scheme in costs:
+                raise CostModelError(f"cost table field strategies[{i}]: scheme {scheme} appears twice")
+            costs[scheme] = cost
+        cluster = get_section(table, "cluster_config")
+        only_keys(cluster, "cluster_config", _CLUSTER_KEYS)
+        extra: dict[str, Any] = {k: v for k, v in table.items() if str(k).startswith("_")}
+        if "comm_cost" in table:
+            comm = get_section(table, "comm_cost")
+            extra["comm_cost"] = {k: number(v, f"comm_cost.{k}") for k, v in comm.items()}
+        if "utilization_seqlen" in cluster:
+            util = get_section(cluster, "utilization_seqlen", "cluster_config")
+            extra["utilization_seqlen"] = {
+                k: integer(v, f"cluster_config.utilization_seqlen.{k}") for k, v in util.items()
+            }
+        world = cluster.get("world_size")
+        return cls(
+            name=name or "table",
+            stage_costs=costs,
+            memory=MemoryRegression.from_table(table),
+            gpus_per_node=integer(
+                get_field(cluster, "gpus_per_node", "cluster_config"), "cluster_config.gpus_per_node"
+            ),
+            world_size=None if world is None else integer(world, "cluster_config.world_size"),
+            extra=extra,
+        )
+
+    def to_table(self) -> dict[str, Any]:
+        """The JSON table this model came from (round-trips through ``from_table``)."""
+        strategies = []
+        for s, cost in self._costs.items():
+            entry: dict[str, Any] = {"tp": s.tp, "pp": s.pp}
+            if s.cp > 1:
+                entry["cp"] = s.cp
+            entry.update(a=cost.a, b=cost.b, c=cost.c)
+            strategies.append(entry)
+        table: dict[str, Any] = {"strategies": strategies, **self._memory.to_table()}
+        gpu_memory = self._memory.gpu_memory
+        cluster: dict[str, Any] = {
+            "gpus_per_node": self._gpus_per_node,
+            "gpu_memory_bound": int(gpu_memory) if gpu_memory.is_integer() else gpu_memory,
+        }
+        extra = json.loads(json.dumps(self._extra))
+        if "utilization_seqlen" in extra:
+            cluster["utilization_seqlen"] = extra.pop("utilization_seqlen")
+        if self._world_size is not None:
+            cluster["world_size"] = self._world_size
+        table["cluster_config"] = cluster
+        table.update(extra)
+        return table
+
+    def save(self, path: str | Path) -> None:
+        """Write ``to_table()`` as JSON."""
+        Path(path).write_text(json.dumps(self.to_table(), indent=1) + "\n")
+
+
+def _read_entry(entry: Any, where: str) -> tuple[Scheme, StageCost]:
+    if not isinstance(entry, Mapping):
+        raise CostModelError(f"cost table field {where}: expected an object, got {entry!r}")
+    only_keys(entry, where, _ENTRY_KEYS)
+    degrees = {k: integer(get_field(entry, k, where), f"{where}.{k}") for k in ("tp", "pp")}
+    degrees["cp"] = integer(entry.get("cp", 1), f"{where}.cp")
+    cost = StageCost(*(number(get_field(entry, k, where), f"{where}.{k}") for k in ("a", "b", "c")))
+    return Scheme(**degrees), cost
+
+
+def load_cost_model(name_or_path: str | Path) -> CostModel:
+    """A preset by name, or a JSON table by path."""
+    text = str(name_or_path)
+    if text in PRESETS:
+        return CostModel.preset(text)
+    path = Path(text)
+    if not path.exists():
+        raise CostModelError(f"no cost table {text!r}: not a preset ({', '.join(PRESETS)}) and no such file")
+    return CostModel.from_table(path)

@@ -1,0 +1,393 @@
+"""``hgraph profile``: measure ``T(l)`` of a model on this machine, fit ``a, b, c``, write a cost table.
+
+Measurement (one process, scheme tp1): for each length ``l`` one sequence of ``l`` tokens runs forward
+and backward (cross-entropy on random targets) ``--repeats`` times after a warm-up; the median is
+``T_tp1,pp1(l)``. For ``pp > 1`` the first decoder block is timed alone on the activations it sees in
+the full model, and the stage time is approximated as ``ceil(L/pp) * T_block(l) + T_rest(l)`` where
+``T_rest = T_model - L * T_block`` is the embedding, final norm, LM head and loss (on the slowest,
+last stage); inter-stage sends are not included. Tensor-parallel schemes need one process per rank
+and are profiled through the runtime launcher once it exists; this command rejects ``tp > 1``.
+
+Memory: MaxLen constants come from the model itself: ``B`` from the parameters of one block,
+``A_tp1`` from the bytes the block saves for backward (counted with ``saved_tensors_hooks``),
+``gpu_memory_bound`` from the device (CUDA total memory, or physical RAM on CPU).
+
+Measurements are cached under ``$HGRAPH_CACHE`` (default ``~/.cache/hgraph``), keyed by model, lengths,
+device, dtype and repeats; ``--no-cache`` measures again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import nnls
+
+from hgraph.errors import CostModelError
+from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.planner.memory import MemoryRegression
+
+DEFAULT_MODEL = "hgraph.planner.profile:default_model"
+DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Least-squares ``T(l) = a*l^2 + b*l + c`` (a, b, c >= 0) and how well it matches the points."""
+
+    cost: StageCost
+    r2: float
+    max_rel_error: float
+
+    def __str__(self) -> str:
+        return f"{self.cost}  (R² {self.r2:.4f}, max relative error {self.max_rel_error:.1%})"
+
+
+def fit_stage_cost(lengths: Sequence[float], times_ms: Sequence[float]) -> Fit:
+    """Fit ``a, b, c >= 0`` to measured ``(l, ms)`` pairs by non-negative least squares on relative error."""
+    l = np.asarray(lengths, dtype=np.float64)
+    t = np.asarray(times_ms, dtype=np.float64)
+    if l.shape != t.shape or l.ndim != 1:
+        raise CostModelError(f"fit needs as many times as lengths, got {l.shape} and {t.shape}")
+    if np.unique(l).size < 3:
+        raise CostModelError(
+            f"fitting a, b, c needs at least 3 distinct lengths, got {sorted(set(l.tolist()))}"
+        )
+    if np.any(l <= 0) or np.any(t <= 0) or not np.all(np.isfinite(t)):
+        raise CostModelError("fit needs positive lengths and positive, finite times")
+    design = np.stack([l * l, l, np.ones_like(l)], axis=1)
+    # Rows weighted by 1/t: relative errors count alike at short and long lengths (timings are
+    # noisy in proportion to their size); columns equilibrated because l^2 dwarfs 1.
+    weighted = design / t[:, None]
+    scale = np.linalg.norm(weighted, axis=0)
+    coef, _ = nnls(weighted / scale, np.ones_like(t))
+    a, b, c = (coef / scale).tolist()
+    predicted = design @ np.array([a, b, c])
+    total = float(np.sum((t - t.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((t - predicted) ** 2)) / total if total > 0 else 1.0
+    return Fit(StageCost(a, b, c), r2, float(np.max(np.abs(predicted - t) / t)))
+
+
+def default_model() -> Any:
+    """The small Llama-style model profiled when ``--model`` is not given (~1M parameters)."""
+    from hgraph.models import Llama, LlamaConfig
+
+    return Llama(
+        LlamaConfig(vocab_size=1024, hidden=128, layers=4, heads=4, kv_heads=4, ffn=352, max_positions=8192)
+    )
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+
+def _load_factory(spec: str) -> Callable[[], Any]:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CostModelError(f"--model {spec!r}: write it as 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise CostModelError(f"--model {spec!r}: cannot import {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CostModelError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def _blocks(model: Any) -> Any:
+    """The decoder blocks: the ``nn.ModuleList`` holding the most parameters."""
+    from torch import nn
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise CostModelError(f"model {type(model).__name__} has no nn.ModuleList of blocks to time per layer")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def _embedding(model: Any) -> Any:
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m
+    raise CostModelError(f"model {type(model).__name__} has no nn.Embedding; cannot tell its vocabulary")
+
+
+class _Profiler:
+    """Times one model's forward+backward and its first block's, and counts the block's saved bytes."""
+
+    def __init__(self, model: Any, device: str, dtype: Any, repeats: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model.to(device=device, dtype=dtype)
+        self.device, self.repeats = device, repeats
+        self.blocks = _blocks(self.model)
+        embedding = _embedding(self.model)
+        self.vocab, self.hidden = embedding.num_embeddings, embedding.embedding_dim
+        self._captured: tuple[tuple, dict] | None = None
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            self.torch.cuda.synchronize()
+
+    def _median_ms(self, step: Callable[[], None]) -> float:
+        step()  # warm-up
+        times = []
+        for _ in range(self.repeats):
+            self._sync()
+            start = time.perf_counter()
+            step()
+            self._sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    def model_ms(self, length: int) -> float:
+        """Median forward+backward time of the whole model on one sequence; captures block inputs."""
+        torch = self.torch
+        gen = torch.Generator().manual_seed(length)
+        ids = torch.randint(0, self.vocab, (1, length), generator=gen).to(self.device)
+        targets = torch.randint(0, self.vocab, (1, length), generator=gen).to(self.device)
+
+        def capture(_module: Any, args: tuple, kwargs: dict) -> None:
+            self._captured = (
+                tuple(a.detach() if torch.is_tensor(a) else a for a in args),
+                {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()},
+            )
+
+        handle = self.blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+
+            def step() -> None:
+                self.model.zero_grad(set_to_none=True)
+                out = self.model(ids)
+                logits = out.logits if hasattr(out, "logits") else out
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+                loss.backward()
+
+            return self._median_ms(step)
+        finally:
+            handle.remove()
+
+    def _block_step(self) -> tuple[Callable[[], Any], Any]:
+        torch = self.torch
+        assert self._captured is not None, "run model_ms first"
+        args, kwargs = self._captured
+        hidden = args[0].clone().requires_grad_(True)
+        block = self.blocks[0]
+
+        def forward() -> Any:
+            out = block(hidden, *args[1:], **kwargs)
+            return out[0] if isinstance(out, tuple) else out
+
+        def step() -> None:
+            block.zero_grad(set_to_none=True)
+            out = forward()
+            out.backward(torch.ones_like(out))
+
+        return step, forward
+
+    def block_ms(self) -> float:
+        """Median forward+backward time of the first block on the captured input."""
+        step, _ = self._block_step()
+        return self._median_ms(step)
+
+    def block_saved_bytes(self) -> int:
+        """Bytes of distinct tensors the first block saves for backward (activation memory)."""
+        torch = self.torch
+        _, forward = self._block_step()
+        params = {p.data_ptr() for p in self.blocks[0].parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: Any) -> Any:
+            if t.data_ptr() not in params:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward()
+        return sum(seen.values())
+
+
+def measure(
+    model_spec: str, lengths: Sequence[int], device: str, dtype_name: str, repeats: int
+) -> dict[str, Any]:
+    """Raw measurements: per length the model and block times, plus the model's memory facts."""
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    model = _load_factory(model_spec)()
+    profiler = _Profiler(model, device, dtype, repeats)
+    profiler.model_ms(min(lengths))  # warm up allocator and kernels before anything is kept
+    model_ms, block_ms = [], []
+    saved = 0
+    for length in lengths:
+        model_ms.append(profiler.model_ms(length))
+        block_ms.append(profiler.block_ms())
+        if length == max(lengths):
+            saved = profiler.block_saved_bytes()
+    block_params = sum(p.numel() for p in profiler.blocks[0].parameters())
+    if device.startswith("cuda"):
+        memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "lengths": list(lengths),
+        "model_ms": model_ms,
+        "block_ms": block_ms,
+        "layers": len(profiler.blocks),
+        "hidden": profiler.hidden,
+        "vocab": profiler.vocab,
+        "block_params": block_params,
+        "block_saved_bytes_per_token": saved / max(lengths),
+        "device_memory": memory,
+        "device": device,
+        "dtype": dtype_name,
+    }
+
+
+def build_table(raw: dict[str, Any], pps: Sequence[int], name: str) -> tuple[CostModel, dict[Scheme, Fit]]:
+    """Fit every ``tp1,ppN`` scheme from raw measurements and assemble the cost model."""
+    lengths = raw["lengths"]
+    layers, hidden = raw["layers"], raw["hidden"]
+    fits: dict[Scheme, Fit] = {}
+    for pp in pps:
+        if pp > layers:
+            raise CostModelError(f"pp={pp} exceeds the model's {layers} layers")
+        times = (
+            [
+                math.ceil(layers / pp) * block + max(0.0, whole - layers * block)
+                for whole, block in zip(raw["model_ms"], raw["block_ms"])
+            ]
+            if pp > 1
+            else list(raw["model_ms"])
+        )
+        fits[Scheme(1, pp)] = fit_stage_cost(lengths, times)
+    memory = MemoryRegression(
+        activation=((1, raw["block_saved_bytes_per_token"] / hidden),),
+        bytes_per_layer_h2=16.0 * raw["block_params"] / hidden**2,
+        alpha=0.75,
+        gap=(("node", 0.0),),
+        safe_bound=0.1 * raw["device_memory"],
+        gpu_memory=float(raw["device_memory"]),
+        hidden=hidden,
+        layers=layers,
+        vocab=raw["vocab"],
+    )
+    about = (
+        f"Profiled by hgraph profile on {raw['device']} ({raw['dtype']}), lengths {lengths}; "
+        "pp>1 from per-block times (see hgraph.planner.profile)."
+    )
+    model = CostModel(
+        name, {s: f.cost for s, f in fits.items()}, memory, gpus_per_node=1, extra={"_about": about}
+    )
+    return model, fits
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="module:factory returning an nn.Module "
+        "(forward(input_ids) -> logits); default: a small built-in Llama",
+    )
+    parser.add_argument(
+        "--lengths",
+        default=",".join(map(str, DEFAULT_LENGTHS)),
+        help="comma-separated sequence lengths to time",
+    )
+    parser.add_argument(
+        "--schemes",
+        default="tp1,pp1 tp1,pp2",
+        help="space-separated schemes, e.g. 'tp1,pp1 tp1,pp2'; only tp1 (one process) for now",
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16 on cuda, float32 on cpu",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per length (median)")
+    parser.add_argument("--out", default=None, help="write the cost table (JSON) here")
+    parser.add_argument("--name", default="profiled", help="cost model name")
+    parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
+
+
+def _parse_schemes(text: str) -> list[int]:
+    pps = []
+    for token in text.split():
+        scheme = Scheme.parse(token)
+        if scheme.tp > 1 or scheme.cp > 1:
+            raise CostModelError(
+                f"scheme {scheme}: profiling tp>1 or cp>1 needs one process per rank (the runtime "
+                "launcher); this command measures tp1 schemes in one process"
+            )
+        pps.append(scheme.pp)
+    if not pps:
+        raise CostModelError("--schemes is empty; give e.g. 'tp1,pp1 tp1,pp2'")
+    return sorted(set(pps))
+
+
+def _cache_path(key: dict[str, Any]) -> Path:
+    root = Path(os.environ.get("HGRAPH_CACHE", Path.home() / ".cache" / "hgraph"))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return root / "profile" / f"{digest}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
+    except ValueError:
+        raise CostModelError(
+            f"--lengths {args.lengths!r}: give comma-separated integers, e.g. 64,128,256"
+        ) from None
+    if len(lengths) < 3 or lengths[0] < 1:
+        raise CostModelError(f"--lengths {args.lengths!r}: need at least 3 distinct positive lengths")
+    if args.repeats < 1:
+        raise CostModelError(f"--repeats {args.repeats}: need at least 1")
+    pps = _parse_schemes(args.schemes)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    key = {
+        "model": args.model,
+        "lengths": lengths,
+        "device": device,
+        "dtype": dtype,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+    }
+    cache = _cache_path(key)
+    if cache.exists() and not args.no_cache:
+        raw = json.loads(cache.read_text())
+        print(f"using cached measurements {cache}")
+    else:
+        start = time.perf_counter()
+        raw = measure(args.model, lengths, device, dtype, args.repeats)
+        print(f"measured {len(lengths)} lengths on {device} in {time.perf_counter() - start:.1f} s")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(raw))
+    model, fits = build_table(raw, pps, args.name)
+    for scheme, fit in fits.items():
+        print(f"{scheme}: {fit}  MaxLen {model.max_len(scheme)}")
+    if args.out:
+        model.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
