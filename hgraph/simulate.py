@@ -20,6 +20,7 @@ from hgraph.errors import InputError
 from hgraph.runtime.comm import Communicator, run_threads
 from hgraph.runtime.context import RankContext, rank_context
 from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.ops import load_balance_indices
 
 if TYPE_CHECKING:
     from hgraph.compiler import CompiledModel
@@ -33,14 +34,8 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def cp_chunk_indices(length: int, cp: int, index: int) -> torch.Tensor:
-    """Token positions rank ``index`` of ``cp`` holds: chunks ``index`` and ``2cp-1-index`` of 2·cp."""
-    if cp == 1:
-        return torch.arange(length)
-    if length % (2 * cp):
-        raise InputError(f"sequence length {length} must be divisible by 2*cp = {2 * cp} for context parallelism")
-    size = length // (2 * cp)
-    a, b = index, 2 * cp - 1 - index
-    return torch.cat([torch.arange(a * size, (a + 1) * size), torch.arange(b * size, (b + 1) * size)])
+    """Token positions CP rank ``index`` holds (all of them without context parallelism)."""
+    return torch.arange(length) if cp == 1 else load_balance_indices(length, cp, index)
 
 
 def shard_parameters(compiled: "CompiledModel", rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

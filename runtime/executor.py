@@ -50,8 +50,19 @@ class RankProgram:
 
     @property
     def reports_loss(self) -> bool:
-        """Exactly one rank per (pipeline, cp index) adds its loss to the iteration's total."""
-        return self.is_last_stage and current_index(self.groups, "tp", self.rank) == 0
+        """Whether this rank's loss counts in the iteration's total: on the last stage, one rank per
+        replicated copy (tp index 0; cp index 0 too unless the loss stays partial over cp)."""
+        if not self.is_last_stage or current_index(self.groups, "tp", self.rank) != 0:
+            return False
+        return self.loss_partial_over_cp or current_index(self.groups, "cp", self.rank) == 0
+
+    @property
+    def loss_partial_over_cp(self) -> bool:
+        """True when the stage returns per-cp-rank partial loss sums (their sum is the loss)."""
+        out = next(n for n in self.stage_graph.gm.graph.nodes if n.op == "output")
+        loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+        spec = loss.meta.get("hgraph_spec")
+        return bool(spec) and type(spec[0]).__name__ == "Partial"
 
 
 def current_index(groups: dict[str, tuple[int, ...]], dim: str, rank: int) -> int:
