@@ -48,13 +48,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, help="e.g. 'tp2' '2x tp1'")
     args = parser.parse_args()
+    strategies = tuple(args.strategies)
     if "RANK" in os.environ:  # started by torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        hgraph.init_from_env(backend)
-        train(args.iterations)
+        hgraph.init_from_env("gloo")
+        train(args.iterations, strategies)
     else:
-        hgraph.launch(train, args.world_size, args=(args.iterations,), timeout=600)
+        hgraph.launch(train, args.world_size, args=(args.iterations, strategies), timeout=600)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -35,6 +36,7 @@ from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
 
 StrategyLike = Union[int, Strategy]
+_COMPILE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -420,5 +422,6 @@ def compile(
         layer_costs=tuple(layer_costs) if layer_costs is not None else None,
         topology=topology,
     )
-    traced = trace(model, example_inputs, loss_fn)
-    return CompiledModel(model, traced, strategies, options, passes, disable)
+    with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
+        traced = trace(model, example_inputs, loss_fn)
+        return CompiledModel(model, traced, strategies, options, passes, disable)

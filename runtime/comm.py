@@ -263,9 +263,10 @@ class ProcessGroupComm(Communicator):
         if list(group) != sorted(group):
             raise CommunicationError(f"all_gather needs its group in ascending rank order, got {group}")
         src = tensor.detach().contiguous()
-        out = src.new_empty((len(group),) + tuple(src.shape))
-        self.dist.all_gather_into_tensor(out, src, group=self.group(group))
-        return out
+        # gloo wants the output concatenated along dim 0: gather flat, then view as stacked.
+        out = src.new_empty((len(group) * src.numel(),))
+        self.dist.all_gather_single(out, src.reshape(-1), group=self.group(group))
+        return out.view((len(group),) + tuple(src.shape))
 
     def reduce_scatter(self, stacked: torch.Tensor, group: Group) -> torch.Tensor:
         group = tuple(group)
@@ -273,7 +274,7 @@ class ProcessGroupComm(Communicator):
             raise CommunicationError(f"reduce_scatter needs its group in ascending rank order, got {group}")
         src = stacked.detach().contiguous()
         out = src.new_empty(tuple(src.shape[1:]))
-        self.dist.reduce_scatter_tensor(out, src, group=self.group(group))
+        self.dist.reduce_scatter_single(out.view(-1), src.reshape(-1), group=self.group(group))
         return out
 
     def all_to_all(

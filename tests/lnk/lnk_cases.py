@@ -1,0 +1,176 @@
+"""Random layouts and unions for LNK property tests, and an independent oracle of the results.
+
+Source shards come from a random decomposition of a random integer-valued float64 tensor ``X`` into
+partial terms, so sums are exact. The oracle follows the documented term rule of ``hgraph.lnk.solver``:
+a non-Partial destination gets ``X``; a Partial one gets, per element, the source-representation-0
+terms present there (sorted, numbered ``i``) with ``i mod k'`` equal to its own term's index among the
+destination terms present there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+
+from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.lnk import is_partial
+
+MAX_RANKS = 16
+
+
+@st.composite
+def meshes(draw, max_ranks: int) -> tuple[int, ...]:
+    ndims = draw(st.integers(1, 3))
+    mesh: list[int] = []
+    for _ in range(ndims):
+        room = max_ranks // math.prod(mesh or [1])
+        mesh.append(draw(st.integers(1, max(1, min(4, room)))))
+    return tuple(mesh)
+
+
+@st.composite
+def layouts(draw, shape, pool: list[int], partial: bool) -> Layout:
+    """A layout on ranks drawn (and removed) from ``pool``."""
+    mesh = draw(meshes(len(pool)))
+    n = math.prod(mesh)
+    ranks = draw(st.permutations(pool))[:n]
+    for r in ranks:
+        pool.remove(r)
+    options = [Replicate()] + [Shard(d) for d in range(len(shape))] + ([Partial()] if partial else [])
+    placements = tuple(draw(st.sampled_from(options)) for _ in mesh)
+    return Layout(shape, tuple(ranks), mesh, placements)
+
+
+@st.composite
+def any_layouts(draw, shape, pool: list[int], partial: bool):
+    """A Layout or a LayoutUnion of 2-3 pipelines of ``shape``."""
+    if len(pool) < 2 or not draw(st.booleans()):
+        return draw(layouts(shape, pool, partial))
+    hetero = draw(st.sampled_from(["split", "duplicate", "partial"] if partial else ["split", "duplicate"]))
+    count = draw(st.integers(2, min(3, len(pool))))
+    parts = []
+    if hetero == "split":
+        cuts = sorted(draw(st.lists(st.integers(0, shape[0]), min_size=count - 1, max_size=count - 1)))
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [shape[0]])]
+    else:
+        sizes = [shape[0]] * count
+    for i, size in enumerate(sizes):
+        sub_pool_size = len(pool) - (count - 1 - i)
+        sub_pool = pool[:sub_pool_size]
+        lay = draw(layouts((size,) + tuple(shape[1:]), sub_pool, partial))
+        for r in lay.ranks:
+            pool.remove(r)
+        parts.append(lay)
+    return LayoutUnion(tuple(parts), hetero)
+
+
+@st.composite
+def transitions(draw, max_ranks: int = MAX_RANKS):
+    """``(src, dst)`` with the same shape; dst is Partial only when src is."""
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    src = draw(any_layouts(shape, list(range(max_ranks)), True))
+    dst = draw(any_layouts(shape, list(range(max_ranks)), is_partial(src) and draw(st.booleans())))
+    return src, dst
+
+
+# ----------------------------------------------------------------------------- values
+def _layout_terms(layout: Layout) -> list[tuple[int, ...]]:
+    return sorted({layout.term(r) for r in layout.ranks})
+
+
+def _split_terms(value: torch.Tensor, count: int, gen: torch.Generator) -> list[torch.Tensor]:
+    parts = [torch.randint(-5, 6, value.shape, generator=gen).double() for _ in range(count - 1)]
+    return parts + [value - sum(parts, torch.zeros_like(value))]
+
+
+def source_segments(src, value: torch.Tensor, gen: torch.Generator):
+    """Shards of every source rank, and representation 0 as ``[(row_lo, row_hi, {term: tensor})]``."""
+    shards: dict[int, torch.Tensor] = {}
+    segments = []
+
+    def place(layout: Layout, part: torch.Tensor, offset: int, prefix: tuple, record: bool) -> None:
+        terms = _layout_terms(layout)
+        values = dict(zip(terms, _split_terms(part, len(terms), gen)))
+        for r in layout.ranks:
+            shards[r] = values[layout.term(r)][layout.local_slices(r)].clone()
+        if record:
+            segments.append((offset, offset + part.shape[0], {prefix + t: v for t, v in values.items()}))
+
+    if isinstance(src, Layout):
+        place(src, value, 0, (), True)
+    elif src.hetero == "split":
+        for lay, off in zip(src.layouts, src.offsets):
+            place(lay, value[off : off + lay.shape[0]], off, (), True)
+    elif src.hetero == "duplicate":
+        for i, lay in enumerate(src.layouts):
+            place(lay, value, 0, (), i == 0)
+    else:
+        parts = _split_terms(value, len(src.layouts), gen)
+        merged: dict = {}
+        for i, (lay, part) in enumerate(zip(src.layouts, parts)):
+            place(lay, part, 0, (i,), True)
+            merged.update(segments.pop()[2])
+        segments.append((0, value.shape[0], merged))
+    return shards, segments
+
+
+def destination_segments(dst):
+    """Per destination piece: ``(rank, box, [(row_lo, row_hi, sorted terms present, own term)])``."""
+    out = []
+
+    def add(layout: Layout, offset: int, prefix: tuple, terms=None) -> None:
+        terms = terms or [prefix + t for t in _layout_terms(layout)]
+        for r in layout.ranks:
+            box = layout.region(r)
+            box = ((box[0][0] + offset, box[0][1] + offset),) + box[1:]
+            out.append((r, box, offset, offset + layout.shape[0], terms, prefix + layout.term(r)))
+
+    if isinstance(dst, Layout):
+        add(dst, 0, ())
+    elif dst.hetero == "partial":  # every pipeline's terms are present everywhere
+        everything = sorted((i,) + t for i, lay in enumerate(dst.layouts) for t in _layout_terms(lay))
+        for i, lay in enumerate(dst.layouts):
+            add(lay, 0, (i,), everything)
+    else:
+        for i, (lay, off) in enumerate(zip(dst.layouts, dst.offsets)):
+            add(lay, off if dst.hetero == "split" else 0, (i,) if dst.hetero == "partial" else ())
+    return out
+
+
+def expected_destination(dst, value: torch.Tensor, segments, dst_partial: bool) -> dict[int, torch.Tensor]:
+    """What every destination rank must hold (see the module docstring)."""
+    expected = {}
+    for rank, box, lo, hi, dst_terms, own in destination_segments(dst):
+        slices = tuple(slice(a, b) for a, b in box)
+        if not dst_partial:
+            expected[rank] = value[slices].clone()
+            continue
+        result = torch.zeros(tuple(b - a for a, b in box), dtype=value.dtype)
+        j = dst_terms.index(own)
+        for s_lo, s_hi, terms in segments:
+            a, b = max(box[0][0], s_lo, lo), min(box[0][1], s_hi, hi)
+            if a >= b:
+                continue
+            names = sorted(terms)
+            rows = (slice(a - s_lo, b - s_lo),) + slices[1:]
+            for i, name in enumerate(names):
+                if i % len(dst_terms) == j:
+                    result[a - box[0][0] : b - box[0][0]] += terms[name][rows]
+        expected[rank] = result
+    return expected
+
+
+@st.composite
+def one_dim_changes(draw, max_ranks: int = MAX_RANKS):
+    """``(src, dst)`` on the same ranks and mesh differing in one mesh dim: the collective cases."""
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    src = draw(layouts(shape, list(range(max_ranks)), True))
+    m = draw(st.integers(0, len(src.mesh) - 1))
+    options = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    if src.is_partial:
+        options.append(Partial())
+    placements = list(src.placements)
+    placements[m] = draw(st.sampled_from(options))
+    return src, Layout(shape, src.ranks, src.mesh, tuple(placements))
