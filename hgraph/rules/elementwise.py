@@ -1,0 +1,130 @@
+"""Rules for pointwise ops, copies/casts, factories and size queries.
+
+Pointwise ops follow their inputs: on each mesh dim the first input sharded on a (broadcast-aligned)
+dim decides the output shard, and every other input that is not broadcast along that dim is brought
+to the same shard. Partial inputs are reduced first (all-reduce, or reduce-scatter to the sequence
+dim under sequence parallelism): a nonlinear op of a pending sum is wrong, and reducing at the first
+consumer is exactly where Megatron reduces (after a row-parallel linear). Copies and casts keep a
+Partial value as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from hgraph.layout import Partial, Shard
+from hgraph.rules.base import CP, TP, P, R, Decision, RuleInput, Spec
+from hgraph.rules.registry import register
+
+aten = torch.ops.aten
+
+
+def pointwise_decision(node: fx.Node, rin: RuleInput, inputs: list[fx.Node], keep_partial: bool = False) -> Decision:
+    """Decide a broadcasting pointwise op over ``inputs`` (see the module docstring)."""
+    out_shape = rin.shape(node)
+    out_ndim = len(out_shape)
+    out: list = [R, R]
+    req: dict[fx.Node, list] = {a: [R, R] for a in inputs}
+    for m in (CP, TP):
+        if rin.degree(m) == 1:
+            continue
+        places = {a: rin.placement(a, m) for a in inputs}
+        if keep_partial and inputs and all(isinstance(p, Partial) for p in places.values()):
+            out[m] = P
+            for a in inputs:
+                req[a][m] = P
+            continue
+        chosen = None
+        for a in inputs:
+            p = places[a]
+            if isinstance(p, Shard):
+                chosen = dataclasses.replace(p, dim=p.dim % rin.ndim(a) + out_ndim - rin.ndim(a))
+                break
+        if chosen is None and any(isinstance(p, Partial) for p in places.values()):
+            target = rin.partial_target(m, out_ndim, out_shape)
+            chosen = target if isinstance(target, Shard) else None
+        if chosen is None:
+            continue
+        out[m] = chosen
+        for a in inputs:
+            d = chosen.dim - (out_ndim - rin.ndim(a))
+            if d >= 0 and rin.shape(a)[d] != 1:
+                req[a][m] = dataclasses.replace(chosen, dim=d)
+    return Decision(output=(out[0], out[1]), inputs={a: (r[0], r[1]) for a, r in req.items()})
+
+
+def pointwise_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    return pointwise_decision(node, rin, rin.tensor_inputs(node))
+
+
+def copy_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """Copies and casts: the output has the input's spec, Partial included (a ``type_as``/``to``
+    reference tensor only lends its dtype, so it is not converted)."""
+    return pointwise_decision(node, rin, rin.tensor_inputs(node)[:1], keep_partial=True)
+
+
+def dropout_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    if train and p != 0:
+        raise rin.error(
+            f"dropout with p={p} in training mode: ranks holding replicated activations would draw "
+            "different masks; set dropout to 0 (or eval mode) for hgraph programs"
+        )
+    return copy_rule(node, rin)
+
+
+def like_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``zeros_like`` & co. read only the local shape: same shards, never Partial, no communication."""
+    x = node.args[0]
+    spec = rin.spec(x)
+    out: Spec = tuple(R if isinstance(p, Partial) else p for p in spec)  # type: ignore[assignment]
+    return Decision(output=out, inputs={})
+
+
+def factory_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """Tensors created from constants (``arange``, ``zeros``, ``full``...) are the same on every rank.
+
+    A size read from a sharded dim would make them differ per rank without a spec saying so, so it
+    is refused.
+    """
+    for arg in node.all_input_nodes:
+        if not rin.is_tensor(arg) and (rin.size_cut(arg) or 1) > 1:
+            raise rin.error(
+                f"its size {arg.name} is the local size of a sharded dim; a factory op sized by sharded "
+                "tokens or features has no sharding rule"
+            )
+    return Decision(output=(R, R), inputs={})
+
+
+def no_tensor_output_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """Size queries and metadata assertions read the local tensor; nothing to convert."""
+    return Decision(output=None, inputs={})
+
+
+POINTWISE = (
+    "add", "sub", "mul", "div", "pow", "rsub", "maximum", "minimum", "where", "eq", "ne", "lt", "le",
+    "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
+    "masked_fill", "clamp", "clamp_min", "clamp_max", "remainder", "floor_divide", "neg", "rsqrt",
+    "sqrt", "exp", "log", "sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "abs", "reciprocal",
+    "erf", "square", "log1p", "expm1", "sign", "softplus", "fill", "addcmul",
+)
+COPIES = ("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to", "type_as")
+FACTORIES = ("arange", "zeros", "ones", "full", "empty", "scalar_tensor", "new_zeros", "new_ones",
+             "new_full", "new_empty")
+LIKE = ("zeros_like", "ones_like", "empty_like", "full_like")
+
+for _name in POINTWISE:
+    register(getattr(aten, _name), pointwise_rule)
+for _name in COPIES:
+    register(getattr(aten, _name), copy_rule)
+for _name in FACTORIES:
+    register(getattr(aten, _name), factory_rule)
+for _name in LIKE:
+    register(getattr(aten, _name), like_rule)
+register(aten.dropout, dropout_rule)
+for _op in (aten.sym_size, aten.sym_numel, aten.sym_stride, aten._assert_tensor_metadata):
+    register(_op, no_tensor_output_rule)

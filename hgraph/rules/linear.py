@@ -1,0 +1,123 @@
+"""Rules for linear layers and matrix products: Megatron column/row pairing by propagation.
+
+On tp, a linear whose input is replicated becomes *column-parallel* (weight cut on its output
+features, output cut on the last dim); one whose input is cut on its last dim becomes *row-parallel*
+(weight cut on its input features, output Partial, bias added after the reduction). A
+sequence-parallel input (cut on a token dim) is gathered first. On cp the tokens stay split and the
+weights are replicated. ``linear`` weights are ``[out, in]``; ``mm``/``addmm``/``matmul`` weights
+(GPT-2's ``Conv1D``) are ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from hgraph.layout import Partial, Shard
+from hgraph.rules.base import CP, TP, P, R, Decision, LowerContext, RuleInput, Spec, with_placement
+from hgraph.rules.registry import register
+
+aten = torch.ops.aten
+
+
+def _weight_decision(
+    node: fx.Node, rin: RuleInput, x: fx.Node, w: fx.Node, bias: Optional[fx.Node], transposed: bool
+) -> Decision:
+    """``transposed``: weight stored ``[out, in]`` (``linear``) rather than ``[in, out]``."""
+    k_dim, n_dim = (1, 0) if transposed else (0, 1)
+    x_nd, out_nd = rin.ndim(x), rin.ndim(node)
+    xs, ws = rin.spec(x), rin.spec(w)
+    req_x, req_w, req_b, out = [R, R], [R, R], [R, R], [R, R]
+    row_parallel = False
+    for m in (CP, TP):
+        if rin.degree(m) == 1:
+            continue
+        px = xs[m]
+        if isinstance(px, Partial) or (isinstance(px, Shard) and m == CP and px.dim % x_nd == x_nd - 1):
+            px = R
+        if m == CP:
+            req_x[m] = px
+            out[m] = px
+            continue
+        if isinstance(px, Shard) and px.dim % x_nd != x_nd - 1:
+            px = R  # sequence-parallel tokens: gathered before the column-parallel product
+        pw = None if rin.is_free(w) else ws[m]
+        if isinstance(px, Shard) or (isinstance(pw, Shard) and pw.dim % 2 == k_dim):
+            req_x[m], req_w[m], out[m] = Shard(x_nd - 1), Shard(k_dim), P
+            row_parallel = True
+        elif pw is None or (isinstance(pw, Shard) and pw.dim % 2 == n_dim):
+            req_w[m], out[m], req_b[m] = Shard(n_dim), Shard(out_nd - 1), Shard(0)
+    inputs: dict[fx.Node, Spec] = {x: (req_x[0], req_x[1]), w: (req_w[0], req_w[1])}
+    note = "row-parallel" if row_parallel else "column-parallel" if isinstance(out[TP], Shard) and out[TP].dim == out_nd - 1 else ""
+    if bias is None:
+        return Decision(output=(out[0], out[1]), inputs=inputs, note=note)
+    inputs[bias] = (req_b[0], req_b[1])
+    if not row_parallel:
+        return Decision(output=(out[0], out[1]), inputs=inputs, note=note)
+    partial_spec: Spec = (out[0], out[1])
+    reduced = with_placement(partial_spec, TP, rin.partial_target(TP, out_nd, rin.shape(node)))
+
+    def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
+        lx, lw = lc.local(x), lc.local(w)
+        product = lc.call(aten.linear.default, (lx, lw)) if transposed else lc.call(aten.mm.default, (lx, lw))
+        product.meta["hgraph_spec"] = partial_spec
+        total = lc.redistribute(product, partial_spec, reduced, n.name, n)
+        return lc.call(aten.add.Tensor, (total, lc.local(bias)))
+
+    return Decision(
+        output=reduced, inputs=inputs, lower=lower, note="row-parallel, bias after the reduction", exact_grad={bias: (TP,)}
+    )
+
+
+def linear_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return _weight_decision(node, rin, x, w, bias, transposed=True)
+
+
+def addmm_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    bias, x, w = node.args[:3]
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        raise rin.error("addmm with beta/alpha other than 1 is not supported")
+    if not rin.options.is_param(w) or rin.ndim(bias) != 1:
+        return matmul_rule(node, rin, pair=(x, w), extra=bias)
+    return _weight_decision(node, rin, x, w, bias, transposed=False)
+
+
+def matmul_rule(
+    node: fx.Node, rin: RuleInput, pair: Optional[tuple[fx.Node, fx.Node]] = None, extra: Optional[fx.Node] = None
+) -> Decision:
+    """mm / bmm / matmul: a 2-d parameter operand makes it a linear layer, else a batched product."""
+    x, y = pair or (node.args[0], node.args[1])
+    if extra is None and rin.options.is_param(y) and rin.ndim(y) == 2:
+        return _weight_decision(node, rin, x, y, None, transposed=False)
+    nd = rin.ndim(x)
+    if rin.ndim(y) != nd or extra is not None:
+        req = {t: (R, R) for t in (x, y, extra) if t is not None}
+        return Decision(output=(R, R), inputs=req)
+    req_x, req_y, out = [R, R], [R, R], [R, R]
+    for m in (CP, TP):
+        if rin.degree(m) == 1:
+            continue
+        px, py = (R if isinstance(p, Partial) else p for p in (rin.placement(x, m), rin.placement(y, m)))
+        dx = px.dim % nd if isinstance(px, Shard) else None
+        dy = py.dim % nd if isinstance(py, Shard) else None
+        if dx is not None and dx < nd - 2:
+            req_x[m] = req_y[m] = out[m] = Shard(dx)
+        elif dy is not None and dy < nd - 2:
+            req_x[m] = req_y[m] = out[m] = Shard(dy)
+        elif dx == nd - 1 and dy == nd - 2:
+            req_x[m], req_y[m], out[m] = Shard(nd - 1), Shard(nd - 2), P
+        elif dx == nd - 2:
+            req_x[m], out[m] = Shard(nd - 2), Shard(nd - 2)
+        elif dy == nd - 1:
+            req_y[m], out[m] = Shard(nd - 1), Shard(nd - 1)
+    return Decision(output=(out[0], out[1]), inputs={x: (req_x[0], req_x[1]), y: (req_y[0], req_y[1])})
+
+
+register(aten.linear, linear_rule)
+register(aten.addmm, addmm_rule)
+for _op in (aten.mm, aten.bmm, aten.matmul):
+    register(_op, matmul_rule)

@@ -1,0 +1,61 @@
+"""The sharding-rule registry: op -> rule, with a public ``register`` for users' own ops.
+
+A rule is ``rule(node, rin: RuleInput) -> Decision``. Keys are ATen overloads
+(``torch.ops.aten.linear.default``), overload packets (``torch.ops.aten.add``: every overload) or any
+Python callable used as a ``call_function`` target. An op without a rule makes ``annotate`` raise
+``ShardingRuleError`` naming it — never a silent replicate that would change numerics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hgraph.errors import ShardingRuleError
+
+Rule = Callable[..., Any]
+
+_RULES: dict[Any, Rule] = {}
+
+
+def register(op: Any, rule: Rule, *, replace: bool = False) -> None:
+    """Register ``rule`` for ``op`` (an ATen overload or packet, or a Python callable).
+
+    Registering an op twice raises unless ``replace=True`` (so two modules cannot silently fight).
+    """
+    if not callable(rule):
+        raise ShardingRuleError(f"rule for {op} must be callable, got {type(rule).__name__}")
+    if not (callable(op) or isinstance(op, torch._ops.OpOverloadPacket)):
+        raise ShardingRuleError(f"cannot register a rule for {op!r}: expected an ATen op or a callable")
+    if op in _RULES and not replace:
+        raise ShardingRuleError(f"{op} already has a sharding rule; pass replace=True to override it")
+    _RULES[op] = rule
+
+
+def unregister(op: Any) -> None:
+    """Remove the rule of ``op`` (for tests and plug-ins); missing ops are ignored."""
+    _RULES.pop(op, None)
+
+
+def lookup(op: Any) -> Rule | None:
+    """The rule of ``op``: its exact key first, then its overload packet; ``None`` when absent."""
+    from hgraph.rules import _load_builtin_rules
+
+    _load_builtin_rules()
+    try:
+        rule = _RULES.get(op)
+    except TypeError:  # unhashable target
+        return None
+    if rule is None and isinstance(op, torch._ops.OpOverload):
+        rule = _RULES.get(op.overloadpacket)
+    return rule
+
+
+def registered_ops() -> list[str]:
+    """Names of every op with a rule (for documentation and the coverage report)."""
+    from hgraph.rules import _load_builtin_rules
+    from hgraph.rules.base import op_name
+
+    _load_builtin_rules()
+    return sorted(str(op) if isinstance(op, torch._ops.OpOverloadPacket) else op_name(op) for op in _RULES)

@@ -1,0 +1,286 @@
+"""Rules for views, reshapes, transposes, slicing, split and cat.
+
+A reshape keeps a shard when the sharded input dim leads its group of merged/split dims: the shard
+then lands on the leading output dim of the group (an attention projection ``[b, s, h*d]`` cut on
+``h*d`` becomes ``[b, s, h, d]`` cut on ``h``). Constant sizes in the shape argument at a sharded output
+dim are divided by the degree (``view(x, [b, s, 4, 16])`` -> ``[b, s, 2, 16]`` at tp=2); symbolic sizes
+come from ``sym_size`` of local tensors and are local already. Anything a local op cannot compute —
+slicing or splitting across a sharded dim, merging a tp-sharded inner dim — asks for the input
+replicated on that mesh dim, so ``localize`` gathers it first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from hgraph.layout import Partial, Placement, Shard
+from hgraph.rules.base import (
+    CP,
+    MESH_DIMS,
+    P,
+    R,
+    Decision,
+    RuleInput,
+    StridedShard,
+    shard_degrees,
+)
+from hgraph.rules.registry import register
+
+aten = torch.ops.aten
+Group = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[Group]:
+    """Pair up runs of input and output dims with equal products (the finest such grouping).
+
+    Size-1 dims that appear on one side only form groups of their own.
+    """
+    groups: list[Group] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            raise ValueError(f"shapes {tuple(src)} and {tuple(dst)} have different numbers of elements")
+        gi, gj, a, b = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b and i < len(src):
+                gi.append(i)
+                a *= src[i]
+                i += 1
+            elif b < a and j < len(dst):
+                gj.append(j)
+                b *= dst[j]
+                j += 1
+            else:
+                raise ValueError(f"shapes {tuple(src)} and {tuple(dst)} have different numbers of elements")
+        groups.append((tuple(gi), tuple(gj)))
+    return groups
+
+
+def _view_placement(
+    p: Shard, src: Sequence[int], dst: Sequence[int], groups: list[Group], m: int, rin: RuleInput
+) -> Optional[Placement]:
+    """Where shard ``p`` of ``src`` lands in ``dst``; ``None`` when the input must be gathered."""
+    degree = rin.degree(m)
+    d = p.dim % len(src)
+    gi, gj = next(g for g in groups if d in g[0])
+    targets = [j for j in gj if dst[j] != 1]
+    if not targets:
+        return None
+    if isinstance(p, StridedShard):
+        if len(gi) != 1:
+            return None
+        if len(targets) == 1:
+            return dataclasses.replace(p, dim=targets[0])
+        prod = 1
+        for j in targets:
+            if prod == p.split_factor:
+                return Shard(j) if dst[j] % degree == 0 else None
+            prod *= dst[j]
+        return None
+    leading = [i for i in gi if i < d and src[i] != 1]
+    if not leading:
+        e = targets[0]
+        if dst[e] % degree:
+            if len(targets) > 1:
+                raise rin.error(
+                    f"view {tuple(src)} -> {tuple(dst)} would cut dim {e} of size {dst[e]} {degree} ways "
+                    f"over '{MESH_DIMS[m]}', but {dst[e]} is not divisible by {degree}; when this is the "
+                    f"number of attention (or key/value) heads, use a {MESH_DIMS[m]} degree dividing {dst[e]}"
+                )
+            return None
+        return Shard(e)
+    if m != CP or len(targets) != 1:
+        return None
+    return StridedShard(targets[0], math.prod(src[i] for i in leading))
+
+
+def _rewrite_sizes(sizes: Sequence, first_dim: int, cuts: Sequence[int], rin: RuleInput) -> list:
+    """Size arguments for output dims ``first_dim + k``, each cut ``cuts[first_dim + k]`` ways."""
+    return [rin.local_size_arg(size, cuts[first_dim + k]) for k, size in enumerate(sizes)]
+
+
+def reshape_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """view / reshape / _unsafe_view / flatten / unflatten / expand-free reshapes."""
+    x = node.args[0]
+    src, dst = rin.shape(x), rin.shape(node)
+    try:
+        groups = view_groups(src, dst)
+    except ValueError as exc:
+        raise rin.error(str(exc)) from None
+    spec = rin.spec(x)
+    req, out = list(spec), [R, R]
+    for m, p in enumerate(spec):
+        if isinstance(p, Partial):
+            out[m] = P
+        elif isinstance(p, Shard):
+            q = _view_placement(p, src, dst, groups, m, rin)
+            if q is None:
+                req[m] = R
+            else:
+                out[m] = q
+    cuts = shard_degrees((out[0], out[1]), rin.options.degrees, len(dst))
+    args = list(node.args)
+    target = node.target
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        args[1] = _rewrite_sizes(args[1], 0, cuts, rin)
+    elif target is aten.unflatten.int:
+        dim = args[1] % len(src)
+        args[2] = _rewrite_sizes(args[2], dim, cuts, rin)
+    return Decision(output=(out[0], out[1]), inputs={x: (req[0], req[1])}, args=tuple(args))
+
+
+def expand_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    x = node.args[0]
+    in_ndim, out_ndim = rin.ndim(x), rin.ndim(node)
+    spec = rin.spec(x)
+    out = [dataclasses.replace(p, dim=p.dim % in_ndim + out_ndim - in_ndim) if isinstance(p, Shard) else p for p in spec]
+    cuts = shard_degrees((out[0], out[1]), rin.options.degrees, out_ndim)
+    args = list(node.args)
+    args[1] = _rewrite_sizes(args[1], 0, cuts, rin)
+    return Decision(output=(out[0], out[1]), inputs={x: spec}, args=tuple(args))
+
+
+def _dim_map_rule(node: fx.Node, rin: RuleInput, new_dim: Callable[[int], Optional[int]]) -> Decision:
+    """Ops that move dims around: ``new_dim(d)`` is where input dim ``d`` goes (``None``: removed)."""
+    x = node.args[0]
+    spec = rin.spec(x)
+    req, out = list(spec), [R, R]
+    for m, p in enumerate(spec):
+        if isinstance(p, Partial):
+            out[m] = P
+        elif isinstance(p, Shard):
+            e = new_dim(p.dim % rin.ndim(x))
+            if e is None:
+                req[m] = R
+            else:
+                out[m] = dataclasses.replace(p, dim=e)
+    return Decision(output=(out[0], out[1]), inputs={x: (req[0], req[1])})
+
+
+def transpose_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    ndim = rin.ndim(node.args[0])
+    if node.target is aten.t.default:
+        a, b = 0, min(1, ndim - 1)
+    else:
+        a, b = node.args[1] % ndim, node.args[2] % ndim
+    return _dim_map_rule(node, rin, lambda d: b if d == a else a if d == b else d)
+
+
+def permute_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    ndim = rin.ndim(node.args[0])
+    perm = [d % ndim for d in node.args[1]]
+    return _dim_map_rule(node, rin, perm.index)
+
+
+def unsqueeze_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    dim = node.args[1] % (rin.ndim(node.args[0]) + 1)
+    return _dim_map_rule(node, rin, lambda d: d + 1 if d >= dim else d)
+
+
+def squeeze_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    x = node.args[0]
+    shape = rin.shape(x)
+    if len(node.args) > 1:
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        gone = {d % len(shape) for d in dims if shape[d] == 1}
+    else:
+        gone = {d for d, s in enumerate(shape) if s == 1}
+    return _dim_map_rule(node, rin, lambda d: None if d in gone else d - sum(g < d for g in gone))
+
+
+def slice_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """A slice along a sharded dim needs the whole dim, unless it keeps every element."""
+    x = node.args[0]
+    ndim = rin.ndim(x)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % ndim
+    start = node.args[2] if len(node.args) > 2 else None
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    full = start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= rin.shape(x)[dim]))
+    return _dim_map_rule(node, rin, lambda d: d if (d != dim or full) else None)
+
+
+def select_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    dim = node.args[1] % rin.ndim(node.args[0])
+    return _dim_map_rule(node, rin, lambda d: None if d == dim else d - (d > dim))
+
+
+def split_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """split / split_with_sizes / chunk / unbind: local when the split dim is not sharded."""
+    x = node.args[0]
+    ndim = rin.ndim(x)
+    removes = node.target is aten.unbind.int
+    position = 1 if removes else 2
+    dim = (node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)) % ndim
+    single = _dim_map_rule(node, rin, lambda d: None if d == dim else d - (removes and d > dim))
+    count = len(node.meta["val"])
+    return Decision(output=tuple(single.output for _ in range(count)), inputs=single.inputs)
+
+
+def getitem_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``operator.getitem`` on a list-returning op picks that output's spec."""
+    source, index = node.args
+    specs = rin.specs_of(source)
+    if not isinstance(specs, tuple) or not specs or not isinstance(specs[0], tuple):
+        raise rin.error(f"getitem of {source.name}, which has no list of specs ({specs})")
+    return Decision(output=specs[index], inputs={})
+
+
+def cat_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """cat / stack: inputs share one spec; a shard along the joined dim needs the whole dim."""
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    out_ndim = rin.ndim(node)
+    in_ndim = rin.ndim(tensors[0])
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out_ndim
+    stacking = node.target is aten.stack.default
+    out, req = [R, R], {t: [R, R] for t in tensors}
+    for m in range(len(MESH_DIMS)):
+        if rin.degree(m) == 1:
+            continue
+        places = [rin.placement(t, m) for t in tensors]
+        if all(isinstance(p, Partial) for p in places):
+            out[m] = P
+            for t in tensors:
+                req[t][m] = P
+            continue
+        shards = [p for p in places if isinstance(p, Shard)]
+        if not shards or any((p.dim % in_ndim) == dim and not stacking for p in shards):
+            continue
+        chosen = shards[0]
+        d_in = chosen.dim % in_ndim
+        out[m] = dataclasses.replace(chosen, dim=d_in + (stacking and d_in >= dim))
+        for t in tensors:
+            req[t][m] = dataclasses.replace(chosen, dim=d_in)
+    return Decision(output=(out[0], out[1]), inputs={t: (r[0], r[1]) for t, r in req.items()})
+
+
+for _op in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.view_as):
+    register(_op, reshape_rule)
+register(aten.expand, expand_rule)
+for _op in (aten.transpose, aten.t):
+    register(_op, transpose_rule)
+register(aten.permute, permute_rule)
+register(aten.unsqueeze, unsqueeze_rule)
+register(aten.squeeze, squeeze_rule)
+register(aten.slice, slice_rule)
+register(aten.select, select_rule)
+for _op in (aten.split, aten.split_with_sizes, aten.chunk, aten.unbind):
+    register(_op, split_rule)
+register(operator.getitem, getitem_rule)
+for _op in (aten.cat, aten.stack):
+    register(_op, cat_rule)

@@ -1,0 +1,189 @@
+"""Annotate pass: give every value of the global graph its shard spec on the stage mesh ``(cp, tp)``.
+
+Specs propagate forward in graph order. Data inputs start token-split on cp (``Shard(seq_dim)``) and
+replicated on tp; a parameter's placement is chosen by its first consumer's rule (a linear fed by a
+replicated activation takes its weight column-cut, one fed by a feature-cut activation row-cut — the
+Megatron pairing falls out of propagation). Each rule's ``Decision`` is kept for ``localize``.
+
+Recorded in ``node.meta``:
+
+* ``hgraph_spec`` — the value's spec (tuple of specs for list outputs, ``None`` for non-tensors);
+* ``hgraph_decision`` — the rule's decision (required input specs, lowering);
+* ``hgraph_grad_reduce`` — on a consumer, ``{input: mesh dims}`` where that use produces a partial
+  gradient that must be summed inside the program (``grad_all_reduce``, or a gather whose backward
+  reduce-scatters) because its producer needs an exact gradient;
+* on parameter placeholders: ``hgraph_param_spec`` (compute placement) and ``hgraph_grad_spec``
+  (placement of the gradient autograd leaves: ``Partial`` on a mesh dim where every use computes on
+  sharded tokens/features with the replicated weight, e.g. every weight on cp, norm weights under
+  sequence parallelism; the Push Gradient pass reduces it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from hgraph.errors import ShardingRuleError
+from hgraph.layout import Partial, Replicate, Shard
+from hgraph.rules.base import (
+    CP,
+    MESH_DIMS,
+    REPLICATED,
+    Decision,
+    RuleInput,
+    ShardingOptions,
+    Spec,
+    local_shape,
+    spec_str,
+)
+from hgraph.rules.registry import lookup
+
+
+def annotate(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+    """Annotate ``gm`` in place (see the module docstring) and return it."""
+    options = ShardingOptions.from_context(ctx)
+    specs: dict[fx.Node, Any] = {}
+    free: set[fx.Node] = set()
+    rin = RuleInput(options, specs, free)
+    params: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        rin.node = node
+        if node.op == "placeholder":
+            if options.is_param(node):
+                params.append(node)
+                free.add(node)
+            else:
+                specs[node] = _input_spec(node, rin)
+        elif node.op == "get_attr":
+            specs[node] = REPLICATED if rin.is_tensor(node) else None
+        elif node.op == "call_function":
+            decision = _decide(node, rin)
+            for inp, req in decision.inputs.items():
+                if inp in free:
+                    if any(isinstance(p, Partial) for p in req):
+                        raise rin.error(f"rule asks for parameter {inp.name} as Partial {spec_str(req)}")
+                    free.discard(inp)
+                    specs[inp] = req
+            specs[node] = decision.output
+            node.meta["hgraph_decision"] = decision
+        elif node.op == "output":
+            outputs = node.all_input_nodes
+            node.meta["hgraph_decision"] = Decision(
+                output=None, inputs={n: REPLICATED for n in outputs if rin.is_tensor(n)}
+            )
+            specs[node] = None
+        else:
+            raise ShardingRuleError(
+                f"node '{node.name}' is a {node.op} ({node.target}); annotate needs a flat ATen graph from "
+                "hgraph.frontend.trace (call_module/call_method nodes have no sharding rules)"
+            )
+    for p in free:
+        specs[p] = REPLICATED
+    for node in gm.graph.nodes:
+        node.meta["hgraph_spec"] = specs.get(node)
+    _gradient_placements(gm, options, params, rin)
+    return gm
+
+
+def _input_spec(node: fx.Node, rin: RuleInput) -> Spec | None:
+    """Data inputs ``[batch, seq, ...]`` are token-split on cp and replicated on tp; buffers replicated."""
+    if not rin.is_tensor(node):
+        return None
+    if rin.options.is_buffer(node):
+        return REPLICATED
+    seq = rin.options.seq_dim
+    if rin.degree(CP) > 1 and rin.ndim(node) > seq:
+        return (Shard(seq), Replicate())
+    return REPLICATED
+
+
+def _decide(node: fx.Node, rin: RuleInput) -> Decision:
+    rule = lookup(node.target)
+    if rule is None:
+        if not rin.tensor_inputs(node) and not rin.is_tensor(node):
+            return Decision(output=None)  # arithmetic on sizes
+        raise rin.error(
+            "no sharding rule for this op; register one with hgraph.rules.register(op, rule) "
+            "(hgraph never replicates an unknown op silently)"
+        )
+    decision = rule(node, rin)
+    if not isinstance(decision, Decision):
+        raise rin.error(f"rule {getattr(rule, '__name__', rule)} returned {type(decision).__name__}, not a Decision")
+    for inp, req in decision.inputs.items():
+        _check_spec(rin, inp, req)
+    return decision
+
+
+def _check_spec(rin: RuleInput, node: fx.Node, spec: Spec) -> None:
+    if not (isinstance(spec, tuple) and len(spec) == len(MESH_DIMS)):
+        raise rin.error(f"required spec {spec!r} of {node.name} is not one placement per mesh dim {MESH_DIMS}")
+    for m, p in enumerate(spec):
+        if rin.degree(m) == 1 and not isinstance(p, Replicate):
+            raise rin.error(f"spec {spec_str(spec)} of {node.name} places mesh dim '{MESH_DIMS[m]}' of size 1")
+        if isinstance(p, Shard) and not -rin.ndim(node) <= p.dim < rin.ndim(node):
+            raise rin.error(f"spec {spec_str(spec)} shards dim {p.dim} of {node.name}, which has {rin.ndim(node)} dims")
+
+
+def _requires_grad(gm: fx.GraphModule, options: ShardingOptions) -> set[fx.Node]:
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if node.op == "placeholder":
+            if options.is_param(node):
+                out.add(node)
+        elif floating and any(n in out for n in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _partial_uses(node: fx.Node, decision: Decision, grad: set[fx.Node]) -> dict[fx.Node, set[int]]:
+    """Inputs that ``node`` needs replicated on a mesh dim where it computes sharded: their
+    gradient through this use is partial on that mesh dim."""
+    out_specs = decision.output if isinstance(decision.output, tuple) and decision.output and isinstance(decision.output[0], tuple) else (decision.output,)
+    result: dict[fx.Node, set[int]] = {}
+    for inp, req in decision.inputs.items():
+        if inp not in grad:
+            continue
+        for m, p in enumerate(req):
+            if not isinstance(p, Replicate) or m in decision.exact_grad.get(inp, ()):
+                continue
+            others = [r[m] for i, r in decision.inputs.items() if i is not inp]
+            others += [s[m] for s in out_specs if s is not None]
+            if any(not isinstance(q, Replicate) for q in others):
+                result.setdefault(inp, set()).add(m)
+    return result
+
+
+def _gradient_placements(gm: fx.GraphModule, options: ShardingOptions, params: list[fx.Node], rin: RuleInput) -> None:
+    grad = _requires_grad(gm, options)
+    partial: dict[fx.Node, dict[fx.Node, set[int]]] = {}
+    for node in gm.graph.nodes:
+        decision = node.meta.get("hgraph_decision")
+        if node.op == "call_function" and decision is not None:
+            partial[node] = _partial_uses(node, decision, grad)
+            node.meta["hgraph_grad_reduce"] = {
+                inp: dims for inp, dims in partial[node].items() if not options.is_param(inp)
+            }
+    degrees = options.degrees
+    for p in params:
+        spec = p.meta["hgraph_spec"]
+        uses = [u for u in p.users if p in getattr(u.meta.get("hgraph_decision"), "inputs", {})]
+        grad_spec = list(spec)
+        for m, placement in enumerate(spec):
+            partial_uses = [u for u in uses if m in partial.get(u, {}).get(p, set())]
+            if degrees[m] == 1 or not partial_uses:
+                continue
+            if isinstance(placement, Replicate) and len(partial_uses) == len(uses):
+                grad_spec[m] = Partial()
+            else:  # mixed or sharded: sum the partial uses inside the program so the gradient is exact
+                for u in partial_uses:
+                    u.meta["hgraph_grad_reduce"].setdefault(p, set()).add(m)
+        p.meta["hgraph_param_spec"] = spec
+        p.meta["hgraph_grad_spec"] = (grad_spec[0], grad_spec[1])
+        p.meta["hgraph_local_shape"] = local_shape(rin.shape(p), spec, degrees)
+
+
+__all__ = ["annotate"]

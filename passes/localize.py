@@ -1,0 +1,231 @@
+"""Localize pass: turn the annotated global graph into the program every rank of a stage runs.
+
+Each node is emitted with its rule's local form (shape arguments cut to local sizes, parallel ops
+such as ``vocab_parallel_embedding`` / ``vocab_parallel_cross_entropy`` / ``packed_attention(cp=True)``,
+row-parallel bias after the reduction). Wherever a producer's spec differs from what a consumer's
+rule requires, a call to an ``hgraph.runtime.ops`` collective is inserted, one per (value, required
+spec), shared by every consumer that needs it; per mesh dim (tp first, then cp)::
+
+    P -> R  all_reduce        P -> S(d) reduce_scatter     S(d) -> R all_gather
+    R -> S(d) split           S(a) -> S(b) all_to_all
+
+A replicated value consumed by an op that computes sharded gets a partial gradient from it; it is
+summed inside the program (``grad_all_reduce``, or ``all_gather(grad_partial=True)`` when the value
+was just gathered) so the producer receives the exact gradient. Parameters whose every use is
+partial keep the Partial gradient recorded in ``hgraph_grad_spec`` for the Push Gradient pass.
+
+Inserted nodes carry ``meta["hgraph_comm"]`` (kind, op, mesh dim, src/dst spec, tensor, bytes: the
+local input bytes per rank at the example shapes; direction: ``"backward"`` for ``grad_all_reduce``,
+which moves nothing forward, else ``"forward"`` — every op also communicates its adjoint backward).
+A rule's label (``column-parallel``, ``vocab-parallel``...) is kept as ``meta["hgraph_note"]``. Local nodes keep the global node's metadata but
+not its fake value (``meta["val"]`` described global shapes); ``meta["hgraph_local_shape"]`` holds the
+local shape at the example sizes instead. The cp token order is load-balanced, so only P -> R is
+allowed on cp: any gather or split of cp-sharded tokens raises ``ShardingRuleError``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from hgraph.errors import ShardingRuleError
+from hgraph.layout import Partial, Replicate, Shard
+from hgraph.rules.base import (
+    CP,
+    MESH_DIMS,
+    TP,
+    LowerContext,
+    ShardingOptions,
+    SizeArg,
+    Spec,
+    example_size,
+    local_shape,
+    op_name,
+    spec_str,
+    with_placement,
+)
+from hgraph.runtime import ops
+
+_DROPPED_META = ("val", "tensor_meta", "hgraph_decision", "hgraph_grad_reduce")
+
+
+def localize(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+    """Return the local program of the annotated ``gm`` (see the module docstring)."""
+    options = ShardingOptions.from_context(ctx)
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "output") and "hgraph_decision" not in node.meta:
+            raise ShardingRuleError(f"node '{node.name}' has no sharding decision; run the annotate pass first")
+    builder = _Builder(options)
+    for node in gm.graph.nodes:
+        builder.emit(node)
+    builder.graph.eliminate_dead_code()
+    builder.graph.lint()
+    local = fx.GraphModule(gm, builder.graph, class_name=type(gm).__name__)
+    return local
+
+
+def _global_shape(node: fx.Node) -> Optional[tuple[int, ...]]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(example_size(s) for s in val.shape)
+    return None
+
+
+class _Builder(LowerContext):
+    """Emits the local graph node by node; implements the ``LowerContext`` rules' lowerings use."""
+
+    def __init__(self, options: ShardingOptions) -> None:
+        self.options = options
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+        self.current: Optional[fx.Node] = None
+
+    # ------------------------------------------------------------------ per node
+    def emit(self, node: fx.Node) -> None:
+        self.current = node
+        if node.op == "placeholder":
+            new = self.graph.placeholder(node.name, type_expr=node.type)
+        elif node.op == "get_attr":
+            new = self.graph.get_attr(node.target)
+        elif node.op == "output":
+            self.graph.output(fx.node.map_arg(node.args[0], self.local))
+            return
+        else:
+            decision = node.meta["hgraph_decision"]
+            if decision.lower is not None:
+                new = decision.lower(self, node)
+                new._rename(node.name)  # the lowering's result stands for the global node
+            else:
+                args = decision.args if decision.args is not None else node.args
+                kwargs = decision.kwargs if decision.kwargs is not None else node.kwargs
+                target = decision.target if decision.target is not None else node.target
+                new = self.graph.create_node(
+                    "call_function", target, self._map(tuple(args)), self._map(dict(kwargs)), name=node.name
+                )
+        self._copy_meta(node, new)
+        self.env[node] = new
+
+    def _copy_meta(self, node: fx.Node, new: fx.Node) -> None:
+        for key, value in node.meta.items():
+            if key not in _DROPPED_META:
+                new.meta[key] = value
+        decision = node.meta.get("hgraph_decision")
+        if decision is not None and decision.note:
+            new.meta["hgraph_note"] = decision.note
+        spec, shape = node.meta.get("hgraph_spec"), _global_shape(node)
+        if shape is not None and spec is not None and not isinstance(spec[0], tuple):
+            new.meta["hgraph_local_shape"] = local_shape(shape, spec, self.options.degrees)
+            new.meta["hgraph_global_shape"] = shape
+
+    def _map(self, value: Any) -> Any:
+        """Local form of an argument structure: nodes mapped, ``SizeArg`` sizes rescaled."""
+        if isinstance(value, fx.Node):
+            return self.local(value)
+        if isinstance(value, SizeArg):
+            size = self.env[value.node]
+            if value.want > value.have:
+                return self.graph.call_function(operator.floordiv, (size, value.want // value.have))
+            return self.graph.call_function(operator.mul, (size, value.have // value.want))
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._map(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._map(v) for k, v in value.items()}
+        return value
+
+    # ------------------------------------------------------------------ LowerContext
+    def local(self, node: fx.Node) -> fx.Node:
+        """Local value of input ``node`` as the current consumer requires it."""
+        decision = self.current.meta.get("hgraph_decision") if self.current is not None else None
+        required = decision.inputs.get(node) if decision is not None else None
+        if required is None:
+            return self.env[node]
+        fix = frozenset(self.current.meta.get("hgraph_grad_reduce", {}).get(node, ()))
+        return self.convert(node, required, fix)
+
+    def call(self, target: Any, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+        """A node of a lowering, named after the global node it implements (``addmm_1_mm``)."""
+        label = getattr(target, "__name__", "op").split(".")[0]
+        name = f"{self.current.name}_{label}" if self.current is not None else label
+        return self.graph.create_node("call_function", target, args, kwargs or {}, name=name)
+
+    def redistribute(self, value: fx.Node, src: Spec, dst: Spec, tensor: str, like: fx.Node) -> fx.Node:
+        return self._transitions(value, src, dst, frozenset(), tensor, like)
+
+    # ------------------------------------------------------------------ communication
+    def convert(self, node: fx.Node, dst: Spec, fix: frozenset) -> fx.Node:
+        src = node.meta.get("hgraph_spec")
+        key = (node, dst, fix)
+        if key not in self.cache:
+            self.cache[key] = self._transitions(self.env[node], src, dst, fix, node.name, node)
+        return self.cache[key]
+
+    def _transitions(self, value: fx.Node, src: Spec, dst: Spec, fix: frozenset, tensor: str, like: fx.Node) -> fx.Node:
+        spec = src
+        for m in (TP, CP):
+            name = MESH_DIMS[m]
+            s, t = spec[m], dst[m]
+            gathered_partial = False
+            if s != t:
+                if m == CP and not (isinstance(s, Partial) and isinstance(t, Replicate)):
+                    raise ShardingRuleError(
+                        f"{self._where()}: '{tensor}' would need {spec_str(src)} -> {spec_str(dst)} on cp; "
+                        "cp-split tokens are in load-balanced order and can only be summed (P -> R), not "
+                        "gathered, split or moved; this op needs the whole sequence on one rank"
+                    )
+                target = with_placement(spec, m, t)
+                if isinstance(s, Partial) and isinstance(t, Replicate):
+                    value = self._comm(ops.all_reduce, (value, name), spec, target, tensor, like)
+                elif isinstance(s, Partial) and isinstance(t, Shard):
+                    value = self._comm(ops.reduce_scatter, (value, name, t.dim), spec, target, tensor, like)
+                elif isinstance(s, Shard) and isinstance(t, Replicate):
+                    gathered_partial = m in fix
+                    value = self._comm(ops.all_gather, (value, name, s.dim, gathered_partial), spec, target, tensor, like)
+                elif isinstance(s, Replicate) and isinstance(t, Shard):
+                    value = self._comm(ops.split, (value, name, t.dim), spec, target, tensor, like)
+                elif isinstance(s, Shard) and isinstance(t, Shard):
+                    value = self._comm(ops.all_to_all, (value, name, t.dim, s.dim), spec, target, tensor, like)
+                else:
+                    raise ShardingRuleError(
+                        f"{self._where()}: no communication turns '{tensor}' from {spec_str(spec)} into "
+                        f"{spec_str(target)} (a rule asked for a Partial input)"
+                    )
+                spec = target
+            if isinstance(t, Replicate) and m in fix and not gathered_partial:
+                value = self._comm(ops.grad_all_reduce, (value, name), spec, spec, tensor, like)
+        return value
+
+    def _comm(self, fn: Any, args: tuple, src: Spec, dst: Spec, tensor: str, like: fx.Node) -> fx.Node:
+        node = self.graph.create_node("call_function", fn, args, {}, name=f"{fn.__name__}_{tensor}")
+        shape = _global_shape(like)
+        val = like.meta.get("val")
+        itemsize = val.dtype.itemsize if isinstance(val, torch.Tensor) else 4
+        nbytes = 0
+        if shape is not None:
+            nbytes = itemsize
+            for size in local_shape(shape, src, self.options.degrees):
+                nbytes *= size
+            node.meta["hgraph_local_shape"] = local_shape(shape, dst, self.options.degrees)
+            node.meta["hgraph_global_shape"] = shape
+        node.meta["hgraph_spec"] = dst
+        node.meta["hgraph_comm"] = {
+            "kind": "communicate_activation",
+            "op": fn.__name__,
+            "mesh_dim": args[1],
+            "src": src,
+            "dst": dst,
+            "tensor": tensor,
+            "bytes": nbytes,
+            "direction": "backward" if fn is ops.grad_all_reduce else "forward",
+        }
+        return node
+
+    def _where(self) -> str:
+        node = self.current
+        return f"{op_name(node.target)} at node '{node.name}'" if node is not None and node.op == "call_function" else "output"
+
+
+__all__ = ["localize"]
