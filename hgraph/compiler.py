@@ -155,7 +155,7 @@ class CompiledModel:
         self.options = options
         self.world_size = strategies[0].world_size
         self.pass_history: list[PassRecord] = []
-        self._user_passes = list(user_passes)
+        self._user_passes = _check_user_passes(user_passes)
         self._disabled = frozenset(disabled)
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self.optimizer_layouts: dict[str, Layout] = {
@@ -186,7 +186,7 @@ class CompiledModel:
 
     def _user_passes_at(self, builtin: Sequence[Pass]) -> list[Pass]:
         names = {p.name for p in builtin}
-        return [p for p in self._user_passes if isinstance(p, Pass) and (p.after in names or p.before in names)]
+        return [p for p in self._user_passes if p.after in names or p.before in names]
 
     def _disabled_at(self, builtin: Sequence[Pass]) -> frozenset[str]:
         return frozenset(self._disabled & {p.name for p in builtin})
@@ -366,6 +366,24 @@ class CompiledModel:
         from hgraph.simulate import simulate_strategy
 
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
+
+
+def _check_user_passes(passes: Sequence[Any]) -> list[Pass]:
+    """User passes as ``Pass`` objects anchored at a known point (a bare callable runs after localize)."""
+    known = [p.name for p in MESH_PASSES]
+    out = []
+    for p in passes:
+        if not isinstance(p, Pass):
+            if not callable(p):
+                raise HGraphError(f"{p!r} is not a hgraph.Pass or a callable (gm, ctx) -> gm")
+            p = Pass(getattr(p, "__name__", "user_pass"), p, after=known[-1])
+        anchor = p.after or p.before
+        if anchor is None:
+            p = Pass(p.name, p.fn, after=known[-1])
+        elif anchor not in known:
+            raise HGraphError(f"{p} names an unknown point {anchor!r}; user passes go before or after one of {known}")
+        out.append(p)
+    return out
 
 
 def _activation_record(node: fx.Node, info: Any) -> CommSubgraph:

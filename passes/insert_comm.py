@@ -45,8 +45,8 @@ class CommSubgraph:
     direction: str = "forward"
 
     def __str__(self) -> str:
-        arrow = "<-" if self.direction == "backward" else "->"
-        return f"{self.kind:<22} {self.tensor:<44} {self.src} {arrow} {self.dst}  {self.bytes} B"
+        backward = " (backward)" if self.direction == "backward" and self.kind == ACTIVATION else ""
+        return f"{self.kind:<22} {self.tensor:<44} {self.src} -> {self.dst}  {self.bytes} B{backward}"
 
 
 @dataclass(frozen=True)
