@@ -16,9 +16,12 @@ from typing import Optional, Sequence
 from hgraph.errors import HGraphError
 
 SUBCOMMANDS = {
-    "demo": ("hgraph.demo", "run the end-to-end demo on local CPU ranks"),
+    "demo": ("hgraph.demo", "train a small model on local CPU ranks, choosing the strategy per batch"),
+    "lnk-demo": ("hgraph.lnk_demo", "plan and execute layout changes with the LNK solver on 4 local ranks"),
     "plan": ("hgraph.planner.cli", "plan iterations for a length file with a cost model"),
     "profile": ("hgraph.planner.profile", "profile T(l) on this machine and write a cost table"),
+    "show": ("hgraph.show", "compile a model and print a rank's program (dot/SVG too)"),
+    "train": ("hgraph.train_cli", "train a model from a JSON config on local ranks or under torchrun"),
 }
 
 
@@ -57,6 +60,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     except json.JSONDecodeError as exc:
         print(f"hgraph {args.command}: error: bad JSON ({exc})", file=sys.stderr)
+        return 1
+    except UnicodeDecodeError as exc:
+        print(f"hgraph {args.command}: error: an input file is not UTF-8 text ({exc.reason} at byte {exc.start})",
+              file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"hgraph {args.command}: error: cannot read {exc.filename or 'an input file'}: {exc.strerror or exc}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"hgraph {args.command}: interrupted", file=sys.stderr)

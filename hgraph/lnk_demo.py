@@ -1,6 +1,6 @@
-"""``hgraph demo``: the end-to-end demo on local CPU ranks.
+"""``hgraph lnk-demo``: the LNK layout solver on 4 local CPU ranks.
 
-For now it shows the LNK layout solver: a few layout changes (same group, across groups of different
+It shows a few layout changes (same group, across groups of different
 sizes, and between a heterogeneous strategy's union and a ZeRO layout) planned, printed, executed on
 4 local gloo processes and checked against the global tensor.
 """

@@ -1,10 +1,10 @@
-"""``hgraph demo`` (the main job, for now the LNK demo) runs and verifies every layout change."""
+"""``hgraph lnk-demo`` runs and verifies every layout change."""
 
 from hgraph.cli import main
 
 
 def test_demo_runs_and_checks_every_transition(capsys):
-    assert main(["demo"]) == 0
+    assert main(["lnk-demo"]) == 0
     out = capsys.readouterr().out
     verdicts = [line.split()[0] for line in out.splitlines() if line.startswith(("ok ", "FAILED"))]
     assert verdicts == ["ok"] * 6
