@@ -1,37 +1,51 @@
-"""Communication ops of compiled local programs, as autograd functions whose backward is the adjoint.
+"""Communication ops of compiled local programs: ``torch.library`` custom ops with exact adjoints.
 
 A compiled per-rank program is an fx graph run under ordinary torch autograd; every communication
-in it is a call to one of these functions. Each names a logical mesh dim (``"tp"`` or ``"cp"``) and
-finds the calling rank's group through ``hgraph.runtime.context.current()``, so one program serves
-every rank of a stage, on threads (``ThreadComm``) or processes (``ProcessGroupComm``) alike.
+in it is a call to one of the Python functions below, which call the custom ops
+``torch.ops.hgraph.<name>`` (schema args: the tensor, the logical mesh dim ``"tp"``/``"cp"``, dims and
+flags). Each op finds the calling rank's group through ``hgraph.runtime.context.current()`` when it
+runs, so one program serves every rank of a stage, on threads (``ThreadComm``) or processes
+(``ProcessGroupComm``) alike. Every op has a fake (shape-only) implementation, which reads the group
+*sizes* from the current context, and a registered backward that calls the adjoint custom op, so a
+traced backward (``hgraph.passes.backward``) shows its communication as ``hgraph.*`` nodes.
 
 Placements in the names: P partial (pending sum), R replicated, S(d) sharded along dim d in equal,
 rank-ordered chunks. The adjoint of a placement change swaps the roles::
 
     all_reduce      P -> R      backward: identity (R grad is the P grad of every rank)
     reduce_scatter  P -> S(d)   backward: all_gather
-    all_gather      S(d) -> R   backward: own chunk, or reduce_scatter when grads are partial
+    all_gather      S(d) -> R   backward: split (own chunk), or reduce_scatter when grads are partial
     split           R -> S(d)   backward: all_gather
     all_to_all      S(c) -> S(s) backward: all_to_all S(s) -> S(c)
     grad_all_reduce R -> R      backward: all_reduce (Megatron's "f")
 
-``packed_attention`` is causal attention over packed sequences (optionally context-parallel) and the
-two ``vocab_parallel_*`` functions are the Megatron vocab-parallel embedding and cross entropy.
+``grad_all_reduce`` is an identity forward and stays an ``autograd.Function`` (a custom op may not
+return its input, so it would cost a copy); its backward calls ``hgraph.all_reduce``.
+``packed_attention`` is causal attention over packed sequences (``hgraph.packed_attention`` and its
+``hgraph.packed_attention_backward``, which recomputes the forward; with context parallelism the K/V
+gathers are ``hgraph.all_gather`` calls outside it). The two ``vocab_parallel_*`` functions are
+compositions of aten ops and the custom ops above (Megatron vocab-parallel embedding and cross entropy).
+
+A backward can run on another thread than its forward (autograd's device threads on GPU): the
+context seen by the forward is saved and re-entered around the adjoint call.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from hgraph.errors import ShardingRuleError
-from hgraph.runtime.context import RankContext, current
+from hgraph.errors import CommunicationError, ShardingRuleError
+from hgraph.runtime.context import RankContext, current, rank_context
+
+Tensor = torch.Tensor
 
 
-def _even_chunks(x: torch.Tensor, parts: int, dim: int, what: str) -> tuple[torch.Tensor, ...]:
+def _even_chunks(x: Tensor, parts: int, dim: int, what: str) -> tuple[Tensor, ...]:
     size = x.shape[dim]
     if size % parts:
         raise ShardingRuleError(
@@ -41,22 +55,22 @@ def _even_chunks(x: torch.Tensor, parts: int, dim: int, what: str) -> tuple[torc
     return x.chunk(parts, dim)
 
 
-def _gather(rc: RankContext, x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
+def _gather(rc: RankContext, x: Tensor, mesh_dim: str, dim: int) -> Tensor:
     stacked = rc.comm.all_gather(x.contiguous(), rc.group(mesh_dim))
     return torch.cat(stacked.unbind(0), dim=dim)
 
 
-def _scatter_sum(rc: RankContext, x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
+def _scatter_sum(rc: RankContext, x: Tensor, mesh_dim: str, dim: int) -> Tensor:
     pieces = _even_chunks(x, rc.size(mesh_dim), dim, f"reduce_scatter over '{mesh_dim}'")
     return rc.comm.reduce_scatter(torch.stack(pieces), rc.group(mesh_dim))
 
 
-def _own_chunk(rc: RankContext, x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
+def _own_chunk(rc: RankContext, x: Tensor, mesh_dim: str, dim: int) -> Tensor:
     pieces = _even_chunks(x, rc.size(mesh_dim), dim, f"split over '{mesh_dim}'")
-    return pieces[rc.index(mesh_dim)].contiguous()
+    return pieces[rc.index(mesh_dim)].clone(memory_format=torch.contiguous_format)  # never a view of x
 
 
-def _exchange(rc: RankContext, x: torch.Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> torch.Tensor:
+def _exchange(rc: RankContext, x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
     chunks = _even_chunks(x, rc.size(mesh_dim), split_dim, f"all_to_all over '{mesh_dim}'")
     pieces = [p.contiguous() for p in chunks]
     shapes = [tuple(pieces[0].shape)] * len(pieces)
@@ -64,113 +78,199 @@ def _exchange(rc: RankContext, x: torch.Tensor, mesh_dim: str, split_dim: int, c
     return torch.cat(received, dim=cat_dim)
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh_dim: str) -> torch.Tensor:
-        rc = current()
-        return rc.comm.all_reduce(x, rc.group(mesh_dim))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
+def _active() -> Optional[RankContext]:
+    """The current context, or None outside one (shape-only tracing of the global graph)."""
+    try:
+        return current()
+    except CommunicationError:
+        return None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
-        ctx.rc, ctx.mesh_dim, ctx.dim = current(), mesh_dim, dim
-        return _scatter_sum(ctx.rc, x, mesh_dim, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(ctx.rc, grad, ctx.mesh_dim, ctx.dim), None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh_dim: str, dim: int, grad_partial: bool) -> torch.Tensor:
-        ctx.rc, ctx.mesh_dim, ctx.dim, ctx.grad_partial = current(), mesh_dim, dim, grad_partial
-        return _gather(ctx.rc, x, mesh_dim, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.grad_partial:
-            return _scatter_sum(ctx.rc, grad, ctx.mesh_dim, ctx.dim), None, None, None
-        return _own_chunk(ctx.rc, grad, ctx.mesh_dim, ctx.dim), None, None, None
+@contextlib.contextmanager
+def _entered(rc: Optional[RankContext]) -> Iterator[None]:
+    """Re-enter the forward's context for an adjoint, unless it is already current here."""
+    if rc is None or _active() is rc:
+        yield
+    else:
+        with rank_context(rc):
+            yield
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
-        ctx.rc, ctx.mesh_dim, ctx.dim = current(), mesh_dim, dim
-        return _own_chunk(ctx.rc, x, mesh_dim, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _gather(ctx.rc, grad, ctx.mesh_dim, ctx.dim), None, None
+def _resized(x: Tensor, dim: int, size: int) -> Tensor:
+    """A contiguous tensor like ``x`` with ``size`` at ``dim`` (every real op returns contiguous
+    tensors, so traced graphs' views hold at run time)."""
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> torch.Tensor:
-        ctx.rc, ctx.mesh_dim, ctx.split_dim, ctx.cat_dim = current(), mesh_dim, split_dim, cat_dim
-        return _exchange(ctx.rc, x, mesh_dim, split_dim, cat_dim)
+def _group_size(mesh_dim: str) -> int:
+    return current().size(mesh_dim)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return _exchange(ctx.rc, grad, ctx.mesh_dim, ctx.cat_dim, ctx.split_dim), None, None, None
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("hgraph::all_reduce", mutates_args=())
+def _all_reduce(x: Tensor, mesh_dim: str) -> Tensor:
+    rc = current()
+    return rc.comm.all_reduce(x, rc.group(mesh_dim)).contiguous()
+
+
+@torch.library.custom_op("hgraph::reduce_scatter", mutates_args=())
+def _reduce_scatter(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
+    return _scatter_sum(current(), x, mesh_dim, dim)
+
+
+@torch.library.custom_op("hgraph::all_gather", mutates_args=())
+def _all_gather(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool) -> Tensor:
+    return _gather(current(), x, mesh_dim, dim)
+
+
+@torch.library.custom_op("hgraph::split", mutates_args=())
+def _split(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
+    return _own_chunk(current(), x, mesh_dim, dim)
+
+
+@torch.library.custom_op("hgraph::all_to_all", mutates_args=())
+def _all_to_all(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
+    return _exchange(current(), x, mesh_dim, split_dim, cat_dim)
+
+
+@torch.library.custom_op("hgraph::all_reduce_max", mutates_args=())
+def _all_reduce_max(x: Tensor, mesh_dim: str) -> Tensor:
+    rc = current()
+    return rc.comm.all_gather(x.contiguous(), rc.group(mesh_dim)).amax(dim=0)
+
+
+@_all_reduce.register_fake
+def _(x: Tensor, mesh_dim: str) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+@_all_reduce_max.register_fake
+def _(x: Tensor, mesh_dim: str) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+@_reduce_scatter.register_fake
+def _(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
+    n = _group_size(mesh_dim)
+    _even_chunks(x, n, dim, f"reduce_scatter over '{mesh_dim}'")
+    return _resized(x, dim, x.shape[dim] // n)
+
+
+@_all_gather.register_fake
+def _(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool) -> Tensor:
+    return _resized(x, dim, x.shape[dim] * _group_size(mesh_dim))
+
+
+@_split.register_fake
+def _(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
+    n = _group_size(mesh_dim)
+    _even_chunks(x, n, dim, f"split over '{mesh_dim}'")
+    return _resized(x, dim, x.shape[dim] // n)
+
+
+@_all_to_all.register_fake
+def _(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
+    n = _group_size(mesh_dim)
+    _even_chunks(x, n, split_dim, f"all_to_all over '{mesh_dim}'")
+    out = _resized(x, split_dim, x.shape[split_dim] // n)
+    return _resized(out, cat_dim, out.shape[cat_dim] * n)
+
+
+def _save_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.rc = _active()
+    ctx.args = inputs[1:]
+
+
+def _all_reduce_backward(ctx: Any, grad: Tensor) -> tuple:
+    return grad, None
+
+
+def _reduce_scatter_backward(ctx: Any, grad: Tensor) -> tuple:
+    mesh_dim, dim = ctx.args
+    with _entered(ctx.rc):
+        return torch.ops.hgraph.all_gather(grad, mesh_dim, dim, False), None, None
+
+
+def _all_gather_backward(ctx: Any, grad: Tensor) -> tuple:
+    mesh_dim, dim, grad_partial = ctx.args
+    with _entered(ctx.rc):
+        if grad_partial:
+            return torch.ops.hgraph.reduce_scatter(grad, mesh_dim, dim), None, None, None
+        return torch.ops.hgraph.split(grad, mesh_dim, dim), None, None, None
+
+
+def _split_backward(ctx: Any, grad: Tensor) -> tuple:
+    mesh_dim, dim = ctx.args
+    with _entered(ctx.rc):
+        return torch.ops.hgraph.all_gather(grad, mesh_dim, dim, False), None, None
+
+
+def _all_to_all_backward(ctx: Any, grad: Tensor) -> tuple:
+    mesh_dim, split_dim, cat_dim = ctx.args
+    with _entered(ctx.rc):
+        return torch.ops.hgraph.all_to_all(grad, mesh_dim, cat_dim, split_dim), None, None, None
+
+
+_all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_context)
+_reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_save_context)
+_all_gather.register_autograd(_all_gather_backward, setup_context=_save_context)
+_split.register_autograd(_split_backward, setup_context=_save_context)
+_all_to_all.register_autograd(_all_to_all_backward, setup_context=_save_context)
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh_dim: str) -> torch.Tensor:
-        ctx.rc, ctx.mesh_dim = current(), mesh_dim
+    def forward(ctx: Any, x: Tensor, mesh_dim: str) -> Tensor:
+        ctx.rc, ctx.mesh_dim = _active(), mesh_dim
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return ctx.rc.comm.all_reduce(grad, ctx.rc.group(ctx.mesh_dim)), None
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        with _entered(ctx.rc):
+            return torch.ops.hgraph.all_reduce(grad, ctx.mesh_dim), None
 
 
-def all_reduce(x: torch.Tensor, mesh_dim: str) -> torch.Tensor:
+# ----------------------------------------------------------------------------- entry points
+def all_reduce(x: Tensor, mesh_dim: str) -> Tensor:
     """P -> R: sum over the group; backward passes the (replicated) gradient through."""
-    return _AllReduce.apply(x, mesh_dim)
+    return torch.ops.hgraph.all_reduce(x, mesh_dim)
 
 
-def reduce_scatter(x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
+def reduce_scatter(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
     """P -> S(dim): sum over the group and keep this rank's chunk; backward all-gathers."""
-    return _ReduceScatter.apply(x, mesh_dim, dim)
+    return torch.ops.hgraph.reduce_scatter(x, mesh_dim, dim)
 
 
-def all_gather(x: torch.Tensor, mesh_dim: str, dim: int, grad_partial: bool = False) -> torch.Tensor:
+def all_gather(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool = False) -> Tensor:
     """S(dim) -> R: concatenate every rank's chunk along ``dim``.
 
     Backward keeps this rank's chunk of the gradient, or — when the consumers produce *partial*
     gradients (Megatron sequence parallelism: the gathered input feeds a column-parallel matmul) —
     reduce-scatters it.
     """
-    return _AllGather.apply(x, mesh_dim, dim, grad_partial)
+    return torch.ops.hgraph.all_gather(x, mesh_dim, dim, grad_partial)
 
 
-def split(x: torch.Tensor, mesh_dim: str, dim: int) -> torch.Tensor:
+def split(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
     """R -> S(dim): keep this rank's chunk; backward all-gathers."""
-    return _Split.apply(x, mesh_dim, dim)
+    return torch.ops.hgraph.split(x, mesh_dim, dim)
 
 
-def all_to_all(x: torch.Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> torch.Tensor:
+def all_to_all(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
     """S(cat_dim) -> S(split_dim): send chunk i of ``split_dim`` to rank i, concatenate along ``cat_dim``."""
-    return _AllToAll.apply(x, mesh_dim, split_dim, cat_dim)
+    return torch.ops.hgraph.all_to_all(x, mesh_dim, split_dim, cat_dim)
 
 
-def grad_all_reduce(x: torch.Tensor, mesh_dim: str) -> torch.Tensor:
+def grad_all_reduce(x: Tensor, mesh_dim: str) -> Tensor:
     """Identity forward, all-reduce backward: a replicated activation consumed by sharded ops."""
     return _GradAllReduce.apply(x, mesh_dim)
 
 
-def all_reduce_max(x: torch.Tensor, mesh_dim: str) -> torch.Tensor:
+def all_reduce_max(x: Tensor, mesh_dim: str) -> Tensor:
     """Element-wise max over the group (no gradient: used for numerical stabilisers only)."""
-    rc = current()
-    return rc.comm.all_gather(x.detach().contiguous(), rc.group(mesh_dim)).amax(dim=0)
+    return torch.ops.hgraph.all_reduce_max(x.detach(), mesh_dim)
 
 
 # ----------------------------------------------------------------------------- vocab parallel
@@ -266,41 +366,17 @@ def _attend_row(
     return torch.cat(outputs, dim=2)
 
 
-def packed_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    position_ids: torch.Tensor,
-    *,
-    scale: float | None = None,
-    cp: bool = False,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """Causal attention inside each packed sequence; a sequence starts where ``position_ids == 0``.
-
-    q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]``, position_ids ``[b, s]``. Attention never crosses a
-    sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
-    With ``cp=True`` the sequence dim is split over the ``"cp"`` group with the load-balanced layout
-    of ``load_balance_indices``; K, V and positions are gathered (dK, dV reduce-scattered back).
-    On fake tensors (shape propagation) it only computes the output's shape and dtype.
-    """
-    if is_fake(q):  # shape propagation (FakeTensorProp, export): same shapes, no data-dependent loop
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    if position_ids.shape != (q.shape[0], q.shape[2]):
-        raise ShardingRuleError(
-            f"packed_attention: position_ids {tuple(position_ids.shape)} do not match q {tuple(q.shape)} "
-            "(need [batch, seq])"
-        )
+def _packed_attention_local(
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool
+) -> Tensor:
+    """Attention of the local queries; with ``cp`` k, v and positions are the cp-gathered ones."""
     if cp:
         rc = current()
         size, index = rc.size("cp"), rc.index("cp")
-        k = all_gather(k, "cp", 2, grad_partial=True)
-        v = all_gather(v, "cp", 2, grad_partial=True)
-        gathered = _gather(rc, position_ids.detach(), "cp", 1)
-        total = gathered.shape[1]
+        total = position_ids.shape[1]
         layout = torch.cat([load_balance_indices(total, size, r) for r in range(size)])
         order = torch.argsort(layout).to(q.device)  # gathered slot of each stream index
-        k, v, stream_positions = k[:, :, order], v[:, :, order], gathered[:, order]
+        k, v, stream_positions = k[:, :, order], v[:, :, order], position_ids[:, order]
         local_stream = load_balance_indices(total, size, index).to(q.device)
     else:
         stream_positions = position_ids
@@ -316,3 +392,91 @@ def packed_attention(
         ],
         dim=0,
     )
+
+
+@contextlib.contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Let autograd record again inside a custom op's kernel (the dispatcher excludes it there)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded - autograd):
+        with torch.enable_grad():
+            yield
+
+
+@torch.library.custom_op("hgraph::packed_attention", mutates_args=())
+def _packed_attention(
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool
+) -> Tensor:
+    with torch.no_grad():
+        return _packed_attention_local(q, k, v, position_ids, scale, cp, enable_gqa).contiguous()
+
+
+@torch.library.custom_op("hgraph::packed_attention_backward", mutates_args=())
+def _packed_attention_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
+    enable_gqa: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with _autograd_inside_op():
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_packed_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool) -> Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@_packed_attention_backward.register_fake
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
+      enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.rc = _active()
+    ctx.save_for_backward(*inputs[:4])
+    ctx.args = inputs[4:]
+
+
+def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
+    with _entered(ctx.rc):
+        dq, dk, dv = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_packed_attention.register_autograd(_attention_backward, setup_context=_save_attention)
+
+
+def packed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    position_ids: Tensor,
+    *,
+    scale: float | None = None,
+    cp: bool = False,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Causal attention inside each packed sequence; a sequence starts where ``position_ids == 0``.
+
+    q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]``, position_ids ``[b, s]``. Attention never crosses a
+    sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
+    With ``cp=True`` the sequence dim is split over the ``"cp"`` group with the load-balanced layout
+    of ``load_balance_indices``; K, V and positions are gathered here (``hgraph.all_gather``; dK, dV
+    are reduce-scattered back by its adjoint). On fake tensors without a rank context (shape
+    propagation of the global graph) only the output's shape and dtype are computed.
+    """
+    shape_only = is_fake(q) and _active() is None
+    if not is_fake(q) and position_ids.shape != (q.shape[0], q.shape[2]):
+        raise ShardingRuleError(
+            f"packed_attention: position_ids {tuple(position_ids.shape)} do not match q {tuple(q.shape)} "
+            "(need [batch, seq])"
+        )
+    if cp and not shape_only:
+        k = all_gather(k, "cp", 2, grad_partial=True)
+        v = all_gather(v, "cp", 2, grad_partial=True)
+        position_ids = torch.ops.hgraph.all_gather(position_ids.detach(), "cp", 1, False)
+    return torch.ops.hgraph.packed_attention(q, k, v, position_ids, scale, cp and not shape_only, enable_gqa)
