@@ -5,12 +5,15 @@ and backward (cross-entropy on random targets) ``--repeats`` times after a warm-
 ``T_tp1,pp1(l)``. For ``pp > 1`` the first decoder block is timed alone on the activations it sees in
 the full model, and the stage time is approximated as ``ceil(L/pp) * T_block(l) + T_rest(l)`` where
 ``T_rest = T_model - L * T_block`` is the embedding, final norm, LM head and loss (on the slowest,
-last stage); inter-stage sends are not included. Tensor-parallel schemes need one process per rank
-and are profiled through the runtime launcher once it exists; this command rejects ``tp > 1``.
+last stage); inter-stage sends are not included.
+
+Multi-rank (``--world-size N``, and ``profile_cost_model`` for Python callers such as the demo): every
+scheme, tensor-parallel ones included, is measured on N real local gloo ranks through the compiled
+runtime; see ``hgraph.planner.profile_ranks`` for what ``T(l)`` and ``A_tp`` mean there.
 
 Memory: MaxLen constants come from the model itself: ``B`` from the parameters of one block,
 ``A_tp1`` from the bytes the block saves for backward (counted with ``saved_tensors_hooks``),
-``gpu_memory_bound`` from the device (CUDA total memory, or physical RAM on CPU).
+``gpu_memory_bound`` from ``--memory-gb`` or the device (CUDA total memory, or physical RAM on CPU).
 
 Measurements are cached under ``$HGRAPH_CACHE`` (default ``~/.cache/hgraph``), keyed by model, lengths,
 device, dtype and repeats; ``--no-cache`` measures again.
@@ -40,6 +43,7 @@ from hgraph.planner.memory import MemoryRegression
 
 DEFAULT_MODEL = "hgraph.planner.profile:default_model"
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024)
+DEFAULT_RANK_LENGTHS = (64, 128, 256, 512)  # --world-size: several schemes on shared cores, keep it short
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,23 @@ def build_table(raw: dict[str, Any], pps: Sequence[int], name: str) -> tuple[Cos
     return model, fits
 
 
+def profile_cost_model(
+    model_factory: str | Callable[[], Any],
+    world_size: int,
+    schemes: Sequence[Scheme | str],
+    lengths: Sequence[int],
+    **options: Any,
+) -> CostModel:
+    """The cost model measured on ``world_size`` local gloo ranks (what the demo plans with).
+
+    Arguments and options as ``hgraph.planner.profile_ranks.profile_ranks`` (``repeats``,
+    ``memory_gb``, ``use_cache``, ``name``, ``timeout``), which also returns the fits and timings.
+    """
+    from hgraph.planner.profile_ranks import profile_ranks
+
+    return profile_ranks(model_factory, world_size, schemes, lengths, **options).cost_model
+
+
 # -- command line ----------------------------------------------------------------------------------
 
 
@@ -308,14 +329,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--lengths",
-        default=",".join(map(str, DEFAULT_LENGTHS)),
-        help="comma-separated sequence lengths to time",
+        default=None,
+        help=f"comma-separated sequence lengths to time (default {','.join(map(str, DEFAULT_LENGTHS))}; "
+        f"{','.join(map(str, DEFAULT_RANK_LENGTHS))} with --world-size)",
     )
     parser.add_argument(
         "--schemes",
         default="tp1,pp1 tp1,pp2",
-        help="space-separated schemes, e.g. 'tp1,pp1 tp1,pp2'; only tp1 (one process) for now",
+        help="schemes, 'tp1,tp2,tp1pp2' or 'tp1,pp1 tp2,pp2'; tp > 1 needs --world-size",
     )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="measure every scheme on this many local gloo ranks (CPU, float32); "
+        "default: tp1 schemes in this process",
+    )
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="device memory for MaxLen (default: the device's; 0.25 with --world-size)",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument(
         "--dtype",
@@ -323,24 +359,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="default: bfloat16 on cuda, float32 on cpu",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per length (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=None,
+        help="timed runs per length, median (default 5; 3 with --world-size)",
+    )
     parser.add_argument("--out", default=None, help="write the cost table (JSON) here")
     parser.add_argument("--name", default="profiled", help="cost model name")
     parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
 
 
 def _parse_schemes(text: str) -> list[int]:
+    from hgraph.planner.profile_ranks import parse_schemes
+
     pps = []
-    for token in text.split():
-        scheme = Scheme.parse(token)
+    for scheme in parse_schemes(text):
         if scheme.tp > 1 or scheme.cp > 1:
             raise CostModelError(
-                f"scheme {scheme}: profiling tp>1 or cp>1 needs one process per rank (the runtime "
-                "launcher); this command measures tp1 schemes in one process"
+                f"scheme {scheme}: profiling tp>1 or cp>1 needs one process per rank; "
+                "add --world-size N to measure it on N local gloo ranks"
             )
         pps.append(scheme.pp)
-    if not pps:
-        raise CostModelError("--schemes is empty; give e.g. 'tp1,pp1 tp1,pp2'")
     return sorted(set(pps))
 
 
@@ -351,7 +389,11 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.world_size is not None:
+        return _run_ranks(args)
     import torch
+
+    args.lengths = args.lengths or ",".join(map(str, DEFAULT_LENGTHS))
 
     try:
         lengths = sorted({int(x) for x in args.lengths.split(",") if x.strip()})
@@ -361,8 +403,9 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     if len(lengths) < 3 or lengths[0] < 1:
         raise CostModelError(f"--lengths {args.lengths!r}: need at least 3 distinct positive lengths")
-    if args.repeats < 1:
-        raise CostModelError(f"--repeats {args.repeats}: need at least 1")
+    repeats = 5 if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise CostModelError(f"--repeats {repeats}: need at least 1")
     pps = _parse_schemes(args.schemes)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -371,7 +414,7 @@ def run(args: argparse.Namespace) -> int:
         "lengths": lengths,
         "device": device,
         "dtype": dtype,
-        "repeats": args.repeats,
+        "repeats": repeats,
         "torch": torch.__version__,
     }
     cache = _cache_path(key)
@@ -380,14 +423,46 @@ def run(args: argparse.Namespace) -> int:
         print(f"using cached measurements {cache}")
     else:
         start = time.perf_counter()
-        raw = measure(args.model, lengths, device, dtype, args.repeats)
+        raw = measure(args.model, lengths, device, dtype, repeats)
         print(f"measured {len(lengths)} lengths on {device} in {time.perf_counter() - start:.1f} s")
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(raw))
+    if args.memory_gb is not None:
+        raw = {**raw, "device_memory": args.memory_gb * 1e9}
     model, fits = build_table(raw, pps, args.name)
     for scheme, fit in fits.items():
         print(f"{scheme}: {fit}  MaxLen {model.max_len(scheme)}")
     if args.out:
         model.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _run_ranks(args: argparse.Namespace) -> int:
+    """``--world-size N``: every scheme on N local gloo ranks (``hgraph.planner.profile_ranks``)."""
+    from hgraph.planner.profile_ranks import DEFAULT_MEMORY_GB, parse_schemes, profile_ranks
+
+    given = [f"--{k} {v}" for k, v, ok in (("device", args.device, "cpu"), ("dtype", args.dtype, "float32"))
+             if v not in (None, ok)]
+    if given:
+        raise CostModelError(
+            f"--world-size profiles local gloo ranks on cpu in float32; drop {' '.join(given)}"
+        )
+    args.lengths = args.lengths or ",".join(map(str, DEFAULT_RANK_LENGTHS))
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise CostModelError(
+            f"--lengths {args.lengths!r}: give comma-separated integers, e.g. 64,128,256"
+        ) from None
+    profile = profile_ranks(
+        args.model, args.world_size, parse_schemes(args.schemes), lengths,
+        repeats=3 if args.repeats is None else args.repeats,
+        memory_gb=DEFAULT_MEMORY_GB if args.memory_gb is None else args.memory_gb,
+        use_cache=not args.no_cache, name=args.name, timeout=args.timeout,
+    )
+    print(profile)
+    if args.out:
+        profile.cost_model.save(args.out)
         print(f"wrote {args.out}")
     return 0

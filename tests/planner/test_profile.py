@@ -1,6 +1,7 @@
 """Profiling: the least-squares fit and the ``hgraph profile`` command on a tiny model."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -108,3 +109,148 @@ def test_profile_command_writes_a_valid_table_and_caches(tmp_path, monkeypatch, 
 def test_profile_command_rejects_tensor_parallel_schemes(capsys):
     assert main(["profile", "--schemes", "tp2,pp1", "--device", "cpu"]) == 1
     assert "one process per rank" in capsys.readouterr().err
+
+
+# -- multi-rank profiling (hgraph.planner.profile_ranks) -------------------------------------------
+
+from dataclasses import dataclass  # noqa: E402
+
+from hgraph.planner.cost import CostModel  # noqa: E402
+from hgraph.planner.profile import profile_cost_model  # noqa: E402
+from hgraph.planner.profile_ranks import (  # noqa: E402
+    build_ranks_table,
+    factory_name,
+    parse_schemes,
+    profile_ranks,
+)
+
+
+def tiny_llama():
+    """Module level so spawned ranks can import it: 2 layers, hidden 64, heads/kv heads divisible by 2."""
+    from hgraph.models import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128))
+
+
+@dataclass(frozen=True)
+class SizedFactory:
+    hidden: int
+
+    def __call__(self):
+        return tiny_llama()
+
+
+def test_factory_names_key_the_cache_and_reject_what_cannot_be_sent():
+    assert factory_name("pkg.mod:make") == "pkg.mod:make"
+    assert factory_name(tiny_llama) == f"{__name__}:tiny_llama"
+    assert factory_name(SizedFactory(64)) == f"{__name__}:SizedFactory(hidden=64)"
+    with pytest.raises(CostModelError, match="cannot be sent to other processes"):
+        factory_name(lambda: None)
+    with pytest.raises(CostModelError, match="not callable"):
+        factory_name(3)
+
+
+def test_parse_schemes_compact_and_spaced():
+    assert parse_schemes("tp1,tp2,tp4,tp1pp2,tp2pp2,tp1pp4") == [
+        Scheme(1, 1), Scheme(2, 1), Scheme(4, 1), Scheme(1, 2), Scheme(2, 2), Scheme(1, 4)
+    ]
+    assert parse_schemes("tp1,pp1 tp2,pp2") == [Scheme(1, 1), Scheme(2, 2)]
+    assert parse_schemes("tp2,pp1") == [Scheme(2, 1)]  # one scheme in the spaced format
+    with pytest.raises(CostModelError, match="cannot parse scheme"):
+        parse_schemes("tp2,xx3")
+
+
+def _synthetic_raw():
+    """World 2; tp1,pp1 (2 replicas) and tp1,pp2 (stage 0 on rank 0, stage 1 on rank 1)."""
+    lengths = [100, 200, 400]
+    t = lambda l, k=1.0: k * (2e-4 * l * l + 0.05 * l + 3.0)  # noqa: E731
+    pp1_r0 = [[t(l) for l in lengths]] * 3
+    pp1_r1 = [[t(l) for l in lengths], [t(l, 1.5) for l in lengths], [t(l) for l in lengths]]
+    pp2_r0 = [[t(l, 0.5) for l in lengths]] * 3
+    pp2_r1 = [[t(l, 0.6) for l in lengths]] * 3  # the slower stage sets T
+    return {
+        "model": "x:y", "world_size": 2, "schemes": ["tp1,pp1", "tp1,pp2"], "lengths": lengths,
+        "repeats": 3, "hidden": 64, "layers": 2, "vocab": 256, "block_params": 64 * 64 * 12,
+        "seconds": 1.0,
+        "per_rank": [
+            {"compute_ms": {"tp1,pp1": pp1_r0, "tp1,pp2": pp2_r0},
+             "saved_bytes": {"tp1,pp1": [1000 + 256 * l for l in lengths],
+                             "tp1,pp2": [900 + 128 * l for l in lengths]}},
+            {"compute_ms": {"tp1,pp1": pp1_r1, "tp1,pp2": pp2_r1},
+             "saved_bytes": {"tp1,pp1": [1000 + 256 * l for l in lengths],
+                             "tp1,pp2": [700 + 160 * l for l in lengths]}},
+        ],
+    }
+
+
+def test_build_ranks_table_aggregates_ranks_stages_and_memory():
+    model, fits, times = build_ranks_table(_synthetic_raw(), memory_gb=1.0, name="unit")
+    pp1 = model.stage_cost(Scheme(1, 1))
+    # replicas: median over ranks per repeat, then median over repeats -> rank 0's clean times
+    assert (pp1.a, pp1.b, pp1.c) == pytest.approx((2e-4, 0.05, 3.0), rel=1e-4)
+    # stages: the slower stage (rank 1, 0.6x) sets T
+    assert model.stage_cost(Scheme(1, 2)).b == pytest.approx(0.6 * 0.05, rel=1e-4)
+    assert times[Scheme(1, 2)][0] == pytest.approx(0.6 * (2 + 5 + 3))
+    assert fits[Scheme(1, 1)].r2 == pytest.approx(1.0)
+    # A_tp1: pp1 has 256 B/token per rank; pp2 stages sum to 128 + 160 = 288 -> the larger, / (L * H)
+    assert model.memory.activation_bytes(1) == pytest.approx(288 / (2 * 64))
+    table = model.to_table()
+    assert table["cluster_config"]["gpus_per_node"] == 2
+    assert table["cluster_config"]["gpu_memory_bound"] == 10**9
+    assert set(table["_fit"]) == {"tp1,pp1", "tp1,pp2"} and "r2" in table["_fit"]["tp1,pp1"]
+    reloaded = CostModel.from_table(table)
+    assert reloaded.max_len(Scheme(1, 1)) == model.max_len(Scheme(1, 1)) > 0
+    with pytest.raises(CostModelError, match="memory budget"):
+        build_ranks_table(_synthetic_raw(), memory_gb=0)
+
+
+def test_profile_ranks_rejects_bad_requests_before_launching(tmp_path, monkeypatch):
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path))
+    with pytest.raises(CostModelError, match="does not divide world size 2"):
+        profile_ranks(tiny_llama, 2, ["tp4"], [16, 32, 64])
+    with pytest.raises(CostModelError, match="at least 3 distinct lengths"):
+        profile_ranks(tiny_llama, 2, ["tp1"], [16, 32])
+    with pytest.raises(CostModelError, match="module-level function"):
+        profile_ranks(lambda: tiny_llama(), 2, ["tp1"], [16, 32, 64])
+    with pytest.raises(CostModelError, match="not cp"):
+        profile_ranks(tiny_llama, 2, ["tp1,cp2"], [16, 32, 64])
+
+
+def test_profile_on_two_gloo_ranks_then_cache_hit_through_the_cli(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
+    lengths = [32, 64, 128]
+    profile = profile_ranks(tiny_llama, 2, ["tp1", "tp2"], lengths, repeats=2, memory_gb=0.05)
+    assert not profile.cached and profile.lengths == tuple(lengths)
+    assert set(profile.fits) == {Scheme(1, 1), Scheme(2, 1)}
+    for scheme, fit in profile.fits.items():
+        assert min(fit.cost.a, fit.cost.b, fit.cost.c) >= 0
+        assert fit.r2 <= 1.0 and fit.max_rel_error >= 0 and all(t > 0 for t in profile.times_ms[scheme])
+    model = profile.cost_model
+    # saved activations per token shrink per rank under TP, so tp2 fits more tokens
+    assert 0 < model.max_len(Scheme(1, 1)) < model.max_len(Scheme(2, 1))
+    assert "R²" in str(profile) and "MaxLen" in str(profile)
+    # saved-for-backward bytes grow linearly with the tokens of a micro-batch on every rank
+    for rank in json.loads(profile.cache_path.read_text())["per_rank"]:
+        for saved in rank["saved_bytes"].values():
+            slopes = [(saved[i + 1] - saved[i]) / (lengths[i + 1] - lengths[i]) for i in range(2)]
+            assert slopes[0] > 0 and slopes[1] == pytest.approx(slopes[0], rel=0.02)
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("a cached profile must not launch ranks")
+
+    monkeypatch.setattr(sys.modules["hgraph.runtime.launch"], "launch", no_launch)
+    out = tmp_path / "table.json"
+    argv = ["profile", "--world-size", "2", "--schemes", "tp1,tp2", "--lengths", "32,64,128",
+            "--repeats", "2", "--memory-gb", "0.05", "--model", factory_name(tiny_llama), "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "cached in" in printed and "max relative error" in printed
+    loaded = CostModel.from_table(out)
+    assert loaded.schemes == (Scheme(1, 1), Scheme(2, 1))
+    assert loaded.stage_cost(Scheme(2, 1)) == model.stage_cost(Scheme(2, 1))
+    assert loaded.max_len(Scheme(2, 1)) == model.max_len(Scheme(2, 1))
+    assert json.loads(out.read_text())["model_config"] == {"H": 64, "L": 2, "V": 256}
+    # the API reads the same cache entry
+    assert profile_cost_model(tiny_llama, 2, ["tp1", "tp2"], lengths, repeats=2).stage_cost(Scheme(1, 1)) == (
+        model.stage_cost(Scheme(1, 1))
+    )
