@@ -1,0 +1,316 @@
+"""``hgraph demo``: the whole idea on this machine, in a few minutes.
+
+A small Llama-style model trains on local gloo ranks on synthetic token sequences whose lengths are
+drawn from the bundled sample of real Wikipedia document lengths (scaled down to fit a CPU). Steps:
+
+1. profile ``T(l) = a·l² + b·l + c`` for every scheme on this machine (``hgraph profile``, cached);
+2. propose candidate strategies from the length distribution (``hgraph.planner.propose``);
+3. compile the model once for every candidate (``hgraph.compile``) on every rank;
+4. each iteration the planner picks the strategy, dispatches the sequences to its pipelines and packs
+   them into micro-batches; ``hgraph.Trainer`` runs it (Pull, 1F1B, Push, sharded AdamW).
+
+With ``--compare`` the same batches are also trained on the best single homogeneous strategy. The
+run folder gets the Perfetto trace, PNG plots, the plans as JSON and a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hgraph.errors import HGraphError
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=256, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),
+    "small": dict(vocab_size=512, hidden=128, layers=4, heads=8, kv_heads=4, ffn=256),
+    "medium": dict(vocab_size=1024, hidden=256, layers=4, heads=8, kv_heads=8, ffn=512),
+}
+SCHEMES = ("tp1", "tp2", "tp4", "tp1,pp2", "tp2,pp2", "tp1,pp4")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything a rank needs to run its part of the demo (picklable)."""
+
+    size: str = "tiny"
+    world_size: int = 4
+    iterations: int = 30
+    tokens_per_iteration: int = 2048
+    max_len: int = 512
+    length_scale: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+    timeline: bool = True
+    batches: tuple[tuple[int, ...], ...] = field(default=())
+    candidates: tuple[str, ...] = field(default=())
+    cost_table: str = ""
+
+
+def model_factory(size: str = "tiny") -> torch.nn.Module:
+    """The demo model of a given size, with deterministic weights."""
+    from hgraph.models import Llama, LlamaConfig, init_weights
+
+    model = Llama(LlamaConfig(**SIZES[size]))
+    init_weights(model, seed=0)
+    return model
+
+
+def tiny_model() -> torch.nn.Module:
+    return model_factory("tiny")
+
+
+def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """A learnable sequence: an arithmetic progression mod ``vocab`` with a random start and step,
+    so the next token follows from the two before it (the loss can fall well below log(vocab))."""
+    start = int(torch.randint(0, vocab, (1,), generator=generator))
+    step = int(torch.randint(1, 8, (1,), generator=generator))
+    return (start + step * torch.arange(length)) % vocab
+
+
+def batch_sequences(cfg: DemoConfig, iteration: int) -> list[torch.Tensor]:
+    """The global batch of ``iteration`` (identical on every rank)."""
+    g = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
+    vocab = SIZES[cfg.size]["vocab_size"]
+    return [synthetic_sequence(n, vocab, g) for n in cfg.batches[iteration]]
+
+
+def scaled_batches(cfg: DemoConfig) -> list[list[int]]:
+    """Batches of Wikipedia lengths divided by ``length_scale`` (at least 16 tokens)."""
+    from hgraph.planner.batches import make_batches, read_lengths, sample_path
+
+    lengths = [max(16, n // cfg.length_scale) for n in read_lengths(sample_path())]
+    return make_batches(lengths, cfg.tokens_per_iteration, cfg.max_len, cfg.iterations, seed=cfg.seed)
+
+
+def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
+    """Runs on every rank: compile all candidates, then train with the planner choosing."""
+    import hgraph
+    from hgraph.planner.assign import Planner
+    from hgraph.planner.cost import CostModel
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = model_factory(cfg.size)
+    start = time.perf_counter()
+    compiled = hgraph.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)))
+    compile_s = time.perf_counter() - start
+    cost_model = CostModel.from_table(json.loads(cfg.cost_table))
+    planner = Planner(cost_model, compiled.strategies)
+    trainer = hgraph.Trainer(compiled, lr=cfg.lr, weight_decay=0.01, grad_clip=1.0, planner=planner,
+                             timeline=cfg.timeline)
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.iterations, desc=f"{len(cfg.candidates)} candidates", unit="it", leave=False)
+    for i in range(cfg.iterations):
+        loss = trainer.step(batch_sequences(cfg, i))
+        rec = trainer.history[-1]
+        if bar is not None:
+            bar.update(1)
+            exposed = _exposed_ms(trainer, i)
+            bar.write(
+                f"iter {i:3d}  loss {loss:7.4f}  {rec['strategy']:<28} predicted {rec['predicted_ms'] or 0:7.1f} ms"
+                f"  measured {rec['seconds'] * 1000:7.1f} ms"
+                + (f"  exposed comm (rank 0) {exposed:6.1f} ms" if exposed is not None else "")
+            )
+    if bar is not None:
+        bar.close()
+    events = trainer.gather_timeline() if cfg.timeline else []
+    return {"history": trainer.history, "compile_s": compile_s, "events": events,
+            "strategies": [str(s) for s in compiled.strategies]}
+
+
+def _exposed_ms(trainer: Any, iteration: int) -> Optional[float]:
+    """This rank's communication time not hidden behind compute in ``iteration`` (ms)."""
+    if trainer.timeline is None:
+        return None
+    from hgraph.runtime.timeline import exposed_communication
+
+    per_rank = exposed_communication(trainer.timeline.events)
+    return 1000 * per_rank.get(trainer.rank, {}).get(iteration, 0.0)
+
+
+def profiled_cost_table(cfg: DemoConfig, fresh: bool = False) -> dict[str, Any]:
+    """``T(l)`` per scheme measured on this machine (cached by ``hgraph profile``)."""
+    from hgraph.planner import profile
+
+    schemes = [s for s in SCHEMES if _fits(s, cfg)]
+    top = max(cfg.max_len, 96)  # three distinct lengths at least, to fit a, b and c
+    lengths = sorted({min(top, n) for n in (top // 4, top // 2, 3 * top // 4, top)} | {min(top, n) for n in (64, 128, 256, 512)})
+    factory = "hgraph.demo:tiny_model" if cfg.size == "tiny" else _SizedFactory(cfg.size)
+    cm = profile.profile_cost_model(factory, cfg.world_size, schemes, lengths, use_cache=not fresh)
+    return cm.to_table()
+
+
+@dataclass(frozen=True)
+class _SizedFactory:
+    size: str
+
+    def __call__(self) -> torch.nn.Module:
+        return model_factory(self.size)
+
+
+def _fits(scheme: str, cfg: DemoConfig) -> bool:
+    from hgraph.planner.cost import Scheme
+
+    s = Scheme.parse(scheme)
+    dims = SIZES[cfg.size]
+    return (
+        cfg.world_size % s.gpus == 0
+        and dims["heads"] % s.tp == 0
+        and dims["kv_heads"] % s.tp == 0
+        and dims["layers"] >= s.pp
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (default 4)")
+    parser.add_argument("--iterations", type=int, default=30, help="training iterations (default 30)")
+    parser.add_argument("--out", default="runs/demo", help="run folder for plots, trace, plans (default runs/demo)")
+    parser.add_argument("--model-size", choices=sorted(SIZES), default="tiny", help="model size (default tiny)")
+    parser.add_argument("--tokens-per-iteration", type=int, default=2048)
+    parser.add_argument("--max-len", type=int, default=512, help="longest sequence after scaling")
+    parser.add_argument("--compare", action="store_true",
+                        help="also train on the best single homogeneous strategy and report the speedup")
+    parser.add_argument("--fresh-profile", action="store_true", help="measure the cost model again")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hgraph.planner.baselines import homogeneous_strategies
+    from hgraph.planner.cost import CostModel
+    from hgraph.planner.proposal import propose
+    from hgraph.runtime.launch import launch
+
+    if args.world_size < 1 or args.iterations < 1:
+        raise HGraphError(f"--world-size {args.world_size} and --iterations {args.iterations} must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = DemoConfig(size=args.model_size, world_size=args.world_size, iterations=args.iterations,
+                     tokens_per_iteration=args.tokens_per_iteration, max_len=args.max_len, seed=args.seed)
+    batches = scaled_batches(cfg)
+    print(f"hgraph demo: {SIZES[cfg.size]} model, {cfg.world_size} gloo ranks, {cfg.iterations} iterations, "
+          f"~{cfg.tokens_per_iteration} tokens/iteration (Wikipedia lengths / {cfg.length_scale})")
+    t0 = time.perf_counter()
+    table = profiled_cost_table(cfg, fresh=args.fresh_profile)
+    cost_model = CostModel.from_table(table)
+    print(f"[1/4] cost model for {', '.join(str(s) for s in cost_model.schemes)} ({time.perf_counter() - t0:.1f}s)")
+    flat = [n for b in batches for n in b]
+    candidates = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
+                                          tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
+    print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates))
+    cfg = DemoConfig(**{**asdict(cfg), "batches": tuple(tuple(b) for b in batches),
+                        "candidates": tuple(candidates), "cost_table": json.dumps(table)})
+    print(f"[3/4] training on {cfg.world_size} ranks (each compiles the candidates first)")
+    t1 = time.perf_counter()
+    result = launch(_rank_train, cfg.world_size, args=(cfg,), timeout=args.timeout)[0]
+    train_s = time.perf_counter() - t1
+    comparison = None
+    if args.compare:
+        homog = [str(s) for s in homogeneous_strategies(cost_model, cfg.world_size)]
+        best = _best_homogeneous(cost_model, homog, batches)
+        print(f"      --compare: training again on the best homogeneous strategy {best}")
+        base_cfg = DemoConfig(**{**asdict(cfg), "candidates": (best,)})
+        comparison = launch(_rank_train, cfg.world_size, args=(base_cfg,), timeout=args.timeout)[0]
+    print("[4/4] writing the run folder")
+    summary = write_artifacts(out, cfg, cost_model, result, comparison, train_s)
+    print(_summary_text(summary))
+    return 0
+
+
+def _best_homogeneous(cost_model: Any, strategies: list[str], batches: list[list[int]]) -> str:
+    from hgraph.planner.assign import Planner
+
+    best, best_ms = strategies[0], float("inf")
+    for s in strategies:
+        planner = Planner(cost_model, [s])
+        try:
+            total = sum(planner.plan(b).predicted_ms for b in batches)
+        except HGraphError:
+            continue
+        if total < best_ms:
+            best, best_ms = s, total
+    return best
+
+
+def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, comparison: Optional[dict],
+                    train_s: float) -> dict[str, Any]:
+    """Plots, trace, plans and summary into ``out``; returns the summary."""
+    from hgraph import plots
+
+    history = result["history"]
+    plans = [
+        {"iteration": h["iteration"], "strategy": h["strategy"], "predicted_ms": h["predicted_ms"],
+         "measured_ms": h["seconds"] * 1000, "loss": h["loss"],
+         "pipelines": [[[h["lengths"][i] for i in mb] for mb in p] for p in h["dispatch"]]}
+        for h in history
+    ]
+    (out / "plans.json").write_text(json.dumps(plans, indent=1))
+    plots.loss_curve(out / "loss.png", history, comparison["history"] if comparison else None)
+    plots.strategy_and_loads(out / "strategies.png", history)
+    plots.predicted_vs_measured(out / "predicted_vs_measured.png", history)
+    trace_files = plots.timeline_files(out, result.get("events") or [])
+    steady = history[1:] if len(history) > 1 else history
+    measured = sum(h["seconds"] for h in steady)
+    summary: dict[str, Any] = {
+        "model": SIZES[cfg.size],
+        "world_size": cfg.world_size,
+        "iterations": cfg.iterations,
+        "candidates": list(cfg.candidates),
+        "strategies_used": sorted({h["strategy"] for h in history}),
+        "loss_first": history[0]["loss"],
+        "loss_last": history[-1]["loss"],
+        "compile_s": result["compile_s"],
+        "train_wall_s": train_s,
+        "step_s_total_after_first": measured,
+        "predicted_ms_total_after_first": sum(h["predicted_ms"] or 0 for h in steady),
+        "exposed_comm_s": _exposed_total(result.get("events") or []),
+        "artifacts": sorted(p.name for p in out.iterdir()) + trace_files,
+    }
+    if comparison is not None:
+        base = comparison["history"]
+        base_steady = base[1:] if len(base) > 1 else base
+        base_s = sum(h["seconds"] for h in base_steady)
+        summary["homogeneous"] = {"strategy": base[0]["strategy"], "step_s_total_after_first": base_s,
+                                  "loss_last": base[-1]["loss"]}
+        summary["measured_speedup"] = base_s / measured if measured else None
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.md").write_text(_summary_text(summary) + "\n")
+    return summary
+
+
+def _exposed_total(events: list) -> Optional[float]:
+    """Sum over iterations of the slowest rank's exposed communication (seconds)."""
+    if not events:
+        return None
+    from hgraph.runtime.timeline import exposed_communication
+
+    per_rank = exposed_communication(events)
+    iterations = {it for by_it in per_rank.values() for it in by_it}
+    return sum(max(by_it.get(it, 0.0) for by_it in per_rank.values()) for it in iterations)
+
+
+def _summary_text(s: dict[str, Any]) -> str:
+    lines = [
+        f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f} over {s['iterations']} iterations on {s['world_size']} ranks",
+        f"strategies used: {', '.join(s['strategies_used'])}",
+        f"step time (iterations 2..): measured {s['step_s_total_after_first']:.2f} s, "
+        f"predicted {s['predicted_ms_total_after_first'] / 1000:.2f} s; compile {s['compile_s']:.1f} s per rank",
+    ]
+    if s.get("exposed_comm_s"):
+        lines.append(f"exposed communication: {s['exposed_comm_s']:.2f} s")
+    if "homogeneous" in s:
+        h = s["homogeneous"]
+        lines.append(f"best homogeneous {h['strategy']}: {h['step_s_total_after_first']:.2f} s "
+                     f"-> measured speedup {s['measured_speedup']:.2f}x")
+    lines.append("artifacts: " + ", ".join(s["artifacts"]))
+    return "\n".join(lines)
