@@ -1,0 +1,118 @@
+"""Planner benchmark: hgraph's planner and every baseline on the same batches of real Wikipedia lengths.
+
+Settings (issue 6): 7B on 64 GPUs, 200K tokens per iteration, max length 32K; 32B on 1024 GPUs,
+1.6M tokens; 7B on 64 GPUs with max length 128K. Prints one JSON object. The reference baseline
+solves MILPs (6-20 minutes per iteration here), so it runs on the first ``--reference-iterations``
+batches of the ``--reference-settings`` only (default: one batch of the first setting, so the default
+run takes about 7 minutes), and every comparison with it uses those batches. The full comparison:
+
+    python benchmarks/planner_bench.py --iterations 5 --reference-iterations 1 \
+        --reference-settings 7b_64gpu_32k 32b_1024gpu_32k 7b_64gpu_128k      # about 40 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from hgraph.planner import baselines
+from hgraph.planner.assign import Planner
+from hgraph.planner.batches import make_batches, read_lengths, sample_path
+from hgraph.planner.cost import CostModel
+from hgraph.planner.proposal import propose
+
+SETTINGS = {
+    "7b_64gpu_32k": ("llama7b_a800", 64, 200_000, 32_768),
+    "32b_1024gpu_32k": ("llama32b_a800", 1024, 1_600_000, 32_768),
+    "7b_64gpu_128k": ("llama7b_a800", 64, 200_000, 131_072),
+}
+
+
+def _stats(plans) -> dict:
+    return {
+        "predicted_ms": [round(p.predicted_ms, 1) for p in plans],
+        "predicted_ms_total": round(sum(p.predicted_ms for p in plans), 1),
+        "plan_ms_median": round(statistics.median(p.plan_ms for p in plans), 2),
+        "plan_ms_max": round(max(p.plan_ms for p in plans), 2),
+        "strategies": sorted({str(p.strategy) for p in plans}),
+    }
+
+
+def run_setting(name: str, iterations: int, ref_iterations: int, ref_time_limit: float, seed: int) -> dict:
+    table, gpus, tokens, max_len = SETTINGS[name]
+    cost_model = CostModel.preset(table)
+    lengths = read_lengths(sample_path())
+    batches = make_batches(lengths, tokens, max_len, iterations, seed)
+    start = time.perf_counter()
+    candidates = propose(cost_model, gpus, lengths, max_len=max_len, tokens_per_iteration=tokens)
+    propose_s = time.perf_counter() - start
+    planner = Planner(cost_model, candidates)
+    ours = [planner.plan(b) for b in batches]
+    homogeneous = baselines.homogeneous_strategies(cost_model, gpus)
+    per_iteration_homogeneous = Planner(cost_model, homogeneous)
+    runs = {
+        "megatron": baselines.megatron(cost_model, gpus, batches, max_len),
+        "homogeneous-tuned": baselines.homogeneous_tuned(cost_model, gpus, batches),
+        "homogeneous-per-iteration": [per_iteration_homogeneous.plan(b) for b in batches],
+    }
+    if ref_iterations:
+        runs["hydraulis-reference"] = baselines.hydraulis_reference(
+            cost_model, candidates, batches[:ref_iterations], time_limit=ref_time_limit
+        )
+    costs = {c for cs in planner.pipeline_costs for c in cs}
+    floor = []  # the longest sequence alone on the fastest pipeline that can hold it (compute only)
+    for b in batches:
+        longest = max(b)
+        floor.append(min(c.pp * (c.seq_time(longest) + c.c) for c in costs if c.max_len >= longest))
+    out = {
+        "setting": {"cost_table": table, "gpus": gpus, "tokens_per_iteration": tokens, "max_len": max_len,
+                    "iterations": iterations, "seed": seed, "candidates": len(candidates),
+                    "propose_s": round(propose_s, 3)},
+        "hgraph": _stats(ours),
+        "baselines": {k: _stats(v) for k, v in runs.items()},
+        "longest_sequence_floor_ms": [round(f, 1) for f in floor],
+    }
+    total = sum(p.predicted_ms for p in ours)
+    comparison = {}
+    for k, plans in runs.items():
+        mine = sum(p.predicted_ms for p in ours[: len(plans)])
+        theirs = sum(p.predicted_ms for p in plans)
+        comparison[k] = {
+            "speedup": round(theirs / mine, 4),
+            "hgraph_never_slower": all(o.predicted_ms <= t.predicted_ms * (1 + 1e-9) for o, t in zip(ours, plans)),
+            "plan_time_ratio": round(
+                statistics.median(p.plan_ms for p in plans) / statistics.median(p.plan_ms for p in ours[: len(plans)]), 2
+            ),
+        }
+    out["comparison"] = comparison
+    out["heterogeneous_iterations"] = sum(len({p.scheme for p in plan.pipelines}) > 1 for plan in ours)
+    out["hgraph_predicted_ms_total"] = round(total, 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--reference-iterations", type=int, default=1, help="0 skips hydraulis-reference")
+    parser.add_argument("--reference-time-limit", type=float, default=0.5, help="seconds per packing MILP")
+    parser.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument(
+        "--reference-settings", nargs="*", default=["7b_64gpu_32k"], choices=list(SETTINGS),
+        help="settings that also run hydraulis-reference (minutes per iteration)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    result = {}
+    for name in args.settings:
+        start = time.perf_counter()
+        ref_iterations = args.reference_iterations if name in args.reference_settings else 0
+        result[name] = run_setting(name, args.iterations, ref_iterations, args.reference_time_limit, args.seed)
+        print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

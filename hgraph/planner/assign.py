@@ -1,0 +1,207 @@
+"""Per-iteration assignment: choose the candidate strategy, dispatch the batch, pack micro-batches.
+
+``Planner.plan(lengths)`` minimises the simulator's predicted iteration time (``simulate``):
+
+1. Keep the candidates whose largest MaxLen takes the longest sequence (longer sequences raise
+   ``PlanError``, or are cut into MaxLen-sized pieces with ``split_long=True``).
+2. Order them by a valid lower bound (the longest sequence alone on its best pipeline; the total
+   work spread evenly); skip every candidate whose bound cannot beat the best plan found.
+3. Greedy dispatch + packing (``dispatch``) for the rest, then local search on the ``refine`` best
+   (those within ``REFINE_WITHIN`` of the best greedy plan).
+4. The smallest predicted time (compute plus exposed Pull/Push) wins.
+
+``exact=True`` replaces 3 by the joint MILP of ``exact.solve_joint`` (small batches only).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from hgraph.errors import PlanError
+from hgraph.planner.cost import CostModel, Scheme
+from hgraph.planner.dispatch import Assigner
+from hgraph.planner.exact import solve_joint
+from hgraph.planner.plan import IterationPlan, PipelinePlan
+from hgraph.planner.simulate import CommModel, PipelineCost, comm_model_for, exposed_comm_ms
+from hgraph.strategy import Strategy, as_strategies
+
+EXACT_MAX_VARIABLES = 4000
+REFINE_WITHIN = 0.03  # local search only for greedy plans within 3% of the best greedy plan
+DEFAULT = "default"
+
+
+def pipeline_costs(cost_model: CostModel, strategy: Strategy) -> list[PipelineCost]:
+    """``PipelineCost`` of every pipeline of ``strategy``, MaxLen for the strategy's world size."""
+    model = cost_model
+    if model.world_size != strategy.world_size:
+        model = model.with_world_size(strategy.world_size)
+    out, cache = [], {}
+    for p in strategy.pipelines:
+        scheme = Scheme.of(p)
+        if scheme not in cache:
+            sc = model.stage_cost(scheme)
+            cache[scheme] = PipelineCost(sc.a, sc.b, sc.c, p.pp, model.max_len(scheme))
+        out.append(cache[scheme])
+    return out
+
+
+def split_pieces(lengths: Sequence[int], cap: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Cut every sequence longer than ``cap`` into ``cap``-token pieces: (piece lengths, sources)."""
+    pieces, sources = [], []
+    for i, l in enumerate(lengths):
+        for start in range(0, l, cap):
+            pieces.append(min(cap, l - start))
+            sources.append((i, start))
+    return pieces, sources
+
+
+def check_lengths(lengths: Iterable[Any]) -> list[int]:
+    """The batch as a list of positive ints, else ``PlanError`` naming the bad entry."""
+    out = []
+    for i, l in enumerate(lengths):
+        if isinstance(l, bool) or not isinstance(l, numbers.Integral):
+            raise PlanError(f"sequence {i} has length {l!r}; lengths must be positive integers")
+        l = int(l)
+        if l < 1:
+            raise PlanError(f"sequence {i} has length {l}; lengths must be positive integers")
+        out.append(l)
+    if not out:
+        raise PlanError("cannot plan an empty batch; give at least one sequence")
+    return out
+
+
+class Planner:
+    """Plans iterations for a fixed cost model and candidate set (candidates compiled once).
+
+    ``comm`` is the Pull/Push model of the simulator: ``"default"`` (``AlphaBetaComm`` from the
+    table's model config), None (compute only) or any ``CommModel``. ``refine`` is how many of the
+    best greedy plans get the local search; ``budget_ms`` is a safety net on its time per iteration
+    (the search normally ends well before it, so plans do not depend on the machine's speed).
+    ``pipeline_costs[k]`` holds the ``PipelineCost`` of every pipeline of ``candidates[k]``.
+    """
+
+    def __init__(
+        self,
+        cost_model: CostModel,
+        candidates: Iterable[Union[Strategy, str]],
+        comm: Union[CommModel, str, None] = DEFAULT,
+        budget_ms: float = 60.0,
+        refine: int = 3,
+    ) -> None:
+        self.cost_model = cost_model
+        self.candidates = as_strategies(candidates)
+        if not self.candidates:
+            raise PlanError("the planner needs at least one candidate strategy")
+        self.comm: Optional[CommModel] = comm_model_for(cost_model) if comm == DEFAULT else comm  # type: ignore[assignment]
+        self.budget_ms = budget_ms
+        self.refine = refine
+        self.pipeline_costs = [pipeline_costs(cost_model, s) for s in self.candidates]
+        self._comm_ms = [
+            [self.comm.pull_push_ms(s, i) if self.comm else 0.0 for i in range(len(s.pipelines))]
+            for s in self.candidates
+        ]
+        self.largest_max_len = max(c.max_len for costs in self.pipeline_costs for c in costs)
+
+    def predicted(self, k: int, compute: Sequence[float]) -> float:
+        """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push)."""
+        out = 0.0
+        for cost, t, comm in zip(self.pipeline_costs[k], compute, self._comm_ms[k]):
+            layers = self.comm.layers / cost.pp if self.comm else 1.0
+            out = max(out, t + (exposed_comm_ms(comm, t, layers) if t > 0 else 0.0))
+        return out
+
+    def _lower_bound(self, k: int, lengths: Sequence[int], longest: int) -> float:
+        costs = self.pipeline_costs[k]
+        groups = set(costs)
+        eligible = [c for c in groups if c.max_len >= longest]
+        tail = min(c.pp * (c.seq_time(longest) + c.c) for c in eligible)
+        spread = sum(min(c.seq_time(l) for c in groups if c.max_len >= l) for l in lengths) / len(costs)
+        return max(tail, spread)
+
+    def plan(
+        self, lengths: Sequence[int], split_long: bool = False, exact: bool = False,
+        time_limit: Optional[float] = 60.0,
+    ) -> IterationPlan:
+        """The best plan for one batch of sequence ``lengths`` (see the module docstring)."""
+        start = time.perf_counter()
+        lengths = check_lengths(lengths)
+        longest = max(lengths)
+        if longest > self.largest_max_len and not split_long:
+            raise PlanError(
+                f"a sequence of {longest} tokens exceeds the largest MaxLen {self.largest_max_len} of every "
+                "candidate strategy; truncate it or pass split_long=True"
+            )
+        if split_long:
+            pieces, sources = split_pieces(lengths, self.largest_max_len)
+        else:
+            pieces, sources = lengths, [(i, 0) for i in range(len(lengths))]
+        longest = max(pieces)
+        eligible = [k for k, costs in enumerate(self.pipeline_costs) if max(c.max_len for c in costs) >= longest]
+        if exact:
+            best = self._exact(eligible, pieces, time_limit)
+        else:
+            best = self._heuristic(eligible, pieces, longest, start)
+        predicted, k, packs = best
+        strategy = self.candidates[k]
+        pipelines = tuple(
+            PipelinePlan(
+                p, cost, tuple(tuple(mb) for mb in mbs), tuple(tuple(pieces[i] for i in mb) for mb in mbs)
+            )
+            for p, cost, mbs in zip(strategy.pipelines, self.pipeline_costs[k], packs)
+        )
+        plan_ms = (time.perf_counter() - start) * 1e3
+        return IterationPlan(strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms)
+
+    def _heuristic(self, eligible: list[int], pieces: list[int], longest: int, start: float):
+        bounds = sorted((self._lower_bound(k, pieces, longest), k) for k in eligible)
+        greedy: list[tuple[float, int, Assigner, list[list[int]]]] = []
+        best = math.inf
+        for bound, k in bounds:
+            if bound >= best:
+                break
+            assigner = Assigner(self.pipeline_costs[k], pieces)
+            members = assigner.greedy()
+            predicted = self.predicted(k, [assigner.time_of(p, m) for p, m in enumerate(members)])
+            greedy.append((predicted, k, assigner, members))
+            best = min(best, predicted)
+        greedy.sort(key=lambda g: g[0])
+        results = []
+        top = [g for g in greedy[: self.refine] if g[0] <= greedy[0][0] * (1 + REFINE_WITHIN)]
+        for n, (_, k, assigner, members) in enumerate(top):
+            left = self.budget_ms - (time.perf_counter() - start) * 1e3
+            share = max(left, 1.0) / (len(top) - n)
+            # the search lowers the slowest pipeline's compute; keep the greedy plan too, in case
+            # Pull/Push exposure makes it the better one after all
+            for found in (members, assigner.search(time.perf_counter() + share / 1e3, start=[list(m) for m in members])):
+                packs = [assigner.packed(p, m) for p, m in enumerate(found)]
+                results.append((self.predicted(k, [t for _, t in packs]), k, [b for b, _ in packs]))
+        return min(results, key=lambda r: r[0])
+
+    def _exact(self, eligible: list[int], pieces: list[int], time_limit: Optional[float]):
+        results = []
+        for k in eligible:
+            size = len(pieces) ** 2 * len(self.pipeline_costs[k])
+            if size > EXACT_MAX_VARIABLES:
+                raise PlanError(
+                    f"exact mode needs {size} binaries for {len(pieces)} sequences on strategy "
+                    f"{self.candidates[k]}; it is meant for at most {EXACT_MAX_VARIABLES} (small batches)"
+                )
+            packs, _ = solve_joint(self.pipeline_costs[k], pieces, time_limit)
+            compute = [c.time([[pieces[i] for i in mb] for mb in mbs]) for c, mbs in zip(self.pipeline_costs[k], packs)]
+            results.append((self.predicted(k, compute), k, packs))
+        return min(results, key=lambda r: r[0])
+
+
+def plan_iteration(
+    cost_model: CostModel,
+    candidates: Iterable[Union[Strategy, str]],
+    lengths: Sequence[int],
+    split_long: bool = False,
+    exact: bool = False,
+    comm: Union[CommModel, str, None] = DEFAULT,
+) -> IterationPlan:
+    """One-shot form of ``Planner(cost_model, candidates, comm).plan(lengths, split_long, exact)``."""
+    return Planner(cost_model, candidates, comm).plan(lengths, split_long=split_long, exact=exact)

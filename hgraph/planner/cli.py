@@ -1,0 +1,95 @@
+"""``hgraph plan``: plan iterations of a length file with a cost model, next to the baselines.
+
+Candidates come from ``proposal.propose`` for the length file's distribution; every batch is planned
+by hgraph's planner and by the baselines (``megatron``, ``homogeneous-tuned``; ``--baselines`` adds
+the slow ``hydraulis-reference``) and predicted by the same simulator. ``--json`` prints one object::
+
+    {"iterations": [{"strategy", "pipelines": [{"tp", "pp", "cp", "ranks", "max_len",
+                     "micro_batches"}], "predicted_ms", "plan_ms"}],
+     "summary": {"predicted_ms_total", "baseline": {"name": "megatron", "predicted_ms_total"},
+                 "baselines": [{"name", "predicted_ms_total", "plan_ms_median"}],
+                 "speedup", "plan_ms_median", "plan_ms_max"}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any, Sequence
+
+from hgraph.planner import baselines
+from hgraph.planner.assign import Planner
+from hgraph.planner.batches import make_batches, read_lengths, sample_path
+from hgraph.planner.cost import load_cost_model
+from hgraph.planner.plan import IterationPlan
+from hgraph.planner.proposal import propose
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cost-table", default="llama7b_a800", help="preset name or cost table JSON file")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    parser.add_argument("--lengths", default=None, help="length file, one integer per line (default: bundled Wikipedia sample)")
+    parser.add_argument("--tokens-per-iteration", type=int, default=200_000, help="tokens per global batch")
+    parser.add_argument("--max-len", type=int, default=32_768, help="context length: longer sequences are truncated")
+    parser.add_argument("--iterations", type=int, default=1, help="number of batches to plan")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the length-file shuffle")
+    parser.add_argument("--exact", action="store_true", help="solve each iteration exactly by MILP (small batches only)")
+    parser.add_argument("--split-long", action="store_true", help="cut sequences longer than every MaxLen into pieces")
+    parser.add_argument("--baselines", action="store_true", help="also run the slow hydraulis-reference baseline")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def plan_run(args: argparse.Namespace) -> tuple[list[IterationPlan], dict[str, list[IterationPlan]]]:
+    """hgraph's plans and each baseline's plans for the batches ``args`` describes."""
+    cost_model = load_cost_model(args.cost_table)
+    lengths = read_lengths(args.lengths or sample_path())
+    batches = make_batches(lengths, args.tokens_per_iteration, args.max_len, args.iterations, args.seed)
+    candidates = propose(cost_model, args.gpus, lengths, max_len=args.max_len, tokens_per_iteration=args.tokens_per_iteration)
+    planner = Planner(cost_model, candidates)
+    ours = [planner.plan(b, split_long=args.split_long, exact=args.exact) for b in batches]
+    others = {
+        "megatron": baselines.megatron(cost_model, args.gpus, batches, args.max_len),
+        "homogeneous-tuned": baselines.homogeneous_tuned(cost_model, args.gpus, batches),
+    }
+    if args.baselines:
+        others["hydraulis-reference"] = baselines.hydraulis_reference(cost_model, candidates, batches)
+    return ours, others
+
+
+def summary(ours: Sequence[IterationPlan], others: dict[str, list[IterationPlan]]) -> dict[str, Any]:
+    """The ``summary`` object of the JSON output."""
+    total = sum(p.predicted_ms for p in ours)
+    rows = [
+        {
+            "name": name,
+            "predicted_ms_total": round(sum(p.predicted_ms for p in plans), 3),
+            "plan_ms_median": round(statistics.median(p.plan_ms for p in plans), 3),
+        }
+        for name, plans in others.items()
+    ]
+    megatron = next(r for r in rows if r["name"] == "megatron")
+    return {
+        "predicted_ms_total": round(total, 3),
+        "baseline": {"name": "megatron", "predicted_ms_total": megatron["predicted_ms_total"]},
+        "baselines": rows,
+        "speedup": round(megatron["predicted_ms_total"] / total, 4),
+        "plan_ms_median": round(statistics.median(p.plan_ms for p in ours), 3),
+        "plan_ms_max": round(max(p.plan_ms for p in ours), 3),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    ours, others = plan_run(args)
+    result = {"iterations": [p.to_json() for p in ours], "summary": summary(ours, others)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for k, plan in enumerate(ours):
+        print(f"iteration {k}: {plan}")
+    s = result["summary"]
+    print(f"total predicted {s['predicted_ms_total']:.1f} ms, {s['speedup']:.2f}x over megatron; "
+          f"plan time median {s['plan_ms_median']:.1f} ms, max {s['plan_ms_max']:.1f} ms")
+    for row in s["baselines"]:
+        print(f"  {row['name']:<20} {row['predicted_ms_total']:.1f} ms (plan median {row['plan_ms_median']:.1f} ms)")
+    return 0

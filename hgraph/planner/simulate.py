@@ -1,0 +1,161 @@
+"""Predicted iteration time of a plan: 1F1B per pipeline, the slowest pipeline, plus exposed Pull/Push.
+
+Per pipeline (DESIGN.md A5) with micro-batch times ``T(mb) = Σ (a·lᵢ² + b·lᵢ) + c``::
+
+    compute = Σ T(mb) + (pp − 1) · max T(mb)
+
+The quadratic term is per sequence because packed attention never crosses a sequence boundary.
+The iteration time is the largest ``compute + exposed_comm`` over the strategy's pipelines.
+
+Pull Parameter and Push Gradient (DESIGN.md A3) overlap with compute, layer by layer; what stays
+exposed is the larger of one layer's share (the first Pull and the last Push cannot overlap) and
+whatever does not fit under the compute::
+
+    exposed_comm = max(total / layers_per_stage, total − compute)
+
+``total`` comes from a ``CommModel``. The default, ``AlphaBetaComm``, is a simple alpha-beta model:
+every rank pulls its stage's compute-dtype parameters (``bytes_per_param · P / (tp · pp)``) and pushes
+as many gradient bytes, at ``inter_node_gbps`` (GB/s per GPU) once the world spans several nodes
+(``intra_node_gbps`` otherwise), with ``alpha_ms`` per step of a ``log2(world)``-step collective.
+The default figures (25 GB/s, i.e. one 200 Gb/s NIC per GPU; 300 GB/s NVLink; 20 µs) are
+deliberately plain; plug in the LNK topology model by passing any object with the same
+``pull_push_ms`` method.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+
+from hgraph.errors import PlanError
+from hgraph.strategy import Strategy
+
+if TYPE_CHECKING:
+    from hgraph.planner.plan import IterationPlan
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """What the planner needs to know about one pipeline: per-stage ``T(l) = a·l² + b·l + c``
+    (ms), its depth ``pp`` and its ``max_len`` (tokens one micro-batch may hold)."""
+
+    a: float
+    b: float
+    c: float
+    pp: int
+    max_len: int
+
+    def seq_time(self, length: int) -> float:
+        """Per-stage time of one sequence inside a micro-batch, without the fixed ``c``."""
+        return self.a * length * length + self.b * length
+
+    def micro_batch_time(self, lengths: Sequence[int]) -> float:
+        """``T(mb) = Σ (a·l² + b·l) + c``."""
+        return sum(self.a * l * l + self.b * l for l in lengths) + self.c
+
+    def time(self, micro_batches: Sequence[Sequence[int]]) -> float:
+        """1F1B time of these micro-batches (lists of lengths): ``Σ T + (pp − 1)·max T``; 0 when idle."""
+        times = [self.micro_batch_time(mb) for mb in micro_batches if len(mb)]
+        if not times:
+            return 0.0
+        return sum(times) + (self.pp - 1) * max(times)
+
+    def __str__(self) -> str:
+        return f"T(l)={self.a:.3g}·l²+{self.b:.3g}·l+{self.c:.3g} ms, pp={self.pp}, MaxLen={self.max_len}"
+
+
+class CommModel(Protocol):
+    """Pull Parameter + Push Gradient time of one pipeline of a strategy (ms, before overlap);
+    ``layers`` is the model's layer count (the overlap granularity)."""
+
+    layers: int
+
+    def pull_push_ms(self, strategy: Strategy, index: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class AlphaBetaComm:
+    """Alpha-beta Pull/Push model (see the module docstring for the formula and the figures)."""
+
+    param_count: float
+    layers: int
+    bytes_per_param: float = 2.0
+    inter_node_gbps: float = 25.0
+    intra_node_gbps: float = 300.0
+    alpha_ms: float = 0.02
+    gpus_per_node: int = 8
+
+    @classmethod
+    def for_model(cls, hidden: int, layers: int, vocab: int, **figures: Any) -> "AlphaBetaComm":
+        """Parameters of a LLaMA-style model: ``12·H²`` per layer plus embedding and LM head."""
+        return cls(12.0 * hidden * hidden * layers + 2.0 * vocab * hidden, layers, **figures)
+
+    def pull_push_ms(self, strategy: Strategy, index: int) -> float:
+        p = strategy.pipelines[index]
+        world = strategy.world_size
+        if world <= 1:
+            return 0.0
+        gbps = self.intra_node_gbps if world <= self.gpus_per_node else self.inter_node_gbps
+        shard_bytes = self.bytes_per_param * self.param_count / (p.tp * p.pp)
+        steps = math.ceil(math.log2(world))
+        return 2.0 * (shard_bytes / (gbps * 1e9) * 1e3 + steps * self.alpha_ms)
+
+
+def comm_model_for(cost_model: Any) -> Optional[AlphaBetaComm]:
+    """The default comm model of a cost model's table (``model_config`` H, L, V), or None."""
+    try:
+        config = cost_model.to_table()["model_config"]
+        return AlphaBetaComm.for_model(
+            int(config["H"]), int(config["L"]), int(config["V"]),
+            gpus_per_node=int(getattr(cost_model, "gpus_per_node", 8)),
+        )
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def exposed_comm_ms(total_ms: float, compute_ms: float, layers_per_stage: float) -> float:
+    """Pull/Push time left on the critical path after overlapping it with compute layer by layer."""
+    if total_ms <= 0:
+        return 0.0
+    return max(total_ms / max(layers_per_stage, 1.0), total_ms - compute_ms)
+
+
+def pipeline_times(plan: "IterationPlan", comm: Optional[CommModel] = None) -> tuple[float, ...]:
+    """Predicted time (ms) of every pipeline of ``plan``: 1F1B compute plus exposed Pull/Push."""
+    out = []
+    for i, pp in enumerate(plan.pipelines):
+        compute = pp.cost.time(pp.micro_batch_lengths)
+        if comm is not None:
+            per_stage = comm.layers / pp.cost.pp
+            compute += exposed_comm_ms(comm.pull_push_ms(plan.strategy, i), compute, per_stage)
+        out.append(compute)
+    return tuple(out)
+
+
+def predict(plan: "IterationPlan", comm: Optional[CommModel] = None) -> float:
+    """Predicted iteration time (ms): the slowest pipeline of ``plan``."""
+    return max(pipeline_times(plan, comm))
+
+
+def check_plan(plan: "IterationPlan", lengths: Sequence[int]) -> None:
+    """Raise ``PlanError`` unless every piece of the batch is placed once and every micro-batch fits."""
+    seen = [0] * len(plan.lengths)
+    for pp in plan.pipelines:
+        for mb, mb_lengths in zip(pp.micro_batches, pp.micro_batch_lengths):
+            tokens = sum(mb_lengths)
+            if tokens > pp.cost.max_len:
+                raise PlanError(
+                    f"micro-batch {list(mb)} of pipeline {pp.pipeline} holds {tokens} tokens, "
+                    f"more than its MaxLen {pp.cost.max_len}"
+                )
+            for i in mb:
+                seen[i] += 1
+    bad = [i for i, n in enumerate(seen) if n != 1]
+    if bad:
+        raise PlanError(f"plan places pieces {bad[:10]} {[seen[i] for i in bad[:10]]} times; each must appear once")
+    by_source: dict[int, int] = {}
+    for (src, _), l in zip(plan.sources, plan.lengths):
+        by_source[src] = by_source.get(src, 0) + l
+    if [by_source.get(i, 0) for i in range(len(lengths))] != list(lengths):
+        raise PlanError("plan pieces do not add up to the batch's sequence lengths")
