@@ -44,6 +44,14 @@ def __getattr__(name: str):
         from hgraph.runtime.trainer import Trainer
 
         return Trainer
+    if name in ("Planner", "CostModel", "propose", "load_cost_model", "IterationPlan"):
+        from hgraph import planner
+
+        return getattr(planner, name)
+    if name in ("trace", "TracedModel"):
+        from hgraph import frontend
+
+        return getattr(frontend, name)
     if name in ("rules", "lnk", "planner", "frontend", "models"):
         import importlib
 
@@ -53,11 +61,18 @@ def __getattr__(name: str):
 __all__ = [
     "CheckpointError",
     "CompiledModel",
+    "CostModel",
+    "IterationPlan",
     "Pass",
+    "Planner",
+    "TracedModel",
     "Trainer",
     "compile",
     "init_from_env",
     "launch",
+    "load_cost_model",
+    "propose",
+    "trace",
     "CommunicationError",
     "CostModelError",
     "HGraphError",

@@ -1,10 +1,13 @@
 """Start ranks: ``launch`` spawns local processes for tests and demos; ``init_from_env`` joins torchrun.
 
 ``launch(fn, world_size, args)`` runs ``fn(*args)`` on every rank inside an initialised process group
-(``file://`` rendezvous in a temporary directory, one thread per process) and returns the return
-values in rank order. ``fn`` must be picklable (a module-level function). When a rank raises, the others
-are stopped and ``CommunicationError`` names the rank and its error; an overall ``timeout`` keeps a
-mismatched program from hanging.
+(``file://`` rendezvous in a private temporary directory, gloo bound to the loopback interface, one
+thread per process) and returns the return values in rank order. ``fn`` must be picklable (a
+module-level function). ``timeout`` bounds every collective (``HGRAPH_COMM_TIMEOUT``) and the whole
+run. When a rank dies or raises, every other rank fails within the timeout (a ``CommunicationError``
+naming what it was doing), the launcher waits a moment for their reports, stops what is left and
+raises one ``CommunicationError`` naming the root cause first (the rank that died or raised on its
+own), then what the others reported.
 """
 
 from __future__ import annotations
@@ -15,12 +18,19 @@ import os
 import pickle
 import queue
 import shutil
+import signal
+import socket
+import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 from hgraph.errors import CommunicationError
+from hgraph.runtime.failures import DEFAULT_COMM_TIMEOUT, TIMEOUT_ENV, is_transport_error
+
+GRACE_SECONDS = 5.0
+"""After the first failure, how long the launcher waits for the other ranks' reports."""
 
 
 @contextlib.contextmanager
@@ -44,18 +54,35 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    failed = False
     try:
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # Every rank connected before any runs fn: a rank that finished at once would otherwise
+        # close its connections while a slower one is still connecting to it.
+        dist.barrier()
         value = fn(*args)
-        results.put((rank, True, pickle.dumps(value)))
+        results.put((rank, True, pickle.dumps(value), False))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with the rank
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        failed = True
+        report = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        results.put((rank, False, report, is_transport_error(exc)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if failed:
+        sys.exit(1)  # after the queue is flushed (multiprocessing joins its feeder thread on exit)
+
+
+def _loopback_interface() -> str | None:
+    """Name of the loopback network interface (``lo`` on Linux), if the platform lists one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
 
 
 def launch(
@@ -64,23 +91,35 @@ def launch(
     args: Sequence[Any] = (),
     timeout: float = 120.0,
     backend: str = "gloo",
+    comm_timeout: float | None = None,
 ) -> list:
-    """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order."""
+    """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
+
+    ``timeout`` bounds the whole run; ``comm_timeout`` (default: ``timeout``) each collective.
+    """
     import torch.multiprocessing as mp
 
     if world_size < 1:
         raise CommunicationError(f"world_size={world_size}; launch needs at least 1 rank")
+    comm_timeout = timeout if comm_timeout is None else comm_timeout
+    for name, value in (("timeout", timeout), ("comm_timeout", comm_timeout)):
+        if not value > 0:
+            raise CommunicationError(f"{name}={value}; launch needs a positive number of seconds")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rendezvous = tempfile.mkdtemp(prefix="hgraph-launch-")
     init_method = "file://" + os.path.join(rendezvous, "store")
     procs = []
     try:
-        with _child_env({"OMP_NUM_THREADS": "1"}):
+        env = {"OMP_NUM_THREADS": "1", TIMEOUT_ENV: str(comm_timeout)}
+        loopback = _loopback_interface()
+        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env["GLOO_SOCKET_IFNAME"] = loopback  # local ranks never listen beyond this machine
+        with _child_env(env):
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_worker,
-                    args=(rank, world_size, init_method, backend, timeout, fn, tuple(args), results),
+                    args=(rank, world_size, init_method, backend, comm_timeout, fn, tuple(args), results),
                     name=f"hgraph-rank{rank}",
                 )
                 p.start()
@@ -100,27 +139,88 @@ def launch(
 
 def _collect(procs: list, results: Any, world_size: int, deadline: float, timeout: float) -> list:
     values: dict[int, Any] = {}
+    errors: dict[int, tuple[str, bool]] = {}  # rank -> (report, caused by a peer), in arrival order
+    grace_end: float | None = None
     while len(values) < world_size:
+        now = time.monotonic()
+        if grace_end is not None and (now > grace_end or all(
+            r in values or r in errors or not p.is_alive() for r, p in enumerate(procs)
+        )):
+            break
+        if grace_end is None and now > deadline:
+            missing = sorted(set(range(world_size)) - set(values))
+            raise CommunicationError(
+                f"ranks {missing} did not finish within {timeout:.0f}s (a hang or a mismatched collective)"
+            )
         try:
-            rank, ok, payload = results.get(timeout=0.2)
+            rank, ok, payload, by_peer = results.get(timeout=0.1)
         except queue.Empty:
-            for rank, p in enumerate(procs):
-                if rank not in values and not p.is_alive() and p.exitcode not in (0, None):
-                    raise CommunicationError(f"rank {rank} died with exit code {p.exitcode}") from None
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(values))
-                raise CommunicationError(
-                    f"ranks {missing} did not finish within {timeout:.0f}s "
-                    "(a hang or a mismatched collective)"
-                ) from None
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+            if grace_end is None and any(r not in values for r in dead):
+                grace_end = min(time.monotonic() + GRACE_SECONDS, deadline)
             continue
-        if not ok:
-            raise CommunicationError(f"rank {rank} failed: {payload}")
-        values[rank] = pickle.loads(payload)
-    return [values[r] for r in range(world_size)]
+        if ok:
+            values[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = (payload, by_peer)
+            if grace_end is None:
+                grace_end = min(time.monotonic() + GRACE_SECONDS, deadline)
+    if grace_end is None:
+        return [values[r] for r in range(world_size)]
+    while True:  # reports of ranks that exited are in the pipe already: read them all
+        try:
+            rank, ok, payload, by_peer = results.get(timeout=1.0)
+        except queue.Empty:
+            break
+        if ok:
+            values[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = (payload, by_peer)
+    raise CommunicationError(_failure_report(procs, values, errors))
 
 
-def init_from_env(backend: str = "gloo", timeout: float = 1800.0) -> tuple[int, int]:
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"died with exit code {code}"
+
+
+def _failure_report(procs: list, values: dict[int, Any], errors: dict[int, tuple[str, bool]]) -> str:
+    """One message: the root cause first (a rank that died, else one that raised on its own, else
+    one that stopped responding), then what every other rank reported."""
+    died = [r for r, p in enumerate(procs) if r not in errors and r not in values and not p.is_alive()
+            and p.exitcode not in (0, None)]
+    own = [r for r, (_, by_peer) in errors.items() if not by_peer]  # in the order the reports came
+    stuck = [r for r in range(len(procs)) if r not in errors and r not in values and r not in died]
+    roots = died + own or stuck or list(errors)
+    root = roots[0]
+    if root in errors:
+        head = f"rank {root} failed: {errors[root][0]}"
+    elif root in died:
+        head = f"rank {root} {_exit_text(procs[root].exitcode)} (no error report: killed or crashed)"
+    else:
+        head = f"rank {root} stopped responding (no report while its peers failed); stopped by the launcher"
+    lines = [head.rstrip()]
+    for r in range(len(procs)):
+        if r == root:
+            continue
+        if r in errors:
+            lines.append(f"  rank {r}: " + errors[r][0].strip().splitlines()[0])
+        elif r in values:
+            lines.append(f"  rank {r}: finished")
+        elif r in died:
+            lines.append(f"  rank {r}: {_exit_text(procs[r].exitcode)}")
+        else:
+            lines.append(
+                f"  rank {r}: no report within {GRACE_SECONDS:.0f}s of the failure; stopped by the launcher"
+            )
+    return "\n".join(lines)
+
+
+def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) -> tuple[int, int]:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
 
     Returns ``(rank, world_size)``; does nothing if the group is already initialised.
@@ -130,6 +230,7 @@ def init_from_env(backend: str = "gloo", timeout: float = 1800.0) -> tuple[int, 
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise CommunicationError(f"init_from_env needs the environment variables {missing} (set by torchrun)")
+    os.environ.setdefault(TIMEOUT_ENV, str(timeout))
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)

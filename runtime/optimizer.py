@@ -63,6 +63,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def apply(self, grads: dict[str, Optional[torch.Tensor]], scale: float = 1.0) -> None:
         """One AdamW step with ``grads * scale`` (missing grads count as zero)."""
         group = self.param_groups[0]
+        self._opt_called = True  # what torch's LR schedulers check: this is our optimizer step
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         for name, p in zip(self.names, group["params"]):
             g = grads.get(name)

@@ -22,3 +22,7 @@ __all__ += [
     "homogeneous_tuned", "hydraulis_reference", "make_batches", "megatron", "plan_iteration", "predict",
     "read_lengths", "sample_path",
 ]
+
+from hgraph.planner.profile import profile_cost_model
+
+__all__ += ["profile_cost_model"]

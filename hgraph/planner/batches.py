@@ -25,18 +25,21 @@ def sample_path() -> Path:
 def read_lengths(path: Union[str, Path]) -> list[int]:
     """The lengths of a length file; a malformed line raises ``InputError`` naming it."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            text = line.strip()
-            if not text:
-                continue
-            try:
-                value = int(text)
-            except ValueError:
-                raise InputError(f"{path}:{number}: {text!r} is not an integer; a length file holds one positive integer per line") from None
-            if value < 1:
-                raise InputError(f"{path}:{number}: length {value} is not positive; lengths must be >= 1")
-            out.append(value)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start}); a length file holds one positive integer per line") from None
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise InputError(f"{path}:{number}: {text!r} is not an integer; a length file holds one positive integer per line") from None
+        if value < 1:
+            raise InputError(f"{path}:{number}: length {value} is not positive; lengths must be >= 1")
+        out.append(value)
     if not out:
         raise InputError(f"{path}: the length file is empty; it needs one positive integer per line")
     return out

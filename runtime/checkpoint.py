@@ -1,0 +1,288 @@
+"""Sharded checkpoints of the optimization side: atomic to write, verified to read, reshardable.
+
+A checkpoint is a directory::
+
+    manifest.json        format, world size, iteration, parameter shapes and optimizer layouts,
+                         per-file tensor shapes/dtypes and sha256, learning-rate state, user ``extra``
+    rank00000.pt ...     per rank: fp32 master shards, Adam moments and steps, RNG state
+
+Only the optimizer side is saved (the propagation side is rebuilt by Pull Parameter), so a
+checkpoint does not depend on the strategies that trained it. Atomicity: every rank writes into
+``.<name>.partial``; after a barrier rank 0 checks nothing is missing, writes the manifest last and
+renames the directory to ``<name>``; a crash anywhere before the rename leaves no directory that
+``load`` accepts. Safety: rank files are read with ``torch.load(weights_only=True)`` after their
+checksum matched, the manifest is JSON. ``load`` into another world size or optimizer layout
+reshards every shard with the LNK solver (``hgraph.lnk.solve`` + ``simulate``) from the saved layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from hgraph.errors import CheckpointError
+from hgraph.layout import Layout, Replicate, parse_placement
+from hgraph.lnk import simulate, solve
+from hgraph.runtime.reshard import execute
+
+FORMAT = "hgraph-checkpoint-v1"
+MANIFEST = "manifest.json"
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+MANIFEST_KEYS = ("format", "world_size", "iteration", "strategies", "parameters", "optimizer", "lr_scheduler",
+                 "files", "extra")
+PathLike = Union[str, os.PathLike]
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _layout_json(layout: Layout) -> dict[str, Any]:
+    placements = [str(p) for p in layout.placements]
+    return {"mesh": list(layout.mesh), "ranks": list(layout.ranks), "placements": placements}
+
+
+def _layout_from_json(shape: list[int], entry: dict[str, Any]) -> Layout:
+    return Layout(tuple(shape), tuple(entry["ranks"]), tuple(entry["mesh"]),
+                  tuple(parse_placement(p) for p in entry["placements"]))
+
+
+def _digest_tensor(hexdigest: str, size: int) -> torch.Tensor:
+    """sha256 and file size as int64s, so every rank's can be all-gathered (gloo has no strings)."""
+    return torch.tensor(list(bytes.fromhex(hexdigest)) + [size], dtype=torch.int64)
+
+
+def _rank_state(trainer: Any) -> dict[str, Any]:
+    """What this rank writes: its optimizer shards and RNG (tensors and plain values only)."""
+    tensors = {}
+    for name, entry in trainer.optimizer.shard_state().items():
+        for key, value in entry.items():
+            tensors[f"{key}/{name}"] = value
+    tensors["rng/cpu"] = torch.get_rng_state()
+    return tensors
+
+
+def save(trainer: Any, path: PathLike, extra: Optional[dict[str, Any]] = None) -> Path:
+    """Write ``trainer``'s optimizer state to the checkpoint directory ``path``; call on every rank.
+
+    ``extra`` (JSON-serialisable) is stored in the manifest and returned by ``load``. An existing
+    checkpoint at ``path`` is replaced only once the new one is complete.
+    """
+    final = Path(path)
+    partial = final.with_name(f".{final.name}.partial")
+    comm, world, rank = trainer.comm, trainer.world, trainer.rank
+    try:
+        extra_json = json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"extra={extra!r} is not JSON-serialisable ({exc}); use numbers, strings, lists and dicts"
+        ) from None
+    if rank == world[0]:
+        shutil.rmtree(partial, ignore_errors=True)  # leftovers of a crashed save
+        partial.mkdir(parents=True)
+    comm.barrier(world)
+    state = _rank_state(trainer)
+    file = partial / rank_file(rank)
+    with open(file, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size), world)
+    if rank == world[0]:
+        _write_manifest(trainer, partial, state, digests, extra_json)
+        if final.exists():
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            partial.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            partial.rename(final)
+    comm.barrier(world)
+    return final
+
+
+def _write_manifest(trainer: Any, partial: Path, state: dict[str, torch.Tensor], digests: torch.Tensor,
+                    extra: dict[str, Any]) -> None:
+    compiled = trainer.compiled
+    files = {}
+    for rank in trainer.world:
+        name = rank_file(rank)
+        if not (partial / name).is_file():
+            raise CheckpointError(f"rank {rank} did not write {partial / name}; the checkpoint is incomplete")
+        row = digests[rank].tolist()
+        tensors = {}
+        for key, value in state.items():
+            if key.startswith("rng/"):
+                tensors[key] = {"shape": list(value.shape), "dtype": str(value.dtype)}
+                continue
+            kind, fqn = key.split("/", 1)
+            shape = [] if kind == "step" else list(compiled.optimizer_layouts[fqn].local_shape(rank))
+            tensors[key] = {"shape": shape, "dtype": str(value.dtype)}
+        files[name] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32], "tensors": tensors}
+    group = trainer.optimizer.param_groups[0]
+    manifest = {
+        "format": FORMAT,
+        "world_size": len(trainer.world),
+        "iteration": trainer.iteration,
+        "strategies": [str(s) for s in compiled.strategies],
+        "parameters": {
+            fqn: {"shape": list(layout.shape), "dtype": "torch.float32",
+                  "optimizer_layout": _layout_json(layout)}
+            for fqn, layout in compiled.optimizer_layouts.items()
+        },
+        "optimizer": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"},
+        "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
+        "files": files,
+        "extra": extra,
+    }
+    try:
+        text = json.dumps(manifest, indent=1, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"the learning-rate scheduler state is not JSON-serialisable ({exc})") from None
+    with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+# ----------------------------------------------------------------------------- reading
+def read_manifest(path: PathLike) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``; ``CheckpointError`` when it is missing or malformed."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing "
+                              "(a save that did not finish, or the wrong directory)")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{file} has format {found!r}; expected {FORMAT!r}")
+    missing = sorted(set(MANIFEST_KEYS) - set(manifest))
+    if missing:
+        raise CheckpointError(f"{file} lacks the fields {missing}; a manifest has {list(MANIFEST_KEYS)}")
+    return manifest
+
+
+def read_rank_file(path: PathLike, manifest: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
+    """One rank file, verified: checksum first, then ``weights_only`` load, then shapes and dtypes."""
+    file = Path(path) / name
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{name} is not listed in {Path(path) / MANIFEST}")
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing; the manifest lists it")
+    digest = _sha256(file)
+    if digest != entry["sha256"]:
+        raise CheckpointError(
+            f"{file} is corrupt: sha256 {digest} does not match the manifest's {entry['sha256']}"
+        )
+    try:
+        state = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
+        raise CheckpointError(f"{file} cannot be read safely ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or set(state) != set(entry["tensors"]):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{file} holds {got}; the manifest lists {sorted(entry['tensors'])}")
+    for key, spec in entry["tensors"].items():
+        value = state[key]
+        ok = isinstance(value, torch.Tensor) and list(value.shape) == spec["shape"]
+        if not ok or str(value.dtype) != spec["dtype"]:
+            got = f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}"
+            raise CheckpointError(
+                f"{file}: {key} is {got}; the manifest says {spec['dtype']} {spec['shape']}"
+            )
+    return state
+
+
+def _check_model(manifest: dict[str, Any], trainer: Any, path: PathLike) -> None:
+    saved = manifest["parameters"]
+    current = trainer.compiled.optimizer_layouts
+    if set(saved) != set(current):
+        missing, unknown = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing parameters {missing}, "
+                              f"unknown parameters {unknown}")
+    for fqn, layout in current.items():
+        if tuple(saved[fqn]["shape"]) != layout.shape:
+            raise CheckpointError(
+                f"checkpoint {path}: parameter {fqn!r} has shape {tuple(saved[fqn]['shape'])}, "
+                f"the model's is {layout.shape}"
+            )
+
+
+def load(trainer: Any, path: PathLike) -> dict[str, Any]:
+    """Restore ``trainer`` from checkpoint ``path`` on every rank; returns the saved ``extra``.
+
+    Same world and layouts: each rank reads its own file. Otherwise every rank reads all rank files
+    and reshards each tensor from the saved optimizer layout to its own (LNK plan, simulated).
+    """
+    manifest = read_manifest(path)
+    _check_model(manifest, trainer, path)
+    rank = trainer.rank
+    saved_world = int(manifest["world_size"])
+    layouts = trainer.compiled.optimizer_layouts
+    same = saved_world == len(trainer.world) and all(
+        _layout_from_json(p["shape"], p["optimizer_layout"]) == layouts[fqn]
+        for fqn, p in manifest["parameters"].items()
+    )
+    if same:
+        mine = read_rank_file(path, manifest, rank_file(rank))
+        rng = mine["rng/cpu"]
+        shards = {name: {key: mine[f"{key}/{name}"] for key in STATE_KEYS + ("step",)} for name in layouts}
+    else:
+        files = [read_rank_file(path, manifest, rank_file(r)) for r in range(saved_world)]
+        rng = files[rank % saved_world]["rng/cpu"]
+        shards = {}
+        for name, layout in layouts.items():
+            entry = manifest["parameters"][name]
+            src = _layout_from_json(entry["shape"], entry["optimizer_layout"])
+            plan = solve(src, layout, itemsize=4)
+            shards[name] = {
+                key: simulate(plan, {r: files[r][f"{key}/{name}"] for r in src.ranks})[rank]
+                for key in STATE_KEYS
+            }
+            shards[name]["step"] = files[0][f"step/{name}"]
+    trainer.optimizer.load_shard_state(shards)
+    group = trainer.optimizer.param_groups[0]
+    for key, value in manifest["optimizer"].items():
+        group[key] = tuple(value) if isinstance(value, list) else value
+    if (manifest["lr_scheduler"] is None) != (trainer.lr_scheduler is None):
+        saved_with = "without" if manifest["lr_scheduler"] is None else "with"
+        raise CheckpointError(
+            f"checkpoint {path} was saved {saved_with} a learning-rate scheduler; "
+            "construct the Trainer the same way to resume"
+        )
+    if trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    torch.set_rng_state(rng)
+    trainer.iteration = int(manifest["iteration"])
+    trainer.comm.barrier(trainer.world)  # no rank trains on until every rank has its state
+    return manifest["extra"]
+
+
+def full_state(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's fp32 master value and Adam moments in full, on every rank (for checks)."""
+    world = trainer.world
+    state = trainer.optimizer.shard_state()
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in STATE_KEYS}
+    for name, src in trainer.compiled.optimizer_layouts.items():
+        plan = solve(src, Layout(src.shape, world, (len(world),), (Replicate(),)))
+        for key in STATE_KEYS:
+            out[key][name] = execute(plan, state[name][key], trainer.comm)
+    return out
