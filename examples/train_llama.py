@@ -32,7 +32,7 @@ def batches(iterations: int, seed: int = 0) -> list[list[torch.Tensor]]:
 def train(iterations: int = 5, strategies: tuple[str, ...] = tuple(STRATEGIES)) -> list[float]:
     """Runs on every rank; returns the losses."""
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(layers=2))
+    model = Llama(LlamaConfig(layers=2, kv_heads=4))  # tp4 needs 4 key/value heads
     compiled = hgraph.compile(model, list(strategies), example_inputs=torch.randint(0, 256, (1, 16)))
     trainer = hgraph.Trainer(compiled, lr=3e-3, weight_decay=0.01, grad_clip=1.0)
     losses = []
