@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -49,6 +49,7 @@ class CompileOptions:
     schedule: str = "none"
     layer_costs: Optional[tuple[float, ...]] = None
     topology: Any = None
+    overlap: Any = None  # passes.schedule.OverlapConfig when schedule == "overlap"
 
 
 @dataclass
@@ -165,10 +166,30 @@ class CompiledModel:
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
         self._param_comm: dict[int, dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
+        self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
         start = time.perf_counter()
         for i in range(len(strategies)):
             self._build_strategy(i)
+        self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
+        if options.schedule == "overlap":
+            for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
+                n = len(strategies[i].pipelines)
+                for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
+                    self.check_overlap(i, counts)
         self.compile_seconds = time.perf_counter() - start
+
+    def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
+        """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
+        micro-batches on pipeline ``p``; raises ``ScheduleError`` on a mismatched order or a hang."""
+        from hgraph.passes.schedule import check
+
+        index = self.strategy_index(strategy)
+        key = (index, tuple(micro_batches))
+        if key in self._overlap_checked:
+            return
+        programs = [self.program(index, r) for r in range(self.world_size)]
+        check(programs, [p.overlap for p in programs], [micro_batches[p.pipeline] for p in programs])
+        self._overlap_checked.add(key)
 
     # ------------------------------------------------------------------ building
     def _context(self, **kw: Any) -> CompileContext:
@@ -279,7 +300,7 @@ class CompiledModel:
         comm = self._param_comm[index]
         order = self._layer_order()
         pulls = [comm[name] for name in order if name in comm]
-        return RankProgram(
+        program = RankProgram(
             strategy_index=index,
             rank=rank,
             pipeline=pi,
@@ -293,6 +314,11 @@ class CompiledModel:
             activations=activation_subgraphs(stages, s, pi),
             compute_dtype=self.options.compute_dtype,
         )
+        if self.options.schedule == "overlap":
+            from hgraph.passes.schedule import build
+
+            program.overlap = build(program, self.options.overlap)
+        return program
 
     def _layer_order(self) -> list[str]:
         """Parameters in the order the forward pass uses them (placeholder order of the trace)."""
@@ -311,8 +337,25 @@ class CompiledModel:
         records += [pc.push for pc in prog.pushes if rank in pc.push.plan.ranks]
         return records
 
-    def explain(self, strategy: StrategyLike, rank: int) -> str:
-        """Readable summary of one rank's program: compute, the three subgraph kinds, layouts, bytes."""
+    def backward_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> fx.GraphModule:
+        """The rank's stage backward as an fx graph ``(*saved, *output grads) -> grads`` (parameters,
+        then received activations), traced at one micro-batch of ``seq_len`` tokens; its communication
+        nodes (``hgraph.*`` ops) carry ``meta["hgraph_comm"]``. See ``hgraph.passes.backward``."""
+        return self.joint_program(strategy, rank, seq_len).backward
+
+    def joint_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> Any:
+        """Forward and backward graphs of the rank's stage (``hgraph.passes.backward.JointGraphs``)."""
+        from hgraph.passes.backward import rank_joint
+
+        key = (self.strategy_index(strategy), rank, seq_len)
+        if key not in self._joints:
+            with _COMPILE_LOCK:  # make_fx keeps global tracing state
+                self._joints[key] = rank_joint(self, key[0], rank, seq_len)
+        return self._joints[key]
+
+    def explain(self, strategy: StrategyLike, rank: int, backward: bool = True) -> str:
+        """Readable summary of one rank's program: compute, the three subgraph kinds, layouts, bytes;
+        with ``backward``, the collectives of its traced backward (``backward_program``)."""
         prog = self.program(strategy, rank)
         s = self.strategies[prog.strategy_index]
         sg = prog.stage_graph
@@ -329,6 +372,16 @@ class CompiledModel:
             lines.append("  " + str(rec))
             totals[rec.kind] = totals.get(rec.kind, 0) + rec.bytes
         lines.append("bytes: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+        if backward:
+            from hgraph.passes.backward import comm_nodes
+
+            seq_len = 16 * len(prog.groups["cp"])  # 16 local tokens, in 2·cp load-balanced chunks
+            nodes = comm_nodes(self.backward_program(strategy, rank, seq_len))
+            lines.append(f"backward (1 x {seq_len} tokens): {len(nodes)} communication nodes")
+            lines += [
+                f"  {replace(_activation_record(n, n.meta['hgraph_comm']), direction='backward')}"
+                for n in nodes
+            ]
         return "\n".join(lines)
 
     def write_dot(self, strategy: StrategyLike, rank: int, path: str) -> str:
@@ -414,7 +467,7 @@ def compile(
     compute_dtype: Optional[torch.dtype] = None,
     sequence_parallel: bool = False,
     vocab_parallel: bool = True,
-    schedule: str = "none",
+    schedule: Any = "none",
     layer_costs: Optional[Sequence[float]] = None,
     topology: Any = None,
 ) -> CompiledModel:
@@ -424,14 +477,23 @@ def compile(
     ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
     ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
     ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
+    ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
+    ``hgraph.passes.schedule.OverlapConfig`` (prefetched pulls, early pushes; same results).
     """
     strategies = as_strategies(strategies)
     if not strategies:
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
-    if schedule not in ("none", "overlap"):
-        raise HGraphError(f"schedule={schedule!r}; expected 'none' or 'overlap'")
+    from hgraph.passes.schedule import OverlapConfig
+
+    overlap = schedule if isinstance(schedule, OverlapConfig) else None
+    if overlap is not None:
+        schedule = "overlap"
+    elif schedule not in ("none", "overlap"):
+        raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
+    elif schedule == "overlap":
+        overlap = OverlapConfig()
     options = CompileOptions(
         compute_dtype=compute_dtype,
         sequence_parallel=sequence_parallel,
@@ -439,6 +501,7 @@ def compile(
         schedule=schedule,
         layer_costs=tuple(layer_costs) if layer_costs is not None else None,
         topology=topology,
+        overlap=overlap,
     )
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         traced = trace(model, example_inputs, loss_fn)

@@ -11,48 +11,111 @@ real processes and on simulated ranks:
 
 Groups are tuples of *global* ranks; all members must call a collective on a group in the same
 order. ``all_gather``/``reduce_scatter`` take equally sized pieces (pad first: gloo needs it).
+Every primitive also has an asynchronous form, ``start_<name>(...)`` returning a ``Handle`` whose
+``wait()`` gives the result (torch.distributed ``async_op=True`` work; on simulated ranks a start
+deposits, the wait collects); the blocking forms are start + wait.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict, deque
-from typing import Any, Callable, Sequence
+from collections import defaultdict
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from hgraph.errors import CommunicationError
+from hgraph.runtime.failures import comm_timeout
 
 Group = tuple[int, ...]
 
 
+class Handle:
+    """An operation in flight: ``wait()`` completes it (once) and returns its result; ``ready()``
+    says, without blocking, that ``wait()`` would return at once and issue nothing new."""
+
+    def __init__(self, finish: Callable[[], Any], ready: Optional[Callable[[], bool]] = None) -> None:
+        self._finish: Optional[Callable[[], Any]] = finish
+        self._ready = ready
+        self._result: Any = None
+
+    @classmethod
+    def completed(cls, result: Any = None) -> "Handle":
+        handle = cls(lambda: result)
+        handle.wait()
+        return handle
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def ready(self) -> bool:
+        return self._finish is None or (self._ready is not None and self._ready())
+
+    def wait(self) -> Any:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        return self._result
+
+
 class Communicator:
-    """Interface of the primitives; ``rank`` is this caller's global rank."""
+    """Interface of the primitives; ``rank`` is this caller's global rank.
+
+    Every primitive has an asynchronous form ``start_<name>(...) -> Handle`` whose ``wait()`` returns
+    what the blocking form returns; the blocking form is ``start_<name>(...).wait()``. The *start*
+    order fixes how collectives match: members must start them on a group in the same order, and
+    point-to-point messages between a pair match in the order their sends and receives are started.
+    Tensors handed to a start must not be modified until the handle is waited.
+    """
 
     rank: int
     world_size: int
 
+    def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Handle:
+        raise NotImplementedError
+
+    def start_all_gather(self, tensor: torch.Tensor, group: Group) -> Handle:
+        raise NotImplementedError
+
+    def start_reduce_scatter(self, stacked: torch.Tensor, group: Group) -> Handle:
+        raise NotImplementedError
+
+    def start_all_to_all(
+        self, pieces: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple[int, ...]]
+    ) -> Handle:
+        raise NotImplementedError
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Handle:
+        raise NotImplementedError
+
+    def start_exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], tag: int = 0
+    ) -> Handle:
+        """Messages match per (pair, ``tag``): streams with different tags may interleave freely."""
+        raise NotImplementedError
+
     def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Sum over ``group``; returns a new tensor."""
-        raise NotImplementedError
+        return self.start_all_reduce(tensor, group).wait()
 
     def all_gather(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
         """Stack every member's equally shaped tensor: result shape ``(len(group), *tensor.shape)``."""
-        raise NotImplementedError
+        return self.start_all_gather(tensor, group).wait()
 
     def reduce_scatter(self, stacked: torch.Tensor, group: Group) -> torch.Tensor:
         """``stacked[i]`` is this rank's contribution to member ``i``; returns the summed piece of ours."""
-        raise NotImplementedError
+        return self.start_reduce_scatter(stacked, group).wait()
 
     def all_to_all(
         self, pieces: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple[int, ...]]
     ) -> list[torch.Tensor]:
         """Send ``pieces[i]`` to member ``i``; returns what member ``i`` sent us, of ``recv_shapes[i]``."""
-        raise NotImplementedError
+        return self.start_all_to_all(pieces, group, recv_shapes).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
         """``src``'s tensor on every member (``tensor`` is the receive buffer elsewhere)."""
-        raise NotImplementedError
+        return self.start_broadcast(tensor, src, group).wait()
 
     def exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
@@ -62,7 +125,7 @@ class Communicator:
         ``recvs`` holds ``(src, buffer)`` pairs filled in place. Messages between one pair of ranks
         are matched in the order they are posted.
         """
-        raise NotImplementedError
+        self.start_exchange(sends, recvs).wait()
 
     def barrier(self, group: Group) -> None:
         self.all_reduce(torch.zeros(1), group)
@@ -78,7 +141,9 @@ class ThreadWorld:
         self.cond = threading.Condition()
         self.slots: dict[tuple, dict[int, Any]] = {}
         self.reads: dict[tuple, int] = defaultdict(int)
-        self.mailbox: dict[tuple[int, int], deque] = defaultdict(deque)
+        # Point-to-point: message ``k`` from ``a`` to ``b`` with tag ``t`` lives at ``mailbox[(a, b, t, k)]``.
+        self.mailbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self.sent: dict[tuple[int, int, int], int] = defaultdict(int)
         self.failed: str | None = None
 
     def fail(self, message: str) -> None:
@@ -100,95 +165,131 @@ class ThreadWorld:
 
 
 class ThreadComm(Communicator):
-    """A simulated rank: collectives rendezvous with the other threads of the same ``ThreadWorld``."""
+    """A simulated rank: collectives rendezvous with the other threads of the same ``ThreadWorld``.
+
+    A start deposits this rank's payload (or message); ``wait`` collects the others'.
+    """
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         self.world = world
         self.rank = rank
         self.world_size = world.world_size
         self.calls: dict[Group, int] = defaultdict(int)
+        self.received: dict[tuple[int, int], int] = defaultdict(int)  # receives started, per (source, tag)
 
     def _check_member(self, group: Group, what: str) -> None:
         if self.rank not in group:
             raise CommunicationError(f"rank {self.rank} called {what} on group {group} it is not part of")
 
-    def _rendezvous(self, group: Group, what: str, payload: Any) -> dict[int, Any]:
-        """Deposit ``payload``; return every member's payload once all have arrived."""
+    def _rendezvous(
+        self, group: Group, what: str, payload: Any, combine: Callable[[dict[int, Any]], Any]
+    ) -> Handle:
+        """Deposit ``payload`` now; the handle returns ``combine(every member's payload)``."""
         group = tuple(group)
         self._check_member(group, what)
         key = (group, self.calls[group])
         self.calls[group] += 1
         w = self.world
         with w.cond:
-            slot = w.slots.setdefault(key, {})
-            slot[self.rank] = (what, payload)
+            w.slots.setdefault(key, {})[self.rank] = (what, payload)
             w.cond.notify_all()
-            w.wait_for(lambda: len(w.slots[key]) == len(group), self.rank, f"{what} on group {group}")
-            arrived = w.slots[key]
-            kinds = {k for k, _ in arrived.values()}
-            if len(kinds) > 1:
-                detail = ", ".join(f"rank {r}: {k}" for r, (k, _) in sorted(arrived.items()))
-                raise CommunicationError(f"mismatched collectives on group {group}: {detail}")
-            result = {r: p for r, (_, p) in arrived.items()}
-            w.reads[key] += 1
-            if w.reads[key] == len(group):
-                del w.slots[key]
-                del w.reads[key]
-        return result
 
-    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
-        parts = self._rendezvous(group, "all_reduce", tensor.detach().clone())
-        out = torch.zeros_like(tensor)
-        for r in group:  # fixed order: every member gets bit-identical sums
-            out += parts[r]
-        return out
+        def finish() -> Any:
+            with w.cond:
+                w.wait_for(lambda: len(w.slots[key]) == len(group), self.rank, f"{what} on group {group}")
+                arrived = w.slots[key]
+                kinds = {k for k, _ in arrived.values()}
+                if len(kinds) > 1:
+                    detail = ", ".join(f"rank {r}: {k}" for r, (k, _) in sorted(arrived.items()))
+                    raise CommunicationError(f"mismatched collectives on group {group}: {detail}")
+                parts = {r: p for r, (_, p) in arrived.items()}
+                w.reads[key] += 1
+                if w.reads[key] == len(group):
+                    del w.slots[key]
+                    del w.reads[key]
+            return combine(parts)
 
-    def all_gather(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
-        parts = self._rendezvous(group, "all_gather", tensor.detach().clone())
-        return torch.stack([parts[r] for r in group])
+        def ready() -> bool:
+            with w.cond:
+                return key in w.slots and len(w.slots[key]) == len(group)
 
-    def reduce_scatter(self, stacked: torch.Tensor, group: Group) -> torch.Tensor:
-        parts = self._rendezvous(group, "reduce_scatter", stacked.detach().clone())
-        me = group.index(self.rank)
-        out = torch.zeros_like(stacked[me])
-        for r in group:
-            out += parts[r][me]
-        return out
+        return Handle(finish, ready)
 
-    def all_to_all(
+    def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Handle:
+        def combine(parts: dict[int, Any]) -> torch.Tensor:
+            out = torch.zeros_like(tensor)
+            for r in group:  # fixed order: every member gets bit-identical sums
+                out += parts[r]
+            return out
+
+        return self._rendezvous(group, "all_reduce", tensor.detach().clone(), combine)
+
+    def start_all_gather(self, tensor: torch.Tensor, group: Group) -> Handle:
+        return self._rendezvous(
+            group, "all_gather", tensor.detach().clone(), lambda parts: torch.stack([parts[r] for r in group])
+        )
+
+    def start_reduce_scatter(self, stacked: torch.Tensor, group: Group) -> Handle:
+        def combine(parts: dict[int, Any]) -> torch.Tensor:
+            me = tuple(group).index(self.rank)
+            out = torch.zeros_like(stacked[me])
+            for r in group:
+                out += parts[r][me]
+            return out
+
+        return self._rendezvous(group, "reduce_scatter", stacked.detach().clone(), combine)
+
+    def start_all_to_all(
         self, pieces: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple[int, ...]]
-    ) -> list[torch.Tensor]:
-        parts = self._rendezvous(group, "all_to_all", [p.detach().clone() for p in pieces])
-        me = group.index(self.rank)
-        out = [parts[r][me] for r in group]
-        for r, got, want in zip(group, out, recv_shapes):
-            if tuple(got.shape) != tuple(want):
-                raise CommunicationError(
-                    f"rank {self.rank} expected {tuple(want)} from rank {r} in all_to_all, got {tuple(got.shape)}"
-                )
-        return out
+    ) -> Handle:
+        def combine(parts: dict[int, Any]) -> list[torch.Tensor]:
+            me = tuple(group).index(self.rank)
+            out = [parts[r][me] for r in group]
+            for r, got, want in zip(group, out, recv_shapes):
+                if tuple(got.shape) != tuple(want):
+                    raise CommunicationError(
+                        f"rank {self.rank} expected {tuple(want)} from rank {r} in all_to_all, got {tuple(got.shape)}"
+                    )
+            return out
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
-        parts = self._rendezvous(group, "broadcast", tensor.detach().clone() if self.rank == src else None)
-        return parts[src].clone()
+        return self._rendezvous(group, "all_to_all", [p.detach().clone() for p in pieces], combine)
 
-    def exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
+    def start_broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Handle:
+        payload = tensor.detach().clone() if self.rank == src else None
+        return self._rendezvous(group, "broadcast", payload, lambda parts: parts[src].clone())
+
+    def start_exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], tag: int = 0
+    ) -> Handle:
         w = self.world
         with w.cond:
             for dst, tensor in sends:
-                w.mailbox[(self.rank, dst)].append(tensor.detach().clone())
+                k = w.sent[(self.rank, dst, tag)]
+                w.sent[(self.rank, dst, tag)] += 1
+                w.mailbox[(self.rank, dst, tag, k)] = tensor.detach().clone()
             w.cond.notify_all()
-            for src, buffer in recvs:
-                box = w.mailbox[(src, self.rank)]
-                w.wait_for(lambda: len(box) > 0, self.rank, f"recv from rank {src}")
-                message = box.popleft()
-                if message.shape != buffer.shape:
-                    raise CommunicationError(
-                        f"rank {self.rank} expected {tuple(buffer.shape)} from rank {src}, got {tuple(message.shape)}"
-                    )
-                buffer.copy_(message)
+        slots = []
+        for src, buffer in recvs:
+            slots.append(((src, self.rank, tag, self.received[(src, tag)]), buffer))
+            self.received[(src, tag)] += 1
+
+        def finish() -> None:
+            with w.cond:
+                for key, buffer in slots:
+                    w.wait_for(lambda: key in w.mailbox, self.rank, f"recv from rank {key[0]}")
+                    message = w.mailbox.pop(key)
+                    if message.shape != buffer.shape:
+                        raise CommunicationError(
+                            f"rank {self.rank} expected {tuple(buffer.shape)} from rank {key[0]}, "
+                            f"got {tuple(message.shape)}"
+                        )
+                    buffer.copy_(message)
+
+        def ready() -> bool:
+            with w.cond:
+                return all(key in w.mailbox for key, _ in slots)
+
+        return Handle(finish, ready)
 
 
 def run_threads(fn: Callable[[Communicator], Any], world_size: int, timeout: float = 60.0) -> list:
@@ -250,57 +351,72 @@ class ProcessGroupComm(Communicator):
             if len(key) == self.world_size:
                 self._groups[key] = self.dist.group.WORLD
             else:
-                self._groups[key] = self.dist.new_group(list(key), use_local_synchronization=True)
+                # Subgroups default to torch's 30-minute timeout, not the world's: pass ours.
+                self._groups[key] = self.dist.new_group(
+                    list(key), use_local_synchronization=True, timeout=comm_timeout()
+                )
         return self._groups[key]
 
-    def all_reduce(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
-        out = tensor.detach().clone().contiguous()
-        self.dist.all_reduce(out, group=self.group(group))
-        return out
+    def _work(self, work: Any, result: Callable[[], Any]) -> Handle:
+        def finish() -> Any:
+            if work is not None:
+                work.wait()
+            return result()
 
-    def all_gather(self, tensor: torch.Tensor, group: Group) -> torch.Tensor:
+        return Handle(finish, lambda: work is None or work.is_completed())
+
+    def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Handle:
+        out = tensor.detach().clone().contiguous()
+        work = self.dist.all_reduce(out, group=self.group(group), async_op=True)
+        return self._work(work, lambda: out)
+
+    def start_all_gather(self, tensor: torch.Tensor, group: Group) -> Handle:
         group = tuple(group)
         if list(group) != sorted(group):
             raise CommunicationError(f"all_gather needs its group in ascending rank order, got {group}")
         src = tensor.detach().contiguous()
         # gloo wants the output concatenated along dim 0: gather flat, then view as stacked.
         out = src.new_empty((len(group) * src.numel(),))
-        self.dist.all_gather_single(out, src.reshape(-1), group=self.group(group))
-        return out.view((len(group),) + tuple(src.shape))
+        work = self.dist.all_gather_single(out, src.reshape(-1), group=self.group(group), async_op=True)
+        return self._work(work, lambda: out.view((len(group),) + tuple(src.shape)))
 
-    def reduce_scatter(self, stacked: torch.Tensor, group: Group) -> torch.Tensor:
+    def start_reduce_scatter(self, stacked: torch.Tensor, group: Group) -> Handle:
         group = tuple(group)
         if list(group) != sorted(group):
             raise CommunicationError(f"reduce_scatter needs its group in ascending rank order, got {group}")
         src = stacked.detach().contiguous()
         out = src.new_empty(tuple(src.shape[1:]))
-        self.dist.reduce_scatter_single(out.view(-1), src.reshape(-1), group=self.group(group))
-        return out
+        work = self.dist.reduce_scatter_single(out.view(-1), src.reshape(-1), group=self.group(group), async_op=True)
+        return self._work(work, lambda: out)
 
-    def all_to_all(
+    def start_all_to_all(
         self, pieces: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple[int, ...]]
-    ) -> list[torch.Tensor]:
+    ) -> Handle:
         ref = pieces[0]
         out = [ref.new_empty(tuple(shape)) for shape in recv_shapes]
-        self.dist.all_to_all(out, [p.contiguous() for p in pieces], group=self.group(tuple(group)))
-        return out
+        ins = [p.contiguous() for p in pieces]
+        work = self.dist.all_to_all(out, ins, group=self.group(tuple(group)), async_op=True)
+        return self._work(work, lambda: out)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    def start_broadcast(self, tensor: torch.Tensor, src: int, group: Group) -> Handle:
         out = tensor.detach().clone().contiguous()
-        self.dist.broadcast(out, src=src, group=self.group(group))
-        return out
+        work = self.dist.broadcast(out, src=src, group=self.group(group), async_op=True)
+        return self._work(work, lambda: out)
 
-    def exchange(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
+    def start_exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], tag: int = 0
+    ) -> Handle:
         dist = self.dist
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for peer, t in sends]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, tag=tag) for peer, t in sends]
         staging = [(buf, buf if buf.is_contiguous() else torch.empty_like(buf)) for _, buf in recvs]
-        ops += [dist.P2POp(dist.irecv, tmp, peer) for (peer, _), (_, tmp) in zip(recvs, staging)]
-        if not ops:
-            return
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        for buf, tmp in staging:
-            if tmp is not buf:
-                buf.copy_(tmp)
+        ops += [dist.P2POp(dist.irecv, tmp, peer, tag=tag) for (peer, _), (_, tmp) in zip(recvs, staging)]
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish() -> None:
+            for work in works:
+                work.wait()
+            for buf, tmp in staging:
+                if tmp is not buf:
+                    buf.copy_(tmp)
+
+        return Handle(finish, lambda: all(work.is_completed() for work in works))

@@ -10,6 +10,7 @@ pushed gradients are those of the global token-mean loss whatever the dispatch a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -17,6 +18,7 @@ import torch
 
 from hgraph.errors import CommunicationError, InputError
 from hgraph.runtime.context import current
+from hgraph.runtime.failures import comm_step
 from hgraph.runtime.reshard import execute
 from hgraph.runtime.schedule import Step, one_f_one_b
 
@@ -40,6 +42,7 @@ class RankProgram:
     pushes: list[Any]  # ParameterComm, reverse layer order
     activations: list[Any] = field(default_factory=list)
     compute_dtype: Optional[torch.dtype] = None
+    overlap: Any = None  # passes.schedule.RankSchedule under schedule="overlap"
 
     def schedule(self, num_micro_batches: int) -> list[Step]:
         return one_f_one_b(self.pp, self.stage, num_micro_batches)
@@ -79,7 +82,9 @@ class IterationOutput:
     micro_batches: int
 
 
-def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pull_parameters(
+    program: RankProgram, shards: dict[str, torch.Tensor], timeline: Any = None
+) -> dict[str, torch.Tensor]:
     """Run every Pull Parameter plan; returns the compute-layout parameters this rank holds (leaves)."""
     comm = current().comm
     local: dict[str, torch.Tensor] = {}
@@ -87,14 +92,18 @@ def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> di
         src = shards[pc.name]
         if program.compute_dtype is not None:
             src = src.to(program.compute_dtype)
-        out = execute(pc.pull.plan, src, comm)
+        t0 = time.time()
+        with comm_step(program.rank, f"pull_parameter {pc.name} (ranks {list(pc.pull.plan.ranks)})"):
+            out = execute(pc.pull.plan, src, comm)
+        if timeline is not None:
+            timeline.add("pull_parameter", pc.name, t0, time.time())
         if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
             local[pc.name] = out.detach().requires_grad_(True)
     return local
 
 
 def push_gradients(
-    program: RankProgram, params: dict[str, torch.Tensor], shards: dict[str, torch.Tensor]
+    program: RankProgram, params: dict[str, torch.Tensor], shards: dict[str, torch.Tensor], timeline: Any = None
 ) -> dict[str, Optional[torch.Tensor]]:
     """Run every Push Gradient plan; returns this rank's optimizer-layout gradient shards."""
     comm = current().comm
@@ -104,7 +113,11 @@ def push_gradients(
         grad = None
         if p is not None:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        shard = execute(pc.push.plan, grad, comm)
+        t0 = time.time()
+        with comm_step(program.rank, f"push_gradient {pc.name} (ranks {list(pc.push.plan.ranks)})"):
+            shard = execute(pc.push.plan, grad, comm)
+        if timeline is not None:
+            timeline.add("push_gradient", pc.name, t0, time.time())
         if shard is not None:
             shard = shard.to(shards[pc.name].dtype)
         out[pc.name] = shard
@@ -132,16 +145,29 @@ def run_iteration(
     micro_batches: Sequence[dict[str, torch.Tensor]],
     loss_scale: float,
     on_step: Optional[Callable[[str, Step], None]] = None,
+    timeline: Any = None,
 ) -> IterationOutput:
-    """Pull, run the 1F1B schedule over this pipeline's micro-batches, push."""
+    """Pull, run the 1F1B schedule over this pipeline's micro-batches, push.
+
+    Under ``schedule="overlap"`` (``program.overlap`` set) the overlap runtime runs instead
+    (``runtime/overlap.py``), unless ``on_step`` asks for per-step hooks (profiling): those need the
+    blocking order. ``timeline`` (a ``runtime.timeline.Timeline``) records intervals.
+    """
+    if program.overlap is not None and on_step is None:
+        from hgraph.runtime.overlap import run_iteration_overlap
+
+        return run_iteration_overlap(program, program.overlap, shards, micro_batches, loss_scale, timeline)
     comm = current().comm
     sg = program.stage_graph
-    params = pull_parameters(program, shards)
+    params = pull_parameters(program, shards, timeline)
     pipeline_ranks = program.groups["pipeline"]
     n = len(pipeline_ranks) // program.pp
     pos = pipeline_ranks.index(program.rank) % n
     prev_rank = pipeline_ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
     next_rank = pipeline_ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
+    stage_ranks = list(program.groups["stage"])
+    peers = ", ".join(f"{side} stage rank {r}" for side, r in (("previous", prev_rank), ("next", next_rank))
+                      if r is not None)
 
     recv_names = [b.name for b in sg.recv]
     received: dict[int, list[torch.Tensor]] = {}
@@ -217,14 +243,22 @@ def run_iteration(
         if on_step is not None:
             on_step("begin", step)
         action = step.actions[0]
+        t0 = time.time()
         if action.kind == "F":
-            forward(action.mb)
+            with comm_step(program.rank, f"forward of micro-batch {action.mb} (stage ranks {stage_ranks})"):
+                forward(action.mb)
         elif action.kind == "B":
-            backward(action.mb)
+            with comm_step(program.rank, f"backward of micro-batch {action.mb} (stage ranks {stage_ranks})"):
+                backward(action.mb)
         else:
-            communicate(step)
+            with comm_step(program.rank, f"communicate_activation {step} ({peers})"):
+                communicate(step)
+        if timeline is not None:
+            kind = {"F": "forward", "B": "backward"}.get(action.kind, "communicate_activation")
+            label = f"{kind} mb{action.mb}" if action.kind in "FB" else str(step)
+            timeline.add(kind, label, t0, time.time())
         if on_step is not None:
             on_step("end", step)
-    grad_shards = push_gradients(program, params, shards)
+    grad_shards = push_gradients(program, params, shards, timeline)
     reported = loss_total if program.reports_loss else 0.0
     return IterationOutput(reported, grad_shards, len(micro_batches))

@@ -1,7 +1,8 @@
 """Run a ``ReshardPlan`` on the calling rank: the one interpreter of plan steps.
 
 Every rank of the plan calls ``execute(plan, local)`` with its source tensor (``None`` when it holds
-none) and gets its destination tensor back (``None`` when it is not a destination). The same code
+none) and gets its destination tensor back (``None`` when it is not a destination); ``start`` is the
+asynchronous form (a handle whose ``wait()`` returns the same). The same code
 runs on real processes (``ProcessGroupComm``, the default) and on simulated ranks (``ThreadComm``;
 ``hgraph.lnk.simulate``). Gloo needs equal sizes in all_gather/reduce_scatter, so uneven chunks are
 padded to the largest one and trimmed after; the plan's byte counts stay the logical ones.
@@ -9,14 +10,14 @@ padded to the largest one and trimmed after; the plan's byte counts stay the log
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Generator, Optional
 
 import torch
 
 from hgraph.errors import CommunicationError
 from hgraph.layout import Box, box_numel
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, LocalCopy, ReduceScatter, ReshardPlan, Transfer
-from hgraph.runtime.comm import Communicator, ProcessGroupComm
+from hgraph.runtime.comm import Communicator, Handle, ProcessGroupComm
 
 _default_comm: Optional[ProcessGroupComm] = None
 
@@ -51,7 +52,98 @@ def execute(
     ``dtype`` and ``device`` matter only on ranks that hold no source tensor (default: torch's default
     dtype, CPU); elsewhere the output follows ``local``.
     """
+    return start(plan, local, comm, dtype=dtype, device=device).wait()
+
+
+def start(
+    plan: ReshardPlan,
+    local: Optional[torch.Tensor],
+    comm: Optional[Communicator] = None,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+    tag: int = 0,
+) -> Handle:
+    """Start ``plan`` on this rank; ``handle.wait()`` returns what ``execute`` returns.
+
+    The start issues this rank's part of the plan's *first round* (``first_round``); later steps
+    depend on earlier results and are issued inside ``wait``, in plan order. A step is thus issued at
+    the start on all its members or at the wait on all of them, so every rank sees the same order
+    on a group as long as all start (and wait) their plans in one order.
+    ``local`` must stay unchanged until the wait. Point-to-point steps use ``tag``, so plans in
+    flight together with other point-to-point traffic (started in another order) match apart.
+    """
     comm = comm or default_comm()
+    steps = _run(plan, local, comm, dtype, device, tag)
+    try:
+        pending = next(steps)
+    except StopIteration as stop:
+        return Handle.completed(stop.value)
+    calls = comm_steps(plan, comm.rank)
+    # With a single call, issued here, the rest of the plan is local work: ready when the call is.
+    ready = pending.ready if len(calls) == 1 and calls[0][0] else None
+
+    def finish() -> Optional[torch.Tensor]:
+        nonlocal pending
+        while True:
+            result = pending.wait()
+            try:
+                pending = steps.send(result)
+            except StopIteration as stop:
+                return stop.value
+
+    return Handle(finish, ready)
+
+
+def first_round(plan: ReshardPlan) -> frozenset[int]:
+    """Indices (in ``plan.steps``) of the communication steps that need no earlier communication:
+    the leading transfers of the first phase, or the leading collectives on disjoint groups."""
+    out: set[int] = set()
+    seen: set[int] = set()
+    kind = None
+    for i, step in enumerate(plan.steps):
+        if isinstance(step, LocalCopy):
+            continue
+        this = ("T", step.phase) if isinstance(step, Transfer) else ("C",)
+        if kind is not None and this != kind:
+            break
+        if this == ("C",):
+            if seen & set(step.ranks):
+                break
+            seen |= set(step.ranks)
+        kind = this
+        out.add(i)
+    return frozenset(out)
+
+
+def comm_steps(plan: ReshardPlan, rank: int) -> list[tuple]:
+    """The communication calls ``rank`` issues for ``plan``, in order, as the interpreter batches them:
+    ``(at_start, ("collective", kind, group))`` or ``(at_start, ("p2p", send peers, receive peers))``;
+    ``at_start``: issued by ``start`` rather than by ``wait``. Used by dry runs."""
+    if plan.noop:
+        return []
+    out: list[tuple] = []
+    first = first_round(plan)
+    steps = [(k, s) for k, s in enumerate(plan.steps) if rank in s.ranks]
+    i = 0
+    while i < len(steps):
+        k, step = steps[i]
+        at_start = not out and k in first  # the interpreter gates on the first step of the call
+        if isinstance(step, Transfer):
+            batch = [step]
+            while i + 1 < len(steps) and getattr(steps[i + 1][1], "phase", None) == step.phase:
+                i += 1
+                batch.append(steps[i][1])
+            sends = tuple(t.dst for t in batch if t.src == rank)
+            out.append((at_start, ("p2p", sends, tuple(t.src for t in batch if t.dst == rank))))
+        elif not isinstance(step, LocalCopy):
+            out.append((at_start, ("collective", type(step).__name__, tuple(step.group))))
+        i += 1
+    return out
+
+
+def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Optional[torch.Tensor]]:
+    """The interpreter: yields each started communication, receives its result, returns the output."""
     rank = comm.rank
     in_src, in_dst = rank in plan.src.ranks, rank in plan.dst.ranks
     src_region = plan.src.region(rank) if in_src else None
@@ -70,16 +162,23 @@ def execute(
     else:
         like = torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=device)
     out = like.new_zeros(_shape(dst_region)) if in_dst else None
-    steps = plan.steps_for(rank)
+    first = first_round(plan)
+    indexed = [(k, s) for k, s in enumerate(plan.steps) if rank in s.ranks]  # == plan.steps_for(rank)
+    steps = [s for _, s in indexed]
+    issued = False
     i = 0
     while i < len(steps):
         step = steps[i]
+        if not issued and not isinstance(step, LocalCopy):
+            issued = True
+            if indexed[i][0] not in first:
+                yield Handle.completed()  # not a first-round step: issue it (and the rest) at the wait
         if isinstance(step, Transfer):
             batch = [step]
             while i + 1 < len(steps) and getattr(steps[i + 1], "phase", None) == step.phase:
                 i += 1
                 batch.append(steps[i])
-            _exchange(batch, rank, comm, local, src_region, out, dst_region, like)
+            yield from _exchange(batch, rank, comm, local, src_region, out, dst_region, like, tag)
         elif isinstance(step, LocalCopy):
             target = _view(out, step.box, dst_region)
             source = _view(local, step.box, src_region)
@@ -88,12 +187,12 @@ def execute(
             else:
                 target.copy_(source)
         else:
-            out = _collective(step, rank, comm, local, src_region, dst_region)
+            out = yield from _collective(step, rank, comm, local, src_region, dst_region)
         i += 1
     return out
 
 
-def _exchange(batch, rank, comm, local, src_region, out, dst_region, like) -> None:
+def _exchange(batch, rank, comm, local, src_region, out, dst_region, like, tag=0):
     """One phase of point-to-point transfers: post all, then write (or add) in plan order."""
     sends, recvs, writes = [], [], []
     for t in batch:
@@ -104,7 +203,7 @@ def _exchange(batch, rank, comm, local, src_region, out, dst_region, like) -> No
             buffer = like.new_empty(_shape(t.box))
             recvs.append((t.src, buffer))
             writes.append((t, buffer))
-    comm.exchange(sends, recvs)
+    yield comm.start_exchange(sends, recvs, tag)
     for t, buffer in writes:
         target = _view(out, t.box, dst_region)
         if t.accumulate:
@@ -117,7 +216,7 @@ def _collective(step, rank, comm, local, src_region, dst_region) -> torch.Tensor
     group = step.group
     me = group.index(rank)
     if isinstance(step, AllReduce):
-        return comm.all_reduce(local, group)
+        return (yield comm.start_all_reduce(local, group))
     if isinstance(step, AllToAll):
         # gloo's all_to_all needs equal sizes: send every piece flat, padded to the largest one.
         width = max(box_numel(box) for row in step.boxes for box in row)
@@ -126,7 +225,7 @@ def _collective(step, rank, comm, local, src_region, dst_region) -> torch.Tensor
             flat = local.new_zeros(width)
             flat[: box_numel(box)] = _view(local, box, src_region).reshape(-1)
             pieces.append(flat)
-        got = comm.all_to_all(pieces, group, [(width,)] * len(group))
+        got = yield comm.start_all_to_all(pieces, group, [(width,)] * len(group))
         out = local.new_empty(_shape(dst_region))
         for row, flat in zip(step.boxes, got):
             box = row[me]
@@ -143,7 +242,7 @@ def _collective(step, rank, comm, local, src_region, dst_region) -> torch.Tensor
         else:
             padded = local.new_zeros(local.shape[:d] + (width,) + local.shape[d + 1 :])
             padded.narrow(d, 0, lengths[me]).copy_(local)
-        stacked = comm.all_gather(padded, group)
+        stacked = yield comm.start_all_gather(padded, group)
         if in_order:
             return stacked.reshape(_shape(dst_region))
         out = local.new_empty(_shape(dst_region))
@@ -152,9 +251,11 @@ def _collective(step, rank, comm, local, src_region, dst_region) -> torch.Tensor
         return out
     if isinstance(step, ReduceScatter):
         if in_order:
-            return comm.reduce_scatter(local.reshape((len(group), width) + local.shape[1:]), group)
+            stacked = local.reshape((len(group), width) + local.shape[1:])
+            return (yield comm.start_reduce_scatter(stacked, group))
         stacked = local.new_zeros((len(group),) + local.shape[:d] + (width,) + local.shape[d + 1 :])
         for j, (lo, hi) in enumerate(step.chunks):
             stacked[j].narrow(d, 0, hi - lo).copy_(local.narrow(d, lo - src_region[d][0], hi - lo))
-        return comm.reduce_scatter(stacked, group).narrow(d, 0, lengths[me]).clone()
+        reduced = yield comm.start_reduce_scatter(stacked, group)
+        return reduced.narrow(d, 0, lengths[me]).clone()
     raise CommunicationError(f"rank {rank}: unknown plan step {step!r}")

@@ -10,6 +10,7 @@ same gradients as one device.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ from hgraph.runtime.context import RankContext, rank_context
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.runtime.reshard import default_comm, execute
+from hgraph.runtime.timeline import Timeline, gather_events
 
 log = logging.getLogger("hgraph.trainer")
 
@@ -120,6 +122,7 @@ class Trainer:
         lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
         comm: Optional[Communicator] = None,
         micro_batch_tokens: int = 4096,
+        timeline: bool = False,
     ) -> None:
         self.compiled = compiled
         self.comm = comm if comm is not None else default_comm()
@@ -144,22 +147,44 @@ class Trainer:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.iteration = 0
         self.history: list[dict[str, Any]] = []
+        # timeline=True: this rank's intervals of every step (runtime/timeline.py); gather_timeline()
+        self.timeline: Optional[Timeline] = Timeline(self.rank) if timeline else None
+        from hgraph.compiler import model_dims
+
+        self.vocab: Optional[int] = model_dims(compiled.model).get("vocab")
 
     # ------------------------------------------------------------------ planning
     def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
         """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given)."""
         if strategy is None and self.planner is not None:
-            plan = self.planner.plan(list(lengths))
-            if any(src[1] != 0 for src in plan.sources) or len(plan.sources) != len(lengths):
-                raise TrainingError("the planner split sequences; the trainer needs whole sequences (split_long=False)")
-            index = self.compiled.strategy_index(plan.strategy)
-            mbs = tuple(
-                tuple(tuple(plan.sources[i][0] for i in mb) for mb in p.micro_batches) for p in plan.pipelines
-            )
-            return Dispatch(index, mbs, plan.predicted_ms)
+            # Rank 0 plans and broadcasts: planners may use time budgets, so ranks planning on their
+            # own could disagree and then wait on each other forever.
+            payload = b""
+            if self.rank == 0:
+                plan = self.planner.plan(list(lengths))
+                if any(src[1] != 0 for src in plan.sources) or len(plan.sources) != len(lengths):
+                    raise TrainingError("the planner split sequences; the trainer needs whole sequences (split_long=False)")
+                mbs = [[[plan.sources[i][0] for i in mb] for mb in p.micro_batches] for p in plan.pipelines]
+                payload = json.dumps(
+                    {"strategy": self.compiled.strategy_index(plan.strategy), "micro_batches": mbs,
+                     "predicted_ms": plan.predicted_ms}
+                ).encode()
+            decided = json.loads(self._broadcast_bytes(payload))
+            mbs_t = tuple(tuple(tuple(mb) for mb in p) for p in decided["micro_batches"])
+            return Dispatch(decided["strategy"], mbs_t, decided["predicted_ms"])
         index = self.compiled.strategy_index(0 if strategy is None else strategy)
         pipelines = self.compiled.strategies[index].pipelines
         return Dispatch(index, default_dispatch(pipelines, lengths, self.micro_batch_tokens))
+
+    def _broadcast_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's ``payload`` on every rank."""
+        if len(self.world) == 1:
+            return payload
+        size = self.comm.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0, self.world)
+        buf = torch.zeros(int(size[0]), dtype=torch.uint8)
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return bytes(self.comm.broadcast(buf, 0, self.world).tolist())
 
     # ------------------------------------------------------------------ training
     def step(self, sequences: Sequence[torch.Tensor], strategy: Union[int, Any, None] = None) -> float:
@@ -174,6 +199,9 @@ class Trainer:
                                  f"{getattr(s, 'dtype', '')} {tuple(getattr(s, 'shape', ()))}")
             if len(s) < 2:
                 raise InputError(f"sequence {i} has {len(s)} token(s); need at least 2 to predict a next token")
+            if self.vocab is not None and (int(s.min()) < 0 or int(s.max()) >= self.vocab):
+                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+                raise InputError(f"sequence {i} holds token id {bad}; ids must be in 0..{self.vocab - 1} (the vocabulary)")
             lengths.append(len(s))
         d = self.dispatch(lengths, strategy)
         program = self.compiled.program(d.strategy_index, self.rank)
@@ -193,8 +221,12 @@ class Trainer:
             local = {k: v[..., idx] for k, v in packed.items()}
             local.update(buffers)
             mbs.append(local)
+        if program.overlap is not None:  # dry run of this dispatch's communication order (cached)
+            self.compiled.check_overlap(d.strategy_index, [len(m) for m in d.micro_batches])
+        if self.timeline is not None:
+            self.timeline.iteration = self.iteration
         with rank_context(RankContext(self.rank, self.comm, program.groups)):
-            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens)
+            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=self.timeline)
         loss = float(self.comm.all_reduce(torch.tensor([out.loss_sum], dtype=torch.float64), self.world)) / tokens
         if not math.isfinite(loss):
             raise TrainingError(
@@ -202,6 +234,11 @@ class Trainer:
                 "(lower the learning rate or check the data)"
             )
         norm = self.optimizer.global_grad_norm(out.grad_shards, self.comm, self.world)
+        if not math.isfinite(norm):
+            raise TrainingError(
+                f"non-finite gradient norm {norm} at iteration {self.iteration} (loss {loss}); optimizer state "
+                "left unchanged (lower the learning rate, clip gradients or use a wider compute dtype)"
+            )
         scale = 1.0
         if self.grad_clip is not None and norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)
@@ -216,12 +253,19 @@ class Trainer:
             "grad_norm": norm,
             "predicted_ms": d.predicted_ms,
             "seconds": time.perf_counter() - start,
-            "micro_batches": [len(m) for m in d.micro_batches],
+            "lengths": lengths,
+            "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
         }
         self.history.append(record)
         log.info("iter %d loss %.4f strategy %s %.3fs", self.iteration, loss, record["strategy"], record["seconds"])
         self.iteration += 1
         return loss
+
+    def gather_timeline(self, dst: int = 0) -> list[Any]:
+        """Every rank's timeline events on rank ``dst`` (``[]`` elsewhere); call on every rank."""
+        if self.timeline is None:
+            raise InputError("this Trainer records no timeline; construct it with timeline=True")
+        return gather_events(self.timeline.events, self.comm, dst)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
@@ -232,3 +276,15 @@ class Trainer:
             dst = Layout(src.shape, world, (len(world),), (Replicate(),))
             out[fqn] = execute(solve(src, dst), shard.detach(), self.comm)
         return out
+
+    def save(self, path: str, extra: Optional[dict[str, Any]] = None) -> Any:
+        """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``); call on every rank."""
+        from hgraph.runtime import checkpoint
+
+        return checkpoint.save(self, path, extra)
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Resume from a checkpoint, resharding if the world or layouts changed; returns its ``extra``."""
+        from hgraph.runtime import checkpoint
+
+        return checkpoint.load(self, path)

@@ -1,0 +1,334 @@
+"""One rank's iteration under the overlap schedule (``schedule="overlap"``; see ``passes/schedule.py``).
+
+The arithmetic is exactly that of ``executor.run_iteration`` (same programs, same plans, same
+summation orders), only the moments at which communication is started and waited differ, so the
+results are bit-identical. Pulls run asynchronously from the prelude and are waited inside the first
+forward at each parameter's first use; pushes start in bucket order during the last backward as soon
+as their gradients are final; pipeline sends are waited at the end of the iteration.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hgraph.errors import InputError
+from hgraph.passes.schedule import PULL_TAG, PUSH_TAG, RankSchedule, early_recv, holds, overlap_graph
+from hgraph.runtime.comm import Handle
+from hgraph.runtime.context import current
+from hgraph.runtime.failures import comm_step
+from hgraph.runtime.reshard import start
+
+_ACTIVE = threading.local()  # the running _Pulls of this thread (simulated ranks are threads)
+
+
+def _use_param(placeholder: str) -> torch.Tensor:
+    """Graph node of ``overlap_graph``: the pulled parameter, waiting its pull at its first use."""
+    return _ACTIVE.pulls.use(placeholder)
+
+
+class _Pulls:
+    """Starts and waits Pull Parameter plans as the rank schedule says; records them on the timeline."""
+
+    def __init__(
+        self, program: Any, sched: RankSchedule, shards: dict[str, torch.Tensor], timeline: Any
+    ) -> None:
+        self.program, self.sched, self.shards, self.timeline = program, sched, shards, timeline
+        self.comm = current().comm
+        self.handles: dict[int, tuple[Handle, float]] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.pending = dict(sched.at_use)
+
+    def run(self, ops: Sequence[tuple[str, int]]) -> None:
+        for what, i in ops:
+            pc = self.program.pulls[i]
+            if what == "start":
+                src = self.shards[pc.name]
+                if self.program.compute_dtype is not None:
+                    src = src.to(self.program.compute_dtype)
+                self.handles[i] = (start(pc.pull.plan, src, self.comm, tag=PULL_TAG), time.time())
+                continue
+            if i not in self.handles:  # reaped already (a pull this rank only sends)
+                continue
+            handle, began = self.handles.pop(i)
+            t0 = time.time()
+            with comm_step(self.program.rank, f"pull_parameter {pc.name} (ranks {list(pc.pull.plan.ranks)})"):
+                out = handle.wait()
+            if self.timeline is not None:
+                end = time.time()
+                self.timeline.add("wait", f"pull {pc.name}", t0, end)
+                self.timeline.add("pull_parameter", pc.name, began, end)
+            if out is not None and holds(self.program, pc):
+                self.params[pc.name] = out.detach().requires_grad_(True)
+
+    def reap(self) -> None:
+        """Complete the pulls this rank only sends that have finished (no blocking, nothing issued),
+        so their buffers go and the timeline shows when they ended."""
+        for i, (handle, began) in list(self.handles.items()):
+            pc = self.program.pulls[i]
+            if not holds(self.program, pc) and handle.ready():
+                del self.handles[i]
+                handle.wait()
+                if self.timeline is not None:
+                    self.timeline.add("pull_parameter", pc.name, began, time.time())
+
+    def use(self, placeholder: str) -> torch.Tensor:
+        name = self.program.param_of_placeholder[placeholder]
+        ops = self.pending.pop(name, None)
+        if ops:
+            self.run(ops)
+        return self.params[name]
+
+
+class _Pushes:
+    """Starts Push Gradient buckets in order once all their gradients are final; waits them at the end."""
+
+    def __init__(
+        self, program: Any, sched: RankSchedule, params: dict[str, torch.Tensor], timeline: Any
+    ) -> None:
+        self.program, self.sched, self.params, self.timeline = program, sched, params, timeline
+        self.comm = current().comm
+        self.ready = {i for i, pc in enumerate(program.pushes) if pc.name not in params}
+        self.next_bucket = 0
+        self.handles: list[tuple[int, Handle, float]] = []
+        self.results: dict[int, Any] = {}
+        self.armed = False
+        self.hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._final(i))
+            for i, pc in enumerate(program.pushes)
+            if (p := params.get(pc.name)) is not None
+        ]
+
+    def _final(self, i: int) -> None:
+        if self.armed:
+            self.ready.add(i)
+            self.advance()
+
+    def arm(self) -> None:
+        """From now on a gradient that is accumulated is final (the last backward begins)."""
+        self.armed = True
+        self.advance()
+
+    def advance(self, everything: bool = False) -> None:
+        buckets = self.sched.buckets
+        while self.next_bucket < len(buckets):
+            bucket = buckets[self.next_bucket]
+            if not everything and not all(i in self.ready for i in bucket):
+                break
+            for i in bucket:
+                pc = self.program.pushes[i]
+                p = self.params.get(pc.name)
+                grad = None
+                if p is not None:
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                self.handles.append((i, start(pc.push.plan, grad, self.comm, tag=PUSH_TAG), time.time()))
+            self.next_bucket += 1
+
+    def reap(self) -> None:
+        """Complete the pushes that have finished (no blocking, nothing issued)."""
+        for i, handle, began in self.handles:
+            if i not in self.results and handle.ready():
+                self.results[i] = handle.wait()
+                if self.timeline is not None:
+                    self.timeline.add("push_gradient", self.program.pushes[i].name, began, time.time())
+
+    def finish(self, shards: dict[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+        self.advance(everything=True)
+        for h in self.hooks:
+            h.remove()
+        out: dict[str, Optional[torch.Tensor]] = {}
+        for i, handle, began in self.handles:
+            pc = self.program.pushes[i]
+            if i in self.results:
+                shard = self.results[i]
+                out[pc.name] = None if shard is None else shard.to(shards[pc.name].dtype)
+                continue
+            t0 = time.time()
+            with comm_step(self.program.rank, f"push_gradient {pc.name} (ranks {list(pc.push.plan.ranks)})"):
+                shard = handle.wait()
+            if self.timeline is not None:
+                end = time.time()
+                self.timeline.add("wait", f"push {pc.name}", t0, end)
+                self.timeline.add("push_gradient", pc.name, began, end)
+            out[pc.name] = None if shard is None else shard.to(shards[pc.name].dtype)
+        return {pc.name: out[pc.name] for pc in self.program.pushes}
+
+
+def run_iteration_overlap(
+    program: Any,
+    sched: RankSchedule,
+    shards: dict[str, torch.Tensor],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    loss_scale: float,
+    timeline: Any = None,
+) -> Any:
+    """``executor.run_iteration`` with the overlap schedule ``sched``; same results, bit for bit."""
+    from hgraph.runtime.executor import IterationOutput, _from_header, _send_header
+
+    comm = current().comm
+    sg = program.stage_graph
+    gm = _overlap_module(program)
+    pulls = _Pulls(program, sched, shards, timeline)
+    _ACTIVE.pulls = pulls
+    pulls.run(sched.prelude)
+    pipeline_ranks = program.groups["pipeline"]
+    n = len(pipeline_ranks) // program.pp
+    pos = pipeline_ranks.index(program.rank) % n
+    prev_rank = pipeline_ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
+    next_rank = pipeline_ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
+    received: dict[int, list[torch.Tensor]] = {}
+    outputs: dict[int, list[torch.Tensor]] = {}
+    grads_in: dict[int, list[torch.Tensor]] = {}
+    losses: dict[int, torch.Tensor] = {}
+    sends: list[tuple[Handle, float, str]] = []
+    loss_total = 0.0
+    steps = program.schedule(len(micro_batches))
+    last_b = max((k for k, s in enumerate(steps) if s.actions[0].kind == "B"), default=None)
+    pushes: Optional[_Pushes] = None
+    first_forward = True
+
+    def forward(mb: int) -> None:
+        nonlocal first_forward
+        batch = micro_batches[mb]
+        args: list[Any] = [None] * len(sg.params)
+        for name in sg.inputs:
+            if name not in batch:
+                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
+            args.append(batch[name])
+        args.extend(received.get(mb, []))
+        outs = gm(*args)
+        if first_forward:
+            pulls.run(sched.after_forward)
+            first_forward = False
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if sg.returns_loss:
+            losses[mb] = outs[0]
+            outs = outs[1:]
+        outputs[mb] = outs
+
+    def backward(mb: int) -> None:
+        nonlocal loss_total
+        if sg.returns_loss:
+            loss = losses.pop(mb)
+            loss_total += float(loss.detach())
+            (loss * loss_scale).backward()
+        else:
+            outs = outputs.pop(mb)
+            pairs = [(o, g) for o, g in zip(outs, grads_in.pop(mb)) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        outputs.pop(mb, None)
+
+    early: dict[int, tuple[Handle, list]] = {}  # step index -> activation headers received early
+
+    def reap() -> None:
+        """Complete whatever finished in the background (never blocks, issues nothing)."""
+        pulls.reap()
+        if pushes is not None:
+            pushes.reap()
+        for entry in [e for e in sends if e[0].ready()]:
+            sends.remove(entry)
+            entry[0].wait()
+            if timeline is not None:
+                timeline.add("communicate_activation", f"send {entry[2]}", entry[1], time.time())
+
+    def post_headers(step: Any) -> tuple[Handle, list]:
+        count = sum(len(sg.recv) for a in step.actions if a.kind == "RECV_F")
+        bufs = [(prev_rank, torch.zeros(10, dtype=torch.int64)) for _ in range(count)]
+        return comm.start_exchange([], bufs), bufs
+
+    def communicate(k: int, step: Any) -> None:
+        """Sends (headers and data) are started and waited at the end; receives are waited here,
+        their headers posted one compute step early when the schedule allows."""
+        t0 = time.time()
+        headers_out = [
+            (next_rank, _send_header(t)) for a in step.actions if a.kind == "SEND_F" for t in outputs[a.mb]
+        ]
+        if headers_out:
+            sends.append((comm.start_exchange(headers_out, []), time.time(), f"headers {step}"))
+        headers_in: list = []
+        if any(a.kind == "RECV_F" for a in step.actions):
+            handle, headers_in = early.pop(k) if k in early else post_headers(step)
+            handle.wait()
+        out, inn = [], []
+        header_iter = iter(headers_in)
+        for a in step.actions:
+            if a.kind == "SEND_F":
+                out += [(next_rank, t.detach()) for t in outputs[a.mb]]
+            elif a.kind == "SEND_B":
+                grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in received[a.mb]]
+                out += [(prev_rank, g) for g in grads]
+            elif a.kind == "RECV_F":
+                received[a.mb] = [_from_header(next(header_iter)[1]) for _ in sg.recv]
+                inn += [(prev_rank, b) for b in received[a.mb]]
+            elif a.kind == "RECV_B":
+                grads_in[a.mb] = [torch.empty_like(t) for t in outputs[a.mb]]
+                inn += [(next_rank, b) for b in grads_in[a.mb]]
+        if out:
+            sends.append((comm.start_exchange(out, []), time.time(), str(step)))
+        if inn:
+            comm.start_exchange([], inn).wait()
+        for a in step.actions:
+            if a.kind == "SEND_B":
+                received.pop(a.mb)
+            elif a.kind == "RECV_F":
+                received[a.mb] = [b.requires_grad_(b.is_floating_point()) for b in received[a.mb]]
+        if early_recv(steps, k) is not None:
+            early[k + 2] = post_headers(steps[k + 2])
+        if timeline is not None:
+            timeline.add("communicate_activation", str(step), t0, time.time())
+
+    try:
+        for k, step in enumerate(steps):
+            action = step.actions[0]
+            if action.kind == "F":
+                t0 = time.time()
+                forward(action.mb)
+                if pushes is None:
+                    pushes = _Pushes(program, sched, pulls.params, timeline)
+                if timeline is not None:
+                    timeline.add("forward", f"forward mb{action.mb}", t0, time.time())
+            elif action.kind == "B":
+                t0 = time.time()
+                if k == last_b:
+                    pushes.arm()
+                backward(action.mb)
+                if timeline is not None:
+                    timeline.add("backward", f"backward mb{action.mb}", t0, time.time())
+            else:
+                peers = f"previous stage rank {prev_rank}, next stage rank {next_rank}"
+                with comm_step(program.rank, f"communicate_activation {step} ({peers})"):
+                    communicate(k, step)
+            reap()
+        if first_forward:  # no micro-batch on this pipeline: the parameters are still pulled
+            for _, ops in sched.at_use:
+                pulls.run(ops)
+            pulls.run(sched.after_forward)
+        if pushes is None:
+            pushes = _Pushes(program, sched, pulls.params, timeline)
+        pulls.run(sched.at_end)
+        reap()
+        for handle, began, label in sends:
+            t0 = time.time()
+            with comm_step(program.rank, f"communicate_activation send {label} (next/previous stage)"):
+                handle.wait()
+            if timeline is not None:
+                timeline.add("wait", f"send {label}", t0, time.time())
+                timeline.add("communicate_activation", f"send {label}", began, time.time())
+        grad_shards = pushes.finish(shards)
+    finally:
+        _ACTIVE.pulls = None
+    reported = loss_total if program.reports_loss else 0.0
+    return IterationOutput(reported, grad_shards, len(micro_batches))
+
+
+def _overlap_module(program: Any) -> Any:
+    """The stage graph with wait nodes at first uses, built once per program."""
+    gm = getattr(program, "_overlap_gm", None)
+    if gm is None:
+        gm = overlap_graph(program.stage_graph.gm, program.stage_graph.params, _use_param)
+        program._overlap_gm = gm
+    return gm

@@ -1,0 +1,183 @@
+"""schedule="overlap": same results bit for bit as schedule="none" (simulated ranks, Trainer on
+threads, real gloo processes), a golden pull/push order, and the dry run catching bad orders."""
+
+import pytest
+import torch
+
+import hgraph
+from hgraph.errors import HGraphError, InputError
+from hgraph.models import Llama, LlamaConfig
+from hgraph.passes.schedule import OverlapConfig, check, dry_run, rank_events
+from hgraph.runtime.comm import run_threads
+from hgraph.runtime.schedule import ScheduleError
+from hgraph.runtime.trainer import Trainer
+
+WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
+
+
+def make_model(layers=4):
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(layers=layers, kv_heads=4))
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    model = make_model()
+    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
+    none = hgraph.compile(model, WORLD4, example_inputs=ids)
+    config = OverlapConfig(prefetch_layers=1, bucket_bytes=4096)
+    overlap = hgraph.compile(model, WORLD4, example_inputs=ids, schedule=config)
+    return ids, none, overlap
+
+
+@pytest.mark.parametrize("strategy", WORLD4)
+def test_simulate_overlap_is_bit_identical(compiled_pair, strategy):
+    ids, none, overlap = compiled_pair
+    loss_a, grads_a = none.simulate(strategy, ids)
+    loss_b, grads_b = overlap.simulate(strategy, ids)
+    assert torch.equal(loss_a, loss_b)
+    assert set(grads_a) == set(grads_b)
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def trainer_run(schedule, strategies, iterations, comm=None):
+    """Runs on every rank (module level so spawned processes can import it)."""
+    model = make_model(layers=2)
+    example = torch.randint(0, 256, (1, 16))
+    compiled = hgraph.compile(model, strategies, example_inputs=example, schedule=schedule)
+    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=48, lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    losses, params = [], []
+    for i in range(iterations):
+        lengths = torch.randint(3, 40, (6,), generator=g)
+        batch = [torch.randint(0, 256, (int(n),), generator=g) for n in lengths]
+        losses.append(trainer.step(batch, strategy=i % len(strategies)))
+    params = trainer.full_parameters()
+    return losses, params
+
+
+def assert_identical(a, b):
+    assert a[0] == b[0]
+    for name in a[1]:
+        assert torch.equal(a[1][name], b[1][name]), name
+
+
+def test_trainer_threads_overlap_equals_none():
+    n = len(WORLD4)
+    base = run_threads(lambda comm: trainer_run("none", WORLD4, n, comm), 4)
+    over = run_threads(lambda comm: trainer_run("overlap", WORLD4, n, comm), 4)
+    for a, b in zip(base, over):
+        assert_identical(a, b)
+
+
+@pytest.mark.slow
+def test_real_gloo_overlap_equals_none():
+    strategies = ["4x tp1", "tp2,pp2", "tp2 + 2x tp1"]
+    base = hgraph.launch(trainer_run, 4, args=("none", strategies, 3), timeout=300)
+    over = hgraph.launch(trainer_run, 4, args=("overlap", strategies, 3), timeout=300)
+    for a, b in zip(base, over):
+        assert_identical(a, b)
+
+
+def small_compiled(strategy="2x tp1", **config):
+    model = Llama(LlamaConfig(layers=2, kv_heads=4))
+    return hgraph.compile(model, [strategy], example_inputs=torch.randint(0, 256, (1, 8)),
+                          schedule=OverlapConfig(**config))
+
+
+def test_golden_order_two_layers():
+    compiled = small_compiled(prefetch_layers=1, bucket_bytes=1 << 30)
+    sched = compiled.program(0, 0).overlap
+    names = sched.pull_names
+    # layer 0 = embedding, 1-2 = the blocks, 3 = final norm, 4 = head; one layer of prefetch: the
+    # next layer starts right after the first wait of this one, each wait sits at the first use.
+    lines = str(sched).splitlines()
+    assert lines[1] == "  prelude: start:embed.weight"
+    block0 = " ".join(f"start:{n}" for n in names if n.startswith("layers.0."))
+    assert lines[2] == f"  before embed.weight: {block0} wait:embed.weight"
+    assert "  before layers.1.attn_norm.weight: start:norm.weight wait:layers.1.attn_norm.weight" in lines
+    assert "  before norm.weight: start:lm_head.weight wait:norm.weight" in lines
+    assert lines[-3:-1] == ["  after forward: ", "  end: "]
+    waited = [i for _, ops in sched.at_use for w, i in ops if w == "wait"]
+    every = (sched.prelude, *(o for _, o in sched.at_use), sched.after_forward)
+    started = [i for ops in every for w, i in ops if w == "start"]
+    assert started == list(range(len(names)))  # global order on every rank
+    assert sorted(waited) == list(range(len(names)))  # both ranks of 2x tp1 use every parameter
+    assert sched.buckets == (tuple(range(len(names))),)  # one bucket when bucket_bytes is huge
+    assert compiled.program(0, 1).overlap.prelude == sched.prelude
+
+
+def test_inflight_cap_waits_early():
+    capped = small_compiled(prefetch_layers=8, max_inflight_bytes=1).program(0, 0).overlap
+    # with a 1-byte cap at most one pull is in flight: every start but the first follows a wait
+    ops = [*capped.prelude, *(op for _, o in capped.at_use for op in o)]
+    inflight = 0
+    for what, _ in ops:
+        inflight += 1 if what == "start" else -1
+        assert 0 <= inflight <= 1
+
+
+def test_dry_run_catches_mismatched_collective_order():
+    compiled = small_compiled("4x tp1")
+    programs = [compiled.program(0, r) for r in range(4)]
+    events = {p.rank: rank_events(p, p.overlap, 2) for p in programs}
+    dry_run(events)  # the real schedule is fine
+    starts = [k for k, e in enumerate(events[1]) if e[0] == "start" and e[1][0] == "pull"]
+    a, b = starts[0], starts[1]
+    events[1][a], events[1][b] = events[1][b], events[1][a]
+    with pytest.raises(ScheduleError, match="mismatch"):
+        dry_run(events)
+    assert issubclass(ScheduleError, HGraphError)
+
+
+def test_dry_run_catches_a_wait_that_never_completes():
+    compiled = small_compiled("4x tp1")
+    programs = [compiled.program(0, r) for r in range(4)]
+    events = {p.rank: rank_events(p, p.overlap, 1) for p in programs}
+    first = next(k for k, e in enumerate(events[2]) if e[0] == "start")
+    events[2] = events[2][:first]  # rank 2 never starts its pulls
+    with pytest.raises(ScheduleError, match="hang"):
+        dry_run(events)
+
+
+def test_check_runs_at_compile_time_and_in_trainer():
+    compiled = small_compiled("tp1,pp2")
+    assert compiled.options.schedule == "overlap"
+    programs = [compiled.program(0, r) for r in range(2)]
+    check(programs, [p.overlap for p in programs], [5, 5])
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(InputError, match="prefetch_layers"):
+        OverlapConfig(prefetch_layers=-1)
+    with pytest.raises(HGraphError, match="schedule"):
+        hgraph.compile(make_model(2), ["tp1"], example_inputs=torch.randint(0, 256, (1, 8)), schedule="fast")
+
+
+def test_thread_comm_async_start_and_wait():
+    """Starts return at once; ready() turns true only when every member started; different tags
+    match apart, whatever the order in which they were started on each side."""
+
+    def body(comm):
+        other = 1 - comm.rank
+        h = comm.start_all_reduce(torch.tensor([float(comm.rank + 1)]), (0, 1))
+        first_ready = h.ready()
+        comm.barrier((0, 1))
+        assert h.ready()
+        got = h.wait()
+        a, b = torch.zeros(1), torch.zeros(1)
+        if comm.rank == 0:
+            s1 = comm.start_exchange([(other, torch.tensor([1.0]))], [], tag=1)
+            s2 = comm.start_exchange([(other, torch.tensor([2.0]))], [], tag=2)
+            s1.wait(), s2.wait()
+        else:  # receives posted in the other order: tags keep the streams apart
+            r2 = comm.start_exchange([], [(other, b)], tag=2)
+            r1 = comm.start_exchange([], [(other, a)], tag=1)
+            r1.wait(), r2.wait()
+        return first_ready, float(got), float(a), float(b)
+
+    results = run_threads(body, 2)
+    assert results[0][1] == results[1][1] == 3.0
+    assert (results[1][2], results[1][3]) == (1.0, 2.0)
+    assert not (results[0][0] and results[1][0])  # the first starter cannot be ready yet
