@@ -47,6 +47,7 @@ class DemoConfig:
     lr: float = 3e-3
     seed: int = 0
     timeline: bool = True
+    schedule: str = "overlap"
     batches: tuple[tuple[int, ...], ...] = field(default=())
     candidates: tuple[str, ...] = field(default=())
     cost_table: str = ""
@@ -99,7 +100,8 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     model = model_factory(cfg.size)
     start = time.perf_counter()
-    compiled = hgraph.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)))
+    compiled = hgraph.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)),
+                              schedule=cfg.schedule)
     compile_s = time.perf_counter() - start
     cost_model = CostModel.from_table(json.loads(cfg.cost_table))
     planner = Planner(cost_model, compiled.strategies)
@@ -180,6 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=512, help="longest sequence after scaling")
     parser.add_argument("--compare", action="store_true",
                         help="also train on the best single homogeneous strategy and report the speedup")
+    parser.add_argument("--schedule", choices=("overlap", "none"), default="overlap",
+                        help="overlap Pull/Push/activation communication with compute (default) or not")
     parser.add_argument("--fresh-profile", action="store_true", help="measure the cost model again")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are stopped")
@@ -196,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = DemoConfig(size=args.model_size, world_size=args.world_size, iterations=args.iterations,
-                     tokens_per_iteration=args.tokens_per_iteration, max_len=args.max_len, seed=args.seed)
+                     tokens_per_iteration=args.tokens_per_iteration, max_len=args.max_len, seed=args.seed,
+                     schedule=args.schedule)
     batches = scaled_batches(cfg)
     print(f"hgraph demo: {SIZES[cfg.size]} model, {cfg.world_size} gloo ranks, {cfg.iterations} iterations, "
           f"~{cfg.tokens_per_iteration} tokens/iteration (Wikipedia lengths / {cfg.length_scale})")
