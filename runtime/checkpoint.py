@@ -101,7 +101,7 @@ def save(trainer: Any, path: PathLike, extra: Optional[dict[str, Any]] = None) -
         torch.save(state, fh)
         fh.flush()
         os.fsync(fh.fileno())
-    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size), world)
+    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
     if rank == world[0]:
         _write_manifest(trainer, partial, state, digests, extra_json)
         if final.exists():

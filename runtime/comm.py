@@ -18,6 +18,7 @@ deposits, the wait collects); the blocking forms are start + wait.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
@@ -71,6 +72,8 @@ class Communicator:
 
     rank: int
     world_size: int
+    # Where this communicator's tensors live: NCCL needs every tensor on the rank's GPU.
+    device: torch.device = torch.device("cpu")
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Handle:
         raise NotImplementedError
@@ -128,7 +131,7 @@ class Communicator:
         self.start_exchange(sends, recvs).wait()
 
     def barrier(self, group: Group) -> None:
-        self.all_reduce(torch.zeros(1), group)
+        self.all_reduce(torch.zeros(1, device=self.device), group)
 
 
 # ----------------------------------------------------------------------------- simulated ranks
@@ -321,6 +324,13 @@ def run_threads(fn: Callable[[Communicator], Any], world_size: int, timeout: flo
 
 
 # ----------------------------------------------------------------------------- real processes
+def local_device_index(rank: int) -> int:
+    """This process's GPU: torchrun's ``LOCAL_RANK``, else the global rank modulo the GPUs here."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return rank % max(torch.cuda.device_count(), 1)
+
+
 class ProcessGroupComm(Communicator):
     """torch.distributed primitives on global ranks, with subgroups created once and cached."""
 
@@ -335,6 +345,12 @@ class ProcessGroupComm(Communicator):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._groups: dict[Group, Any] = {}
+        if dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", local_device_index(self.rank))
+            torch.cuda.set_device(self.device)
+        # Older torch (2.11) lacks the *_single names; the *_tensor ones take the same arguments.
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def create_groups(self, groups: Sequence[Group]) -> None:
         """Create every group in one global order, so no two ranks wait on each other in a cycle.
@@ -377,7 +393,7 @@ class ProcessGroupComm(Communicator):
         src = tensor.detach().contiguous()
         # gloo wants the output concatenated along dim 0: gather flat, then view as stacked.
         out = src.new_empty((len(group) * src.numel(),))
-        work = self.dist.all_gather_single(out, src.reshape(-1), group=self.group(group), async_op=True)
+        work = self._all_gather(out, src.reshape(-1), group=self.group(group), async_op=True)
         return self._work(work, lambda: out.view((len(group),) + tuple(src.shape)))
 
     def start_reduce_scatter(self, stacked: torch.Tensor, group: Group) -> Handle:
@@ -386,7 +402,7 @@ class ProcessGroupComm(Communicator):
             raise CommunicationError(f"reduce_scatter needs its group in ascending rank order, got {group}")
         src = stacked.detach().contiguous()
         out = src.new_empty(tuple(src.shape[1:]))
-        work = self.dist.reduce_scatter_single(out.view(-1), src.reshape(-1), group=self.group(group), async_op=True)
+        work = self._reduce_scatter(out.view(-1), src.reshape(-1), group=self.group(group), async_op=True)
         return self._work(work, lambda: out)
 
     def start_all_to_all(

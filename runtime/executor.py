@@ -115,7 +115,7 @@ def push_gradients(
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
         t0 = time.time()
         with comm_step(program.rank, f"push_gradient {pc.name} (ranks {list(pc.push.plan.ranks)})"):
-            shard = execute(pc.push.plan, grad, comm)
+            shard = execute(pc.push.plan, grad, comm, device=shards[pc.name].device)
         if timeline is not None:
             timeline.add("push_gradient", pc.name, t0, time.time())
         if shard is not None:
@@ -127,16 +127,19 @@ def push_gradients(
 def _send_header(t: torch.Tensor) -> torch.Tensor:
     if t.dim() > _HEADER - 2:
         raise CommunicationError(f"cannot send a {t.dim()}-d activation; at most {_HEADER - 2} dims")
-    h = torch.zeros(_HEADER, dtype=torch.int64)
-    h[0] = _DTYPES.index(t.dtype)
-    h[1] = t.dim()
-    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
+    h = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
 
 
 def _from_header(h: torch.Tensor) -> torch.Tensor:
-    ndim = int(h[1])
-    return torch.empty(tuple(int(x) for x in h[2 : 2 + ndim]), dtype=_DTYPES[int(h[0])])
+    """An empty activation buffer, on the header's device, of the dtype and shape it describes."""
+    code, ndim, *sizes = h.tolist()
+    return torch.empty(tuple(sizes[:ndim]), dtype=_DTYPES[code], device=h.device)
+
+
+def shards_device(shards: dict[str, torch.Tensor]) -> torch.device:
+    """The device this rank computes on: that of its optimizer shards (CPU if it holds none)."""
+    return next(iter(shards.values())).device if shards else torch.device("cpu")
 
 
 def run_iteration(
@@ -159,6 +162,7 @@ def run_iteration(
         return run_iteration_overlap(program, program.overlap, shards, micro_batches, loss_scale, timeline)
     comm = current().comm
     sg = program.stage_graph
+    device = shards_device(shards)
     params = pull_parameters(program, shards, timeline)
     pipeline_ranks = program.groups["pipeline"]
     n = len(pipeline_ranks) // program.pp
@@ -212,7 +216,9 @@ def run_iteration(
             if a.kind == "SEND_F":
                 headers_out += [(next_rank, _send_header(t)) for t in outputs[a.mb]]
             elif a.kind == "RECV_F":
-                headers_in += [(prev_rank, torch.zeros(_HEADER, dtype=torch.int64)) for _ in recv_names]
+                headers_in += [
+                    (prev_rank, torch.zeros(_HEADER, dtype=torch.int64, device=device)) for _ in recv_names
+                ]
         if headers_out or headers_in:
             comm.exchange(headers_out, headers_in)
         sends, recvs = [], []

@@ -56,6 +56,10 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     torch.set_num_threads(1)
     failed = False
     try:
+        if backend == "nccl":
+            from hgraph.runtime.comm import local_device_index
+
+            torch.cuda.set_device(local_device_index(rank))
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
@@ -232,6 +236,12 @@ def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) 
         raise CommunicationError(f"init_from_env needs the environment variables {missing} (set by torchrun)")
     os.environ.setdefault(TIMEOUT_ENV, str(timeout))
     if not dist.is_initialized():
+        if backend == "nccl":
+            import torch
+
+            from hgraph.runtime.comm import local_device_index
+
+            torch.cuda.set_device(local_device_index(int(os.environ["RANK"])))
         dist.init_process_group(
             backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
         )

@@ -49,7 +49,8 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def global_grad_norm(self, grads: dict[str, Optional[torch.Tensor]], comm: Communicator, world: tuple[int, ...]) -> float:
         """L2 norm of the whole gradient over all ranks (replicated shards counted once)."""
-        total = torch.zeros(1, dtype=torch.float64)
+        params = self.param_groups[0]["params"]
+        total = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else None)
         for name in self.names:
             g = grads.get(name)
             if g is None or (name in self.replicated and comm.rank != world[0]):

@@ -87,9 +87,11 @@ class _Pushes:
     """Starts Push Gradient buckets in order once all their gradients are final; waits them at the end."""
 
     def __init__(
-        self, program: Any, sched: RankSchedule, params: dict[str, torch.Tensor], timeline: Any
+        self, program: Any, sched: RankSchedule, params: dict[str, torch.Tensor], timeline: Any,
+        device: torch.device,
     ) -> None:
         self.program, self.sched, self.params, self.timeline = program, sched, params, timeline
+        self.device = device  # for push buffers on ranks that hold no gradient
         self.comm = current().comm
         self.ready = {i for i, pc in enumerate(program.pushes) if pc.name not in params}
         self.next_bucket = 0
@@ -124,7 +126,8 @@ class _Pushes:
                 grad = None
                 if p is not None:
                     grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                self.handles.append((i, start(pc.push.plan, grad, self.comm, tag=PUSH_TAG), time.time()))
+                handle = start(pc.push.plan, grad, self.comm, device=self.device, tag=PUSH_TAG)
+                self.handles.append((i, handle, time.time()))
             self.next_bucket += 1
 
     def reap(self) -> None:
@@ -166,10 +169,11 @@ def run_iteration_overlap(
     timeline: Any = None,
 ) -> Any:
     """``executor.run_iteration`` with the overlap schedule ``sched``; same results, bit for bit."""
-    from hgraph.runtime.executor import IterationOutput, _from_header, _send_header
+    from hgraph.runtime.executor import _HEADER, IterationOutput, _from_header, _send_header, shards_device
 
     comm = current().comm
     sg = program.stage_graph
+    device = shards_device(shards)
     gm = _overlap_module(program)
     pulls = _Pulls(program, sched, shards, timeline)
     _ACTIVE.pulls = pulls
@@ -237,7 +241,7 @@ def run_iteration_overlap(
 
     def post_headers(step: Any) -> tuple[Handle, list]:
         count = sum(len(sg.recv) for a in step.actions if a.kind == "RECV_F")
-        bufs = [(prev_rank, torch.zeros(10, dtype=torch.int64)) for _ in range(count)]
+        bufs = [(prev_rank, torch.zeros(_HEADER, dtype=torch.int64, device=device)) for _ in range(count)]
         return comm.start_exchange([], bufs), bufs
 
     def communicate(k: int, step: Any) -> None:
@@ -288,7 +292,7 @@ def run_iteration_overlap(
                 t0 = time.time()
                 forward(action.mb)
                 if pushes is None:
-                    pushes = _Pushes(program, sched, pulls.params, timeline)
+                    pushes = _Pushes(program, sched, pulls.params, timeline, device)
                 if timeline is not None:
                     timeline.add("forward", f"forward mb{action.mb}", t0, time.time())
             elif action.kind == "B":
@@ -308,7 +312,7 @@ def run_iteration_overlap(
                 pulls.run(ops)
             pulls.run(sched.after_forward)
         if pushes is None:
-            pushes = _Pushes(program, sched, pulls.params, timeline)
+            pushes = _Pushes(program, sched, pulls.params, timeline, device)
         pulls.run(sched.at_end)
         reap()
         for handle, began, label in sends:

@@ -123,9 +123,15 @@ class Trainer:
         comm: Optional[Communicator] = None,
         micro_batch_tokens: int = 4096,
         timeline: bool = False,
+        device: Union[str, torch.device, None] = None,
     ) -> None:
         self.compiled = compiled
         self.comm = comm if comm is not None else default_comm()
+        # Shards, micro-batches and every tensor handed to a collective live here (default: the
+        # communicator's device, i.e. this rank's GPU under NCCL, else CPU).
+        self.device = torch.device(device) if device is not None else self.comm.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if self.comm.world_size != compiled.world_size:
             raise InputError(
                 f"the program was compiled for {compiled.world_size} ranks but this world has "
@@ -140,6 +146,7 @@ class Trainer:
         layouts = compiled.optimizer_layouts
         shards = {
             fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(self.rank)].clone()
+            .to(self.device)
             for fqn, layout in layouts.items()
         }
         replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
@@ -180,10 +187,11 @@ class Trainer:
         """Rank 0's ``payload`` on every rank."""
         if len(self.world) == 1:
             return payload
-        size = self.comm.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0, self.world)
-        buf = torch.zeros(int(size[0]), dtype=torch.uint8)
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        size = self.comm.broadcast(size, 0, self.world)
+        buf = torch.zeros(int(size[0]), dtype=torch.uint8, device=self.device)
         if self.rank == 0:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         return bytes(self.comm.broadcast(buf, 0, self.world).tolist())
 
     # ------------------------------------------------------------------ training
@@ -213,12 +221,15 @@ class Trainer:
         from hgraph.simulate import cp_chunk_indices
 
         c = program.groups["cp"].index(self.rank)
-        buffers = {ph: self.compiled.traced.buffers()[fqn] for ph, fqn in self.compiled.traced.buffer_names.items()}
+        buffers = {
+            ph: self.compiled.traced.buffers()[fqn].to(self.device)
+            for ph, fqn in self.compiled.traced.buffer_names.items()
+        }
         mbs = []
         for mb in d.micro_batches[program.pipeline]:
-            packed = pack_micro_batch([sequences[i] for i in mb], align)
+            packed = pack_micro_batch([sequences[i].cpu() for i in mb], align)
             idx = cp_chunk_indices(packed["input_ids"].shape[-1], cp, c)
-            local = {k: v[..., idx] for k, v in packed.items()}
+            local = {k: v[..., idx].to(self.device) for k, v in packed.items()}
             local.update(buffers)
             mbs.append(local)
         if program.overlap is not None:  # dry run of this dispatch's communication order (cached)
@@ -227,7 +238,8 @@ class Trainer:
             self.timeline.iteration = self.iteration
         with rank_context(RankContext(self.rank, self.comm, program.groups)):
             out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=self.timeline)
-        loss = float(self.comm.all_reduce(torch.tensor([out.loss_sum], dtype=torch.float64), self.world)) / tokens
+        loss_sum = torch.tensor([out.loss_sum], dtype=torch.float64, device=self.device)
+        loss = float(self.comm.all_reduce(loss_sum, self.world)) / tokens
         if not math.isfinite(loss):
             raise TrainingError(
                 f"non-finite loss {loss} at iteration {self.iteration}; optimizer state left unchanged "
