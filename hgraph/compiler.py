@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.errors import HGraphError, InputError, StrategyError
+from hgraph.errors import HGraphError, StrategyError
 from hgraph.frontend import TracedModel, trace
 from hgraph.layout import Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters

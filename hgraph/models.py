@@ -12,9 +12,10 @@ to check that hgraph works on models it has never seen.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -225,3 +226,18 @@ def tiny_hf_gpt2(seed: int = 0, **overrides: Any) -> nn.Module:
         torch.manual_seed(seed)
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**options))
     return model.eval()
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``module:attribute`` -> the callable it names (a model class or a function returning a model)."""
+    if ":" not in spec:
+        raise InputError(f"model {spec!r}: expected 'module:factory', e.g. 'hgraph.demo:tiny_model'")
+    module_name, attr = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InputError(f"model {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise InputError(f"model {spec!r}: {module_name} has no callable {attr!r}")
+    return factory

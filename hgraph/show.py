@@ -6,29 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import shutil
 import subprocess
-from typing import Any, Callable
 
 import torch
 
 from hgraph.errors import InputError
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """``module:attribute`` -> the callable it names (a model class or a function returning a model)."""
-    if ":" not in spec:
-        raise InputError(f"--model {spec!r}: expected 'module:factory', e.g. 'hgraph.demo:tiny_model'")
-    module_name, attr = spec.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise InputError(f"--model {spec!r}: cannot import module {module_name!r} ({exc})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise InputError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
+from hgraph.models import load_factory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -100,7 +100,7 @@ def train_rank(cfg: TrainConfig, batches: list[list[int]]) -> list[dict[str, Any
     """Every rank: compile, train, return the history."""
     import hgraph
     from hgraph.demo import synthetic_sequence
-    from hgraph.show import load_factory
+    from hgraph.models import load_factory
 
     model = load_factory(cfg.model)()
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 256))

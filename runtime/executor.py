@@ -142,6 +142,49 @@ def shards_device(shards: dict[str, torch.Tensor]) -> torch.device:
     return next(iter(shards.values())).device if shards else torch.device("cpu")
 
 
+@dataclass
+class StageState:
+    """One stage's per-micro-batch values between forward, backward and the sends that use them."""
+
+    stage_graph: Any
+    loss_scale: float
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    grads_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    loss_total: float = 0.0
+
+    def data_args(self, batch: dict[str, torch.Tensor], mb: int) -> list[torch.Tensor]:
+        """The stage's non-parameter arguments: graph inputs from the batch, then received values."""
+        args = []
+        for name in self.stage_graph.inputs:
+            if name not in batch:
+                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
+            args.append(batch[name])
+        return args + self.received.get(mb, [])
+
+    def record(self, mb: int, outs: Any) -> None:
+        """Keep a forward's outputs (the loss apart) until its backward and sends."""
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if self.stage_graph.returns_loss:
+            self.losses[mb] = outs[0]
+            outs = outs[1:]
+        self.outputs[mb] = outs
+
+    def backward(self, mb: int) -> None:
+        """Backward of micro-batch ``mb``: from the scaled loss, or from the received output grads."""
+        if self.stage_graph.returns_loss:
+            loss = self.losses.pop(mb)
+            self.loss_total += float(loss.detach())
+            (loss * self.loss_scale).backward()
+        else:
+            outs = self.outputs.pop(mb)
+            pairs = [(o, g) for o, g in zip(outs, self.grads_in.pop(mb)) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self.outputs.pop(mb, None)
+
+
 def run_iteration(
     program: RankProgram,
     shards: dict[str, torch.Tensor],
@@ -174,41 +217,14 @@ def run_iteration(
                       if r is not None)
 
     recv_names = [b.name for b in sg.recv]
-    received: dict[int, list[torch.Tensor]] = {}
-    outputs: dict[int, list[torch.Tensor]] = {}
-    grads_in: dict[int, list[torch.Tensor]] = {}
-    losses: dict[int, torch.Tensor] = {}
-    loss_total = 0.0
+    state = StageState(sg, loss_scale)
+    received, outputs, grads_in = state.received, state.outputs, state.grads_in
 
     def forward(mb: int) -> None:
-        batch = micro_batches[mb]
-        args: list[Any] = []
-        for name in sg.params:
-            args.append(params[program.param_of_placeholder[name]])
-        for name in sg.inputs:
-            if name not in batch:
-                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
-            args.append(batch[name])
-        args.extend(received.get(mb, []))
-        outs = sg.gm(*args)
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        if sg.returns_loss:
-            losses[mb] = outs[0]
-            outs = outs[1:]
-        outputs[mb] = outs
+        param_args = [params[program.param_of_placeholder[name]] for name in sg.params]
+        state.record(mb, sg.gm(*param_args, *state.data_args(micro_batches[mb], mb)))
 
-    def backward(mb: int) -> None:
-        nonlocal loss_total
-        if sg.returns_loss:
-            loss = losses.pop(mb)
-            loss_total += float(loss.detach())
-            (loss * loss_scale).backward()
-        else:
-            outs = outputs.pop(mb)
-            pairs = [(o, g) for o, g in zip(outs, grads_in.pop(mb)) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        outputs.pop(mb, None)
+    backward = state.backward
 
     def communicate(step: Step) -> None:
         headers_out, headers_in = [], []
@@ -266,5 +282,5 @@ def run_iteration(
         if on_step is not None:
             on_step("end", step)
     grad_shards = push_gradients(program, params, shards, timeline)
-    reported = loss_total if program.reports_loss else 0.0
+    reported = state.loss_total if program.reports_loss else 0.0
     return IterationOutput(reported, grad_shards, len(micro_batches))

@@ -15,7 +15,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.errors import InputError
 from hgraph.passes.schedule import PULL_TAG, PUSH_TAG, RankSchedule, early_recv, holds, overlap_graph
 from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
@@ -169,7 +168,14 @@ def run_iteration_overlap(
     timeline: Any = None,
 ) -> Any:
     """``executor.run_iteration`` with the overlap schedule ``sched``; same results, bit for bit."""
-    from hgraph.runtime.executor import _HEADER, IterationOutput, _from_header, _send_header, shards_device
+    from hgraph.runtime.executor import (
+        _HEADER,
+        IterationOutput,
+        StageState,
+        _from_header,
+        _send_header,
+        shards_device,
+    )
 
     comm = current().comm
     sg = program.stage_graph
@@ -183,12 +189,9 @@ def run_iteration_overlap(
     pos = pipeline_ranks.index(program.rank) % n
     prev_rank = pipeline_ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
     next_rank = pipeline_ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
-    received: dict[int, list[torch.Tensor]] = {}
-    outputs: dict[int, list[torch.Tensor]] = {}
-    grads_in: dict[int, list[torch.Tensor]] = {}
-    losses: dict[int, torch.Tensor] = {}
+    state = StageState(sg, loss_scale)
+    received, outputs, grads_in = state.received, state.outputs, state.grads_in
     sends: list[tuple[Handle, float, str]] = []
-    loss_total = 0.0
     steps = program.schedule(len(micro_batches))
     last_b = max((k for k, s in enumerate(steps) if s.actions[0].kind == "B"), default=None)
     pushes: Optional[_Pushes] = None
@@ -196,35 +199,14 @@ def run_iteration_overlap(
 
     def forward(mb: int) -> None:
         nonlocal first_forward
-        batch = micro_batches[mb]
-        args: list[Any] = [None] * len(sg.params)
-        for name in sg.inputs:
-            if name not in batch:
-                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
-            args.append(batch[name])
-        args.extend(received.get(mb, []))
-        outs = gm(*args)
+        # Parameters are None here: the wait nodes of this graph copy fill them at first use.
+        outs = gm(*([None] * len(sg.params)), *state.data_args(micro_batches[mb], mb))
         if first_forward:
             pulls.run(sched.after_forward)
             first_forward = False
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        if sg.returns_loss:
-            losses[mb] = outs[0]
-            outs = outs[1:]
-        outputs[mb] = outs
+        state.record(mb, outs)
 
-    def backward(mb: int) -> None:
-        nonlocal loss_total
-        if sg.returns_loss:
-            loss = losses.pop(mb)
-            loss_total += float(loss.detach())
-            (loss * loss_scale).backward()
-        else:
-            outs = outputs.pop(mb)
-            pairs = [(o, g) for o, g in zip(outs, grads_in.pop(mb)) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        outputs.pop(mb, None)
+    backward = state.backward
 
     early: dict[int, tuple[Handle, list]] = {}  # step index -> activation headers received early
 
@@ -325,7 +307,7 @@ def run_iteration_overlap(
         grad_shards = pushes.finish(shards)
     finally:
         _ACTIVE.pulls = None
-    reported = loss_total if program.reports_loss else 0.0
+    reported = state.loss_total if program.reports_loss else 0.0
     return IterationOutput(reported, grad_shards, len(micro_batches))
 
 

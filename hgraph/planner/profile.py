@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import math
 import os
@@ -38,6 +37,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from hgraph.errors import CostModelError
+from hgraph.models import load_factory
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
 
@@ -93,20 +93,6 @@ def default_model() -> Any:
 
 
 # -- measuring -------------------------------------------------------------------------------------
-
-
-def _load_factory(spec: str) -> Callable[[], Any]:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise CostModelError(f"--model {spec!r}: write it as 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise CostModelError(f"--model {spec!r}: cannot import {module_name!r} ({exc})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise CostModelError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
 
 
 def _blocks(model: Any) -> Any:
@@ -232,7 +218,7 @@ def measure(
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    model = _load_factory(model_spec)()
+    model = load_factory(model_spec)()
     profiler = _Profiler(model, device, dtype, repeats)
     profiler.model_ms(min(lengths))  # warm up allocator and kernels before anything is kept
     model_ms, block_ms = [], []

@@ -50,7 +50,8 @@ from typing import Any, Optional, Union
 from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
-from hgraph.planner.profile import Fit, _blocks, _embedding, _load_factory, fit_stage_cost
+from hgraph.models import load_factory
+from hgraph.planner.profile import Fit, _blocks, _embedding, fit_stage_cost
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -129,7 +130,7 @@ def factory_name(model_factory: ModelFactory) -> str:
 
 
 def _resolve(model_factory: ModelFactory) -> Callable[[], Any]:
-    return _load_factory(model_factory) if isinstance(model_factory, str) else model_factory
+    return load_factory(model_factory) if isinstance(model_factory, str) else model_factory
 
 
 # -- on every rank ---------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_blocking_schedule_records_too():
         return trainer.timeline.events
 
     events = run_threads(body, 2)
-    for rank, evs in enumerate(events):
+    for evs in events:
         assert {e.kind for e in evs} >= {"forward", "backward", "pull_parameter", "push_gradient"}
         # blocking: pulls end before the first forward starts and pushes start after the last backward
         first_f = min(e.start for e in evs if e.kind == "forward")

@@ -1,13 +1,11 @@
 """Training equivalence: hgraph.Trainer, switching strategy every iteration, learns exactly what a
 single-process AdamW run learns on the same global batches (threads, real gloo processes, torchrun)."""
 
-import copy
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 import hgraph
