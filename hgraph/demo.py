@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.planner.baselines import homogeneous_strategies
+    from hgraph.planner.baselines import homogeneous_tuned
     from hgraph.planner.cost import CostModel
     from hgraph.planner.proposal import propose
     from hgraph.runtime.launch import launch
@@ -221,8 +221,7 @@ def run(args: argparse.Namespace) -> int:
     train_s = time.perf_counter() - t1
     comparison = None
     if args.compare:
-        homog = [str(s) for s in homogeneous_strategies(cost_model, cfg.world_size)]
-        best = _best_homogeneous(cost_model, homog, batches)
+        best = str(homogeneous_tuned(cost_model, cfg.world_size, batches)[0].strategy)
         print(f"      --compare: training again on the best homogeneous strategy {best}")
         base_cfg = DemoConfig(**{**asdict(cfg), "candidates": (best,)})
         comparison = launch(_rank_train, cfg.world_size, args=(base_cfg,), timeout=args.timeout)[0]
@@ -230,21 +229,6 @@ def run(args: argparse.Namespace) -> int:
     summary = write_artifacts(out, cfg, cost_model, result, comparison, train_s)
     print(_summary_text(summary))
     return 0
-
-
-def _best_homogeneous(cost_model: Any, strategies: list[str], batches: list[list[int]]) -> str:
-    from hgraph.planner.assign import Planner
-
-    best, best_ms = strategies[0], float("inf")
-    for s in strategies:
-        planner = Planner(cost_model, [s])
-        try:
-            total = sum(planner.plan(b).predicted_ms for b in batches)
-        except HGraphError:
-            continue
-        if total < best_ms:
-            best, best_ms = s, total
-    return best
 
 
 def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, comparison: Optional[dict],

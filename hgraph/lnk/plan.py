@@ -43,6 +43,12 @@ def _ring(group: Group, sent: list[int]) -> list[Message]:
     return [(group[i], group[(i + 1) % n], sent[i]) for i in range(n) if sent[i]]
 
 
+def _chunk_numels(box: Box, dim: int, chunks: tuple[tuple[int, int], ...]) -> list[int]:
+    """Elements of each chunk when ``box`` is cut along ``dim`` at ``chunks``."""
+    per_row = box_numel(box) // max(1, box[dim][1] - box[dim][0])
+    return [per_row * (b - a) for a, b in chunks]
+
+
 @dataclass(frozen=True)
 class LocalCopy:
     """``rank`` copies ``box`` from its source tensor into its output (adds it if ``accumulate``)."""
@@ -97,13 +103,10 @@ class AllGather:
     def ranks(self) -> Group:
         return self.group
 
-    def _chunk_numel(self, i: int) -> int:
-        a, b = self.chunks[i]
-        return box_numel(self.box) // max(1, self.box[self.dim][1] - self.box[self.dim][0]) * (b - a)
-
     def messages(self) -> list[Message]:
         n, total = len(self.group), box_numel(self.box)
-        return _ring(self.group, [total - self._chunk_numel((i + 1) % n) for i in range(n)])
+        own = _chunk_numels(self.box, self.dim, self.chunks)
+        return _ring(self.group, [total - own[(i + 1) % n] for i in range(n)])
 
     def __str__(self) -> str:
         return f"all_gather dim{self.dim} {_group(self.group)}"
@@ -124,8 +127,7 @@ class ReduceScatter:
 
     def messages(self) -> list[Message]:
         total = box_numel(self.box)
-        extent = max(1, self.box[self.dim][1] - self.box[self.dim][0])
-        own = [total // extent * (b - a) for a, b in self.chunks]
+        own = _chunk_numels(self.box, self.dim, self.chunks)
         return _ring(self.group, [total - own[i] for i in range(len(self.group))])
 
     def __str__(self) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -58,15 +58,29 @@ def megatron(
     cost_model: CostModel, gpus: int, batches: Sequence[Sequence[int]], max_len: int, comm="default"
 ) -> list[IterationPlan]:
     """Best homogeneous strategy, best-fit-decreasing packing to a fixed token budget."""
+
+    def plan_run(planner: Planner, longest: int) -> Optional[list[IterationPlan]]:
+        budget = min(max_len, planner.pipeline_costs[0][0].max_len)
+        return None if budget < longest else [_megatron_plan(planner, b, budget) for b in batches]
+
+    return _best_homogeneous_run(cost_model, gpus, batches, comm, plan_run)
+
+
+def _best_homogeneous_run(
+    cost_model: CostModel,
+    gpus: int,
+    batches: Sequence[Sequence[int]],
+    comm: Any,
+    plan_run: Callable[[Planner, int], Optional[list[IterationPlan]]],
+) -> list[IterationPlan]:
+    """The plans of the homogeneous strategy whose whole run ``plan_run`` predicts fastest
+    (``plan_run`` returns None for a strategy that cannot hold the longest sequence)."""
     longest = _longest(batches)
     best: Optional[tuple[float, list[IterationPlan]]] = None
     for strategy in homogeneous_strategies(cost_model, gpus):
-        planner = Planner(cost_model, [strategy], comm=comm)
-        cost = planner.pipeline_costs[0][0]
-        budget = min(max_len, cost.max_len)
-        if budget < longest:
+        plans = plan_run(Planner(cost_model, [strategy], comm=comm), longest)
+        if plans is None:
             continue
-        plans = [_megatron_plan(planner, b, budget) for b in batches]
         total = sum(p.predicted_ms for p in plans)
         if best is None or total < best[0]:
             best = (total, plans)
@@ -117,19 +131,11 @@ def homogeneous_tuned(
     cost_model: CostModel, gpus: int, batches: Sequence[Sequence[int]], comm="default"
 ) -> list[IterationPlan]:
     """Best single homogeneous strategy for the run, hgraph's dispatch and packing per batch."""
-    longest = _longest(batches)
-    best: Optional[tuple[float, list[IterationPlan]]] = None
-    for strategy in homogeneous_strategies(cost_model, gpus):
-        planner = Planner(cost_model, [strategy], comm=comm)
-        if planner.largest_max_len < longest:
-            continue
-        plans = [planner.plan(b) for b in batches]
-        total = sum(p.predicted_ms for p in plans)
-        if best is None or total < best[0]:
-            best = (total, plans)
-    if best is None:
-        raise PlanError(f"no homogeneous strategy on {gpus} GPUs holds a {longest}-token sequence")
-    return best[1]
+
+    def plan_run(planner: Planner, longest: int) -> Optional[list[IterationPlan]]:
+        return None if planner.largest_max_len < longest else [planner.plan(b) for b in batches]
+
+    return _best_homogeneous_run(cost_model, gpus, batches, comm, plan_run)
 
 
 class HydraulisReference:
