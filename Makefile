@@ -1,13 +1,14 @@
 # The README's first two commands: `make demo` (set up, then run the main job) and `make test`
-# (set up, then run the whole test suite). Set-up is a virtual environment in .venv with
-# torch==2.13.0 and the package installed in editable mode; it is redone when pyproject.toml changes.
+# (set up, then run the test suite without the tests marked slow; `make test-all` adds them).
+# Set-up is a virtual environment in .venv with torch==2.13.0 and the package installed in
+# editable mode; it is redone when pyproject.toml changes.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 DEMO_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-all bench clean
 
 setup: $(STAMP)
 
@@ -22,8 +23,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m hgraph demo $(DEMO_ARGS)
 
+# `make test` deselects tests marked slow (pyproject addopts); `make test-all` runs them too.
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(TEST_ARGS)
+
+test-all: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "slow or not slow" $(TEST_ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/*_bench.py; do OMP_NUM_THREADS=1 $(VENV)/bin/python $$b || exit 1; done
