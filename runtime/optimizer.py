@@ -62,13 +62,17 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def apply(self, grads: dict[str, Optional[torch.Tensor]], scale: float = 1.0) -> None:
-        """One AdamW step with ``grads * scale`` (missing grads count as zero)."""
+        """One AdamW step with ``grads * scale``. A parameter whose grad is missing or ``None`` is
+        skipped as ``torch.optim.AdamW`` skips one whose ``.grad`` is ``None``: no weight decay, no
+        moment decay, its step count unchanged."""
         group = self.param_groups[0]
         self._opt_called = True  # what torch's LR schedulers check: this is our optimizer step
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         for name, p in zip(self.names, group["params"]):
             g = grads.get(name)
-            g = torch.zeros_like(p) if g is None else g.to(torch.float32)
+            if g is None:
+                continue
+            g = g.to(torch.float32)
             if scale != 1.0:
                 g = g * scale
             state = self.state[p]

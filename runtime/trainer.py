@@ -83,6 +83,28 @@ def default_dispatch(
     return tuple(out)
 
 
+def params_without_gradient(traced: Any) -> frozenset[str]:
+    """FQNs that never get a gradient: frozen (``requires_grad=False``) or not on the loss's path.
+
+    The optimizer skips them, as ``torch.optim.AdamW`` skips a parameter whose ``.grad`` is ``None``
+    (the Push of such a parameter still runs, carrying zeros, so every rank issues the same plans).
+    """
+    graph = traced.graph_module.graph
+    stack = [n for n in graph.nodes if n.op == "output"]
+    reaches_loss: set[str] = set()
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            if node.name not in reaches_loss:
+                reaches_loss.add(node.name)
+                stack.append(node)
+    params = traced.params()
+    return frozenset(
+        fqn
+        for placeholder, fqn in traced.param_names.items()
+        if placeholder not in reaches_loss or not params[fqn].requires_grad
+    )
+
+
 def pack_micro_batch(sequences: Sequence[torch.Tensor], align: int = 1) -> dict[str, torch.Tensor]:
     """Concatenate sequences into one ``[1, tokens]`` micro-batch: positions restart per sequence
     and each sequence's last token predicts nothing; padded (as its own ignored segment) to ``align``."""
@@ -151,6 +173,7 @@ class Trainer:
         }
         replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
         self.optimizer = ShardedAdamW(shards, lr, betas, eps, weight_decay, replicated)
+        self.frozen = params_without_gradient(compiled.traced)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.iteration = 0
         self.history: list[dict[str, Any]] = []
@@ -245,7 +268,8 @@ class Trainer:
                 f"non-finite loss {loss} at iteration {self.iteration}; optimizer state left unchanged "
                 "(lower the learning rate or check the data)"
             )
-        norm = self.optimizer.global_grad_norm(out.grad_shards, self.comm, self.world)
+        grads = {n: None if n in self.frozen else g for n, g in out.grad_shards.items()}
+        norm = self.optimizer.global_grad_norm(grads, self.comm, self.world)
         if not math.isfinite(norm):
             raise TrainingError(
                 f"non-finite gradient norm {norm} at iteration {self.iteration} (loss {loss}); optimizer state "
@@ -254,7 +278,7 @@ class Trainer:
         scale = 1.0
         if self.grad_clip is not None and norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)
-        self.optimizer.apply(out.grad_shards, scale)
+        self.optimizer.apply(grads, scale)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         record = {

@@ -4,8 +4,11 @@ import math
 
 import torch
 
+import hgraph
+from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.comm import run_threads
 from hgraph.runtime.optimizer import ShardedAdamW
+from hgraph.runtime.trainer import Trainer
 
 
 def test_matches_torch_adamw_exactly():
@@ -52,3 +55,53 @@ def test_state_round_trip():
     opt.apply({"w": torch.ones(4)})
     other.apply({"w": torch.ones(4)})
     assert torch.equal(opt.shards["w"], other.shards["w"])
+
+
+def test_parameter_without_gradient_is_skipped_like_torch_adamw():
+    """torch.optim.AdamW leaves a parameter whose .grad is None untouched (no decay, no step);
+    so must the sharded one, also across later steps with a gradient (bias correction by own step)."""
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(6, generator=g)
+    grads = [torch.randn(6, generator=g), None, torch.randn(6, generator=g)]
+    ref = full.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+    mine = ShardedAdamW({"w": full}, lr=1e-2, weight_decay=0.1)
+    for gr in grads:
+        ref.grad = None if gr is None else gr.clone()
+        opt.step()
+        mine.apply({"w": gr})
+        assert torch.equal(mine.shards["w"], ref.detach())
+    assert mine.shard_state()["w"]["step"] == opt.state[ref]["step"] == 2
+
+
+def _frozen_and_unused_model():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(layers=1))
+    model.embed.weight.requires_grad_(False)  # a frozen embedding, as in adapter fine-tuning
+    model.unused = torch.nn.Parameter(torch.randn(8))  # never reaches the loss
+    return model
+
+
+def _trainer_run(comm, compiled, batches):
+    trainer = Trainer(compiled, comm=comm, lr=2e-4, weight_decay=0.1, eps=1e-6)
+    for batch in batches:
+        trainer.step(batch)
+    return trainer.full_parameters()
+
+
+def test_trainer_leaves_frozen_and_unused_parameters_as_torch_adamw_does():
+    g = torch.Generator().manual_seed(2)
+    batches = [[torch.randint(0, 256, (n,), generator=g) for n in (9, 5, 12, 7)] for _ in range(3)]
+    model = _frozen_and_unused_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-4, weight_decay=0.1, eps=1e-6)
+    for batch in batches:
+        tokens = sum(len(s) - 1 for s in batch)
+        opt.zero_grad()
+        for s in batch:
+            logits = model(s[None])[0, :-1]
+            (torch.nn.functional.cross_entropy(logits, s[1:], reduction="sum") / tokens).backward()
+        opt.step()
+    compiled = hgraph.compile(_frozen_and_unused_model(), ["2x tp1"], example_inputs=torch.randint(0, 256, (1, 8)))
+    got = run_threads(lambda comm: _trainer_run(comm, compiled, batches), 2)[0]
+    for name, want in model.named_parameters():
+        torch.testing.assert_close(got[name], want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
