@@ -11,8 +11,8 @@ differ only in their ``m`` coordinate:
 (``R -> S(d)`` needs no communication: the point-to-point plan is local copies.) The geometry is
 checked on the actual boxes (several mesh dims may cut the same tensor dim, and the torch.chunk rule
 leaves uneven and empty chunks), and so are the partial terms: a member's destination term must be
-the sum of exactly the group's source terms. The solver keeps a collective plan only when it moves
-exactly the lower-bound bytes (e.g. not a reduce_scatter whose result is also replicated elsewhere).
+the sum of a set of source terms that no other destination term takes. The solver keeps a
+collective plan only when it moves exactly the lower-bound bytes (e.g. not a reduce_scatter whose result is also replicated elsewhere).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def collective_steps(src: AnyLayout, dst: AnyLayout) -> Optional[tuple[Step, ...
     m = changed[0]
     a, b = src.placements[m], dst.placements[m]
     steps = []
+    reduces = isinstance(a, Partial) and _terms_reduce(src, dst, m)
     for group in _groups(src, m):
         s = [src.region(r) for r in group]
         t = [dst.region(r) for r in group]
@@ -42,7 +43,7 @@ def collective_steps(src: AnyLayout, dst: AnyLayout) -> Optional[tuple[Step, ...
         if isinstance(a, Shard) and isinstance(b, Replicate) and _same_terms(src, dst, group):
             if all(box == t[0] for box in t) and _tiles(s, t[0], a.dim):
                 step = AllGather(group, a.dim, t[0], tuple(box[a.dim] for box in s))
-        elif isinstance(a, Partial) and _terms_reduce(src, dst, group):
+        elif reduces:
             if isinstance(b, Shard) and all(box == s[0] for box in s) and _tiles(t, s[0], b.dim):
                 step = ReduceScatter(group, b.dim, s[0], tuple(box[b.dim] for box in t))
             elif isinstance(b, Replicate) and all(box == s[0] for box in s + t):
@@ -99,17 +100,12 @@ def _same_terms(src: Layout, dst: Layout, group: tuple[int, ...]) -> bool:
     return src.num_terms == dst.num_terms and all(src.term(r) == dst.term(r) for r in group)
 
 
-def _terms_reduce(src: Layout, dst: Layout, group: tuple[int, ...]) -> bool:
-    """Each member's destination term is the sum of exactly the group's source terms (i mod k' rule)."""
-    src_terms = sorted({src.term(r) for r in src.ranks})
-    dst_terms = sorted({dst.term(r) for r in dst.ranks})
-    held = sorted(src.term(r) for r in group)
-    for r in group:
-        j = dst_terms.index(dst.term(r))
-        wanted = [t for i, t in enumerate(src_terms) if i % len(dst_terms) == j]
-        if held != wanted:
+def _terms_reduce(src: Layout, dst: Layout, m: int) -> bool:
+    """Reducing each group along mesh dim ``m`` gives a valid destination: every rank holding one
+    destination term (in any group) sums the same source terms, and no source term feeds two."""
+    owner: dict[tuple[int, ...], frozenset] = {}
+    for group in _groups(src, m):
+        terms = frozenset(src.term(r) for r in group)
+        if any(owner.setdefault(dst.term(r), terms) != terms for r in group):
             return False
-    return True
-
-
-
+    return sum(map(len, owner.values())) == len(frozenset().union(*owner.values()))

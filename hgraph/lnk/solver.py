@@ -3,13 +3,16 @@
 Method. Both layouts become pieces (``hgraph.lnk.pieces``). Every tensor dim is cut at every
 boundary of every source and destination box, giving a grid of *atoms*; an atom lies wholly inside
 or outside each box. For each atom ``a``, destination replica and destination term ``j``, let ``D`` be
-the destination ranks that need ``(a, j)``. The terms that contribute to ``j``:
+the destination ranks that need ``(a, j)`` (for a non-Partial destination: every rank that needs
+``a``, in any destination representation, since they all want the same value). The terms that
+contribute to ``j``:
 
 * non-Partial destination: every term of one source representation (a replica) sums into it;
-* Partial destination (only from a Partial source): source representation 0 is used; the source terms
-  present at the atom, sorted, are numbered ``i = 0..k-1``, the destination terms present at the atom,
-  sorted, ``0..k'-1``; source term ``i`` goes to destination term ``i mod k'`` (terms left without a
-  source are zero).
+* Partial destination (only from a Partial source): any split of the source terms among the
+  destination terms is a valid result (terms left without a source are zero), so the solver picks,
+  per atom, the representation and split of least cost (``_assign_terms``): rank first, a source term
+  stays on the ranks that already hold it, so Partial -> Partial on the same ranks (in any order)
+  moves nothing.
 
 With ``k`` contributing terms the atom costs (in atom-sized messages):
 
@@ -25,7 +28,11 @@ of ``D`` that does not hold the value must receive at least one message carrying
 think of one-way calls carrying sums: until the first rank knows the full sum, the ``k`` terms (each
 rank holds at most one) must be merged, which takes ``k - 1`` calls, or ``k`` when that first rank
 holds none of them; every other rank of ``D`` then needs one more call of its own (the one-way gossip
-bound ``2n - 2`` is the case ``D`` = holders). The cheapest representation is chosen per atom.
+bound ``2n - 2`` is the case ``D`` = holders). The cheapest representation is chosen per atom, and
+for a Partial destination the cheapest split of the terms (see ``_assign_terms`` for why it is the
+cheapest). What is proven, and checked against an independent bound and a brute-force search in
+``tests/lnk/``: no plan that sends source data or partial sums of it moves fewer bytes, except for a
+Partial destination with several representations, each of which is served alone here.
 ``lower_bound_bytes`` is the sum of these costs times the atom bytes, and the point-to-point plan moves
 exactly that. Collective plans (``hgraph.lnk.collectives``) are used only when they move the same
 bytes.
@@ -196,10 +203,13 @@ class _PointToPoint:
             need = self._index(self.dst_pieces, self.grid)
             have = self._index(self.src_pieces, self.grid)
         for cell in sorted(need, key=lambda c: (-self.grid.numel(c), c)):
+            if not self.dst_partial:  # every destination representation wants the same whole value
+                self._atom(cell, sorted({r for rep in need[cell].values() for rs in rep.values() for r in rs}), have[cell])
+                continue
             for replica in sorted(need[cell]):
-                terms = sorted(need[cell][replica])
-                for j, term in enumerate(terms):
-                    self._atom(cell, sorted(need[cell][replica][term]), j, len(terms), have[cell])
+                wanted = {t: sorted(rs) for t, rs in need[cell][replica].items()}
+                for term, contributing in _assign_terms(wanted, have[cell]).items():
+                    self._deliver(cell, wanted[term], contributing)
         return self._steps(), self.cost
 
     def _reduction_cuts(self, need: dict, have: dict) -> list[set[int]]:
@@ -208,13 +218,16 @@ class _PointToPoint:
         all-gather): the same bytes, spread over more ranks."""
         extra: list[set[int]] = [set() for _ in self.grid.cuts]
         for cell, replicas in need.items():
-            widest = max(((len(need[cell][r][t]), r, t) for r in replicas for t in replicas[r]), default=(0,))
-            if widest[0] < 2 or not self._reduces(have[cell]):
+            if self.dst_partial:
+                widest = max((len(ranks) for rep in replicas.values() for ranks in rep.values()), default=0)
+            else:
+                widest = len({r for rep in replicas.values() for ranks in rep.values() for r in ranks})
+            if widest < 2 or not self._reduces(have[cell]):
                 continue
             extents = [(cuts[i + 1] - cuts[i], d) for d, (cuts, i) in enumerate(zip(self.grid.cuts, cell))]
             extent, dim = max(extents, key=lambda e: (e[0], -e[1]))
             start = self.grid.cuts[dim][cell[dim]]
-            parts = min(widest[0], extent)
+            parts = min(widest, extent)
             extra[dim].update(start + chunk_bounds(extent, parts, i)[0] for i in range(1, parts))
         return extra
 
@@ -224,22 +237,20 @@ class _PointToPoint:
             return len(have.get(0, {})) >= 2
         return all(len(terms) >= 2 for terms in have.values())
 
-    def _atom(self, cell: Cell, dst: list[int], j: int, k_dst: int, have: dict) -> None:
-        if self.dst_partial:
-            rep = have.get(0, {})
-            terms = sorted(rep)
-            contributing = [sorted(rep[t]) for i, t in enumerate(terms) if i % k_dst == j]
-        else:
-            complete = sorted({r for rep in have.values() if len(rep) == 1 for r in next(iter(rep.values()))})
-            if complete:
-                return self._copy(cell, dst, complete)
+    def _atom(self, cell: Cell, dst: list[int], have: dict) -> None:
+        """A non-Partial destination: a complete copy if one exists, else the cheapest representation."""
+        complete = sorted({r for rep in have.values() if len(rep) == 1 for r in next(iter(rep.values()))})
+        if complete:
+            return self._copy(cell, dst, complete)
 
-            def cost(replica: int) -> tuple[int, int]:
-                holders = {r for rs in have[replica].values() for r in rs}
-                return len(have[replica]) - 1 + len(dst) - bool(holders.intersection(dst)), replica
+        def cost(replica: int) -> tuple[int, int]:
+            holders = {r for rs in have[replica].values() for r in rs}
+            return len(have[replica]) - 1 + len(dst) - bool(holders.intersection(dst)), replica
 
-            best = min(have, key=cost)
-            contributing = [sorted(have[best][t]) for t in sorted(have[best])]
+        best = min(have, key=cost)
+        self._deliver(cell, dst, [sorted(have[best][t]) for t in sorted(have[best])])
+
+    def _deliver(self, cell: Cell, dst: list[int], contributing: list[list[int]]) -> None:
         if len(contributing) == 1:
             self._copy(cell, dst, contributing[0])
         elif contributing:
@@ -294,3 +305,72 @@ class _PointToPoint:
                 if ph == phase:
                     steps += [Transfer(src, dst, box, phase, accumulate) for box in self.grid.merge(cells)]
         return tuple(steps)
+
+
+def _assign_terms(wanted: dict[tuple, list[int]], have: dict) -> dict[tuple, list[list[int]]]:
+    """The cheapest split, at one atom, of a Partial source's terms among the destination terms.
+
+    ``wanted``: destination term -> ranks needing it; ``have``: representation -> term -> holders.
+    Returns destination term -> holders of each source term summed into it (absent: zero fill).
+
+    With ``G_j`` the source terms given to destination term ``j`` (needed by ``D_j``), the cost is
+    ``sum over non-empty G_j of |G_j| - 1 + |D_j| - h_j`` = ``k + sum of e_j``, where ``h_j`` is how
+    many of ``D_j`` hold the term when ``|G_j| == 1`` and whether any of ``D_j`` holds one of them
+    otherwise, and ``e_j = |D_j| - 1 - h_j``. Moving the extra terms of one multi-term group into
+    another never costs more (the other's ``h`` only grows, the first becomes a single term whose
+    ``h`` is at least as large), so some optimum has at most one multi-term group, the *pool*. Each
+    choice of pool (destination term ``w``, and the term ``a`` that gives it its ``h``), or none, is
+    then a min-cost assignment of the other terms to single-term groups or to the pool (cost 0).
+    """
+    return dict(_assign_cached(_freeze(wanted), _freeze({r: _freeze(t) for r, t in have.items()})))
+
+
+def _freeze(mapping: dict) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in mapping.items()))
+
+
+@functools.lru_cache(maxsize=65536)
+def _assign_cached(wanted: tuple, have: tuple) -> tuple:
+    best: Optional[tuple[int, int, tuple]] = None
+    for replica, rep in have:
+        cost, split = _cheapest_split(wanted, rep)
+        if best is None or cost < best[0]:
+            best = (cost, replica, split)
+    return best[2] if best is not None else ()
+
+
+def _cheapest_split(wanted: tuple, rep: tuple) -> tuple[int, tuple]:
+    from scipy.optimize import linear_sum_assignment
+
+    dst_terms = [t for t, _ in wanted]
+    needers = [set(rs) for _, rs in wanted]
+    holders = [set(hs) for _, hs in rep]
+    k, kd = len(holders), len(needers)
+    single = [[len(d) - 1 - len(d & h) for d in needers] for h in holders]
+    options: list[tuple[int, dict[int, list[int]]]] = []
+
+    def assign(rows: list[int], cols: list[int], pool: int) -> tuple[int, dict[int, int]]:
+        """Rows to distinct columns (single-term groups) or to one of ``pool`` free pool slots."""
+        if not rows:
+            return 0, {}
+        matrix = [[single[t][j] for j in cols] + [0] * pool for t in rows]
+        r_idx, c_idx = linear_sum_assignment(matrix)
+        out = {rows[r]: (cols[c] if c < len(cols) else -1) for r, c in zip(r_idx, c_idx)}
+        return int(sum(matrix[r][c] for r, c in zip(r_idx, c_idx))), out
+
+    if k <= kd:
+        cost, got = assign(list(range(k)), list(range(kd)), 0)
+        options.append((cost, {t: [j] for t, j in got.items()}))
+    for w in range(kd):
+        for a in range(k):
+            pool_cost = len(needers[w]) - 1 - min(1, len(needers[w] & holders[a]))
+            rows = [t for t in range(k) if t != a]
+            cost, got = assign(rows, [j for j in range(kd) if j != w], len(rows))
+            groups = {t: [w if j == -1 else j] for t, j in got.items()}
+            groups[a] = [w]
+            options.append((pool_cost + cost, groups))
+    cost, groups = min(options, key=lambda o: o[0])
+    split: dict[tuple, list[list[int]]] = {}
+    for t in range(k):
+        split.setdefault(dst_terms[groups[t][0]], []).append(sorted(holders[t]))
+    return k + cost, tuple(sorted(split.items()))

@@ -1,10 +1,8 @@
-"""Random layouts and unions for LNK property tests, and an independent oracle of the results.
+"""Random layouts and unions for LNK property tests, and an oracle of the results from the layouts'
+definition alone (``check_destination``).
 
 Source shards come from a random decomposition of a random integer-valued float64 tensor ``X`` into
-partial terms, so sums are exact. The oracle follows the documented term rule of ``hgraph.lnk.solver``:
-a non-Partial destination gets ``X``; a Partial one gets, per element, the source-representation-0
-terms present there (sorted, numbered ``i``) with ``i mod k'`` equal to its own term's index among the
-destination terms present there.
+partial terms, so sums are exact and a dropped or doubled term shows.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from hypothesis import strategies as st
 
 from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
 from hgraph.lnk import is_partial
+from lower_bound import holders
 
 MAX_RANKS = 16
 
@@ -116,50 +115,33 @@ def source_segments(src, value: torch.Tensor, gen: torch.Generator):
     return shards, segments
 
 
-def destination_segments(dst):
-    """Per destination piece: ``(rank, box, [(row_lo, row_hi, sorted terms present, own term)])``."""
-    out = []
-
-    def add(layout: Layout, offset: int, prefix: tuple, terms=None) -> None:
-        terms = terms or [prefix + t for t in _layout_terms(layout)]
-        for r in layout.ranks:
-            box = layout.region(r)
-            box = ((box[0][0] + offset, box[0][1] + offset),) + box[1:]
-            out.append((r, box, offset, offset + layout.shape[0], terms, prefix + layout.term(r)))
-
-    if isinstance(dst, Layout):
-        add(dst, 0, ())
-    elif dst.hetero == "partial":  # every pipeline's terms are present everywhere
-        everything = sorted((i,) + t for i, lay in enumerate(dst.layouts) for t in _layout_terms(lay))
-        for i, lay in enumerate(dst.layouts):
-            add(lay, 0, (i,), everything)
-    else:
-        for i, (lay, off) in enumerate(zip(dst.layouts, dst.offsets)):
-            add(lay, off if dst.hetero == "split" else 0, (i,) if dst.hetero == "partial" else ())
-    return out
-
-
-def expected_destination(dst, value: torch.Tensor, segments, dst_partial: bool) -> dict[int, torch.Tensor]:
-    """What every destination rank must hold (see the module docstring)."""
-    expected = {}
-    for rank, box, lo, hi, dst_terms, own in destination_segments(dst):
-        slices = tuple(slice(a, b) for a, b in box)
-        if not dst_partial:
-            expected[rank] = value[slices].clone()
-            continue
-        result = torch.zeros(tuple(b - a for a, b in box), dtype=value.dtype)
-        j = dst_terms.index(own)
-        for s_lo, s_hi, terms in segments:
-            a, b = max(box[0][0], s_lo, lo), min(box[0][1], s_hi, hi)
-            if a >= b:
+def check_destination(dst, value: torch.Tensor, got: dict[int, torch.Tensor], dst_partial: bool) -> None:
+    """What a destination must satisfy, by the definition of a layout alone: a non-Partial rank holds
+    ``value`` on its box; for a Partial one, ranks holding the same term agree where their boxes meet
+    and, in every representation, the terms sum to ``value`` (any split of the sum is valid)."""
+    entries = holders(dst)
+    assert set(got) == {r for r, *_ in entries}
+    for rank, box, _, _ in entries:
+        assert tuple(got[rank].shape) == tuple(b - a for a, b in box), f"rank {rank} shape"
+    if not dst_partial:
+        for rank, box, _, _ in entries:
+            want = value[tuple(slice(a, b) for a, b in box)]
+            assert torch.equal(got[rank], want), f"rank {rank}\ngot {got[rank]}\nwant {want}"
+        return
+    for rep in {e[2] for e in entries}:
+        terms: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rank, box, r, term in entries:
+            if r != rep:
                 continue
-            names = sorted(terms)
-            rows = (slice(a - s_lo, b - s_lo),) + slices[1:]
-            for i, name in enumerate(names):
-                if i % len(dst_terms) == j:
-                    result[a - box[0][0] : b - box[0][0]] += terms[name][rows]
-        expected[rank] = result
-    return expected
+            zero = (torch.zeros_like(value), torch.zeros(value.shape, dtype=torch.bool))
+            total, seen = terms.setdefault(term, zero)
+            sl = tuple(slice(a, b) for a, b in box)
+            overlap = seen[sl]
+            assert torch.equal(total[sl][overlap], got[rank][overlap]), f"rank {rank}: replicas of {term} differ"
+            total[sl] = got[rank]
+            seen[sl] = True
+        got_sum = sum(t for t, _ in terms.values())
+        assert torch.equal(got_sum, value), f"representation {rep}: terms sum to\n{got_sum}\nnot\n{value}"
 
 
 @st.composite
