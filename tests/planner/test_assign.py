@@ -131,6 +131,8 @@ def _instance(seed):
 
 
 def test_heuristic_within_two_percent_of_the_milp_optimum():
+    """The heuristic against the MILP of exact.py (itself checked against exhaustive search in
+    test_optimum_oracle.py)."""
     gaps = []
     for seed in range(20):
         costs, lengths = _instance(seed)
@@ -143,6 +145,8 @@ def test_heuristic_within_two_percent_of_the_milp_optimum():
 
 
 def test_exact_mode_matches_the_milp(llama7b):
+    """Consistency check only: exact mode calls solve_joint; the independent optimum is in
+    test_optimum_oracle.py."""
     lengths = [9000, 3000, 2500, 700, 400]
     planner = Planner(llama7b, ["tp2 + tp1,pp2"], comm=None)
     exact = planner.plan(lengths, exact=True)
