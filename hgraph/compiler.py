@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.errors import HGraphError, StrategyError
+from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import TracedModel, trace
 from hgraph.layout import Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
@@ -157,7 +157,7 @@ class CompiledModel:
         self.world_size = strategies[0].world_size
         self.pass_history: list[PassRecord] = []
         self._user_passes = _check_user_passes(user_passes)
-        self._disabled = frozenset(disabled)
+        self._disabled = _check_disabled(disabled, self._user_passes)
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self.optimizer_layouts: dict[str, Layout] = {
             fqn: optimizer_layout(shape, self.world_size) for fqn, shape in self.param_shapes.items()
@@ -210,7 +210,8 @@ class CompiledModel:
         return [p for p in self._user_passes if p.after in names or p.before in names]
 
     def _disabled_at(self, builtin: Sequence[Pass]) -> frozenset[str]:
-        return frozenset(self._disabled & {p.name for p in builtin})
+        names = {p.name for p in builtin} | {p.name for p in self._user_passes_at(builtin)}
+        return frozenset(self._disabled & names)
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         key = (pipeline.cp, pipeline.tp, pipeline.pp)
@@ -419,6 +420,21 @@ class CompiledModel:
         from hgraph.simulate import simulate_strategy
 
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
+
+
+def _check_disabled(disabled: Iterable[str], user_passes: Sequence[Pass]) -> frozenset[str]:
+    """``disable`` names must be passes that exist (built-in or user); anything else is a typo."""
+    if isinstance(disabled, str):
+        disabled = (disabled,)
+    names = frozenset(disabled)
+    known = [p.name for p in MESH_PASSES] + [p.name for p in user_passes]
+    unknown = sorted(names - set(known))
+    if unknown:
+        raise InputError(
+            f"disable={unknown} names no pass; the passes that can be switched off are {known} "
+            "(compile with passes=[...] to add your own)"
+        )
+    return names
 
 
 def _check_user_passes(passes: Sequence[Any]) -> list[Pass]:

@@ -50,3 +50,20 @@ def test_unknown_insertion_point_and_disabling():
         hgraph.compile(model, ["tp1"], example_inputs=ids, passes=[hgraph.Pass("x", lambda gm, ctx: gm, after="nowhere")])
     with pytest.raises(hgraph.HGraphError, match="returned"):
         hgraph.compile(model, ["tp1"], example_inputs=ids, passes=[hgraph.Pass("bad", lambda gm, ctx: None, after="localize")])
+
+
+def test_disable_switches_a_pass_off_and_rejects_unknown_names():
+    example = load_example()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(layers=1))
+    ids = torch.randint(0, 256, (1, 8))
+    split = hgraph.Pass("split_all_reduce", example.split_all_reduce, after="localize")
+    off = hgraph.compile(model, ["tp2"], example_inputs=ids, passes=[split], disable=["split_all_reduce"])
+    targets = {n.target for n in off.local_program(1, 2).graph.nodes}
+    assert ops.all_reduce in targets and ops.reduce_scatter not in targets  # the pass did not run
+    assert "split_all_reduce" not in [r.name for r in off.pass_history]
+    assert "localize" in [r.name for r in off.pass_history]
+    with pytest.raises(hgraph.InputError, match=r"disable=\['localise'\] names no pass.*'annotate', 'localize'"):
+        hgraph.compile(model, ["tp1"], example_inputs=ids, disable=["localise"])
+    with pytest.raises(hgraph.InputError, match="split_all_reduce"):  # a user pass is only known when given
+        hgraph.compile(model, ["tp1"], example_inputs=ids, disable=["split_all_reduce"])
