@@ -51,8 +51,8 @@ class _Model:
         a = coo_matrix((v, (r, c)), shape=(len(self.rows), len(self.cost))).tocsr()
         lo = np.array([row[1] for row in self.rows])
         hi = np.array([row[2] for row in self.rows])
-        # HiGHS's presolve returned a non-optimal "optimal" assignment on some small instances (an
-        # idle pp=4 pipeline opened, +46%); found by the exhaustive check in planner_gap_bench.py.
+        # HiGHS's presolve returned non-optimal "optimal" assignments on some small instances (an
+        # idle pp=4 pipeline opened, up to 23% slower); found by benchmarks/planner_gap_bench.py.
         options = {"disp": False, "presolve": False}
         if time_limit is not None:
             options["time_limit"] = time_limit
