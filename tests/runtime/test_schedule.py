@@ -27,8 +27,15 @@ def test_every_schedule_runs_to_completion(pp, m):
         forwards = [a.mb for st in steps for a in st.actions if a.kind == "F"]
         backwards = [a.mb for st in steps for a in st.actions if a.kind == "B"]
         assert forwards == list(range(m)) and backwards == list(range(m))
-        # at most pp - stage micro-batches in flight on stage s (1F1B memory bound)
-        assert len(steps) == len([parse_step(str(x)) for x in steps])
+    for stage, steps in enumerate(schedules):
+        # 1F1B memory bound: stage s holds at most pp - s micro-batches whose forward ran and whose
+        # backward has not (their activations), and reaches that bound when there are enough
+        in_flight, peak = 0, 0
+        for action in (a for st in steps for a in st.actions if a.kind in "FB"):
+            in_flight += 1 if action.kind == "F" else -1
+            peak = max(peak, in_flight)
+            assert 0 <= in_flight <= pp - stage, f"stage {stage}: {format_schedule(steps)}"
+        assert peak == min(pp - stage, m), f"stage {stage}: {format_schedule(steps)}"
 
 
 def test_string_form_round_trips():
