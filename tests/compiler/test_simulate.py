@@ -62,8 +62,8 @@ def test_simulated_strategy_matches_reference(case, strategy):
         torch.testing.assert_close(grads[param], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {strategy} {param}: {m}")
 
 
-def test_a_broken_push_is_caught(case):
-    """The oracle can fail: dropping one pipeline's gradient changes the result."""
+def test_a_reordered_push_is_caught(case):
+    """A push order that differs on one rank (mismatched collectives) raises instead of hanging."""
     name, model, ids, compiled, (ref_loss, ref_grads) = case
     cm = compiled[4]
     index = cm.strategy_index(hgraph.Strategy.parse("tp2 + 2x tp1"))
@@ -75,3 +75,29 @@ def test_a_broken_push_is_caught(case):
             cm.simulate(index, ids)
     finally:
         program.pushes = saved
+
+
+def test_a_zeroed_push_is_caught(case, monkeypatch):
+    """The numeric comparison can fail: one rank pushing zeros for one parameter (same collectives,
+    nothing hangs) leaves the loss right and that parameter's gradient wrong, and is caught."""
+    from hgraph.runtime import executor
+
+    name, model, ids, compiled, (ref_loss, ref_grads) = case
+    cm = compiled[4]
+    index = cm.strategy_index(hgraph.Strategy.parse("tp2 + 2x tp1"))
+    victim = cm.program(index, 3).pushes[0].name
+    original = executor.push_gradients
+
+    def zeroing(program, params, shards, timeline=None):
+        if program.rank == 3 and params.get(victim) is not None and params[victim].grad is not None:
+            params[victim].grad.zero_()
+        return original(program, params, shards, timeline)
+
+    monkeypatch.setattr(executor, "push_gradients", zeroing)
+    loss, grads = cm.simulate(index, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(grads[victim], ref_grads[victim], rtol=1e-5, atol=1e-6)
+    for param, ref in ref_grads.items():
+        if param != victim:
+            torch.testing.assert_close(grads[param], ref, rtol=1e-5, atol=1e-6)
