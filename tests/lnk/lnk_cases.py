@@ -84,35 +84,28 @@ def _split_terms(value: torch.Tensor, count: int, gen: torch.Generator) -> list[
     return parts + [value - sum(parts, torch.zeros_like(value))]
 
 
-def source_segments(src, value: torch.Tensor, gen: torch.Generator):
-    """Shards of every source rank, and representation 0 as ``[(row_lo, row_hi, {term: tensor})]``."""
+def source_shards(src, value: torch.Tensor, gen: torch.Generator) -> dict[int, torch.Tensor]:
+    """Every source rank's local tensor: ``value`` split into random integer terms."""
     shards: dict[int, torch.Tensor] = {}
-    segments = []
 
-    def place(layout: Layout, part: torch.Tensor, offset: int, prefix: tuple, record: bool) -> None:
+    def place(layout: Layout, part: torch.Tensor) -> None:
         terms = _layout_terms(layout)
         values = dict(zip(terms, _split_terms(part, len(terms), gen)))
         for r in layout.ranks:
             shards[r] = values[layout.term(r)][layout.local_slices(r)].clone()
-        if record:
-            segments.append((offset, offset + part.shape[0], {prefix + t: v for t, v in values.items()}))
 
     if isinstance(src, Layout):
-        place(src, value, 0, (), True)
+        place(src, value)
     elif src.hetero == "split":
         for lay, off in zip(src.layouts, src.offsets):
-            place(lay, value[off : off + lay.shape[0]], off, (), True)
+            place(lay, value[off : off + lay.shape[0]])
     elif src.hetero == "duplicate":
-        for i, lay in enumerate(src.layouts):
-            place(lay, value, 0, (), i == 0)
+        for lay in src.layouts:
+            place(lay, value)
     else:
-        parts = _split_terms(value, len(src.layouts), gen)
-        merged: dict = {}
-        for i, (lay, part) in enumerate(zip(src.layouts, parts)):
-            place(lay, part, 0, (i,), True)
-            merged.update(segments.pop()[2])
-        segments.append((0, value.shape[0], merged))
-    return shards, segments
+        for lay, part in zip(src.layouts, _split_terms(value, len(src.layouts), gen)):
+            place(lay, part)
+    return shards
 
 
 def check_destination(dst, value: torch.Tensor, got: dict[int, torch.Tensor], dst_partial: bool) -> None:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from hgraph.lnk import is_partial, simulate, solve
-from lnk_cases import check_destination, one_dim_changes, source_segments, transitions
+from lnk_cases import check_destination, one_dim_changes, source_shards, transitions
 from lower_bound import lower_bound
 
 
@@ -21,7 +21,7 @@ def check_transition(src, dst, seed: int) -> None:
     assert plan.bytes_moved == plan.lower_bound_bytes, str(plan)
     gen = torch.Generator().manual_seed(seed)
     value = torch.randint(-50, 51, src.shape, generator=gen).double()
-    shards, _ = source_segments(src, value, gen)
+    shards = source_shards(src, value, gen)
     check_destination(dst, value, simulate(plan, shards), is_partial(dst))
 
 
