@@ -10,6 +10,8 @@
    (those within ``REFINE_WITHIN`` of the best greedy plan).
 4. The smallest predicted time (compute plus exposed Pull/Push) wins.
 
+Every plan carries the lower bound of ``hgraph.planner.bound`` for the candidates' GPU count.
+
 ``exact=True`` replaces 3 by the joint MILP of ``exact.solve_joint`` (small batches only).
 """
 
@@ -21,6 +23,7 @@ import time
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from hgraph.errors import PlanError
+from hgraph.planner.bound import BoundModel
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.dispatch import Assigner
 from hgraph.planner.exact import solve_joint
@@ -104,6 +107,7 @@ class Planner:
             for s in self.candidates
         ]
         self.largest_max_len = max(c.max_len for costs in self.pipeline_costs for c in costs)
+        self.bound = BoundModel(cost_model, max(s.world_size for s in self.candidates))
 
     def predicted(self, k: int, compute: Sequence[float]) -> float:
         """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push)."""
@@ -153,7 +157,9 @@ class Planner:
             for p, cost, mbs in zip(strategy.pipelines, self.pipeline_costs[k], packs)
         )
         plan_ms = (time.perf_counter() - start) * 1e3
-        return IterationPlan(strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms)
+        return IterationPlan(
+            strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms, self.bound(pieces)
+        )
 
     def _heuristic(self, eligible: list[int], pieces: list[int], longest: int, start: float):
         bounds = sorted((self._lower_bound(k, pieces, longest), k) for k in eligible)

@@ -1,0 +1,112 @@
+"""A lower bound of an iteration's time from the batch and the cost model alone.
+
+Whatever strategy, dispatch and packing a planner chooses on ``G`` GPUs, the iteration takes at least
+
+* **longest**: the longest sequence alone on its fastest scheme. The micro-batch holding sequence
+  ``l`` costs ``T(mb) >= a·l² + b·l + c`` per stage, and the 1F1B time ``Σ T + (pp − 1)·max T`` of its
+  pipeline is at least ``pp · T(mb)``; so ``min over schemes of pp · (a·l² + b·l + c)``;
+* **gpu_time**: the total GPU-time over the GPUs. A pipeline of ``g`` GPUs busy for ``t`` ms spends
+  ``g·t`` GPU-ms, at least ``g · (a·l² + b·l)`` for each of its sequences, and the pipelines use at most
+  ``G`` GPUs; so ``Σ_i min over schemes of g · (a·l_i² + b·l_i) / G``;
+
+and hence their maximum. ``ms`` strengthens that maximum: a sequence on a scheme where it alone takes
+longer than ``T`` rules out an iteration of ``T``, so ``ms`` is the smallest ``T >= longest`` at which
+the GPU-time of the batch, each sequence on its cheapest scheme among those where it alone takes at
+most ``T``, fits into ``G·T`` (found by bisection over those per-sequence times). The minimum runs over every scheme of the cost model that fits on ``G`` GPUs
+and holds the sequence within its MaxLen (counted for a ``G``-GPU world), so the bound holds for every
+candidate set drawn from that cost model. It counts compute only: Pull/Push exposure only adds to a
+plan's predicted time. With ``split_long`` the bound is that of the pieces the plan holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hgraph.errors import PlanError
+from hgraph.planner.cost import CostModel
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    """The bound ``ms``, its two plain terms (ms) and the GPU count they were computed for."""
+
+    ms: float
+    longest_ms: float
+    gpu_time_ms: float
+    gpus: int
+
+    def ratio(self, predicted_ms: float) -> float:
+        """``predicted_ms / bound`` (1.0 is optimal)."""
+        return predicted_ms / self.ms if self.ms > 0 else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ms": round(self.ms, 3),
+            "longest_ms": round(self.longest_ms, 3),
+            "gpu_time_ms": round(self.gpu_time_ms, 3),
+            "gpus": self.gpus,
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"lower bound {self.ms:.1f} ms (longest sequence alone {self.longest_ms:.1f} ms, "
+            f"GPU-time {self.gpu_time_ms:.1f} ms over {self.gpus} GPUs)"
+        )
+
+
+class BoundModel:
+    """The per-scheme constants of ``lower_bound`` for one cost model on ``gpus`` GPUs (built once)."""
+
+    def __init__(self, cost_model: CostModel, gpus: int) -> None:
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise PlanError(f"gpus={gpus!r}; the lower bound needs a positive number of GPUs")
+        model = cost_model.with_world_size(gpus)
+        schemes = [s for s in model.schemes if s.gpus <= gpus and model.max_len(s) > 0]
+        if not schemes:
+            raise PlanError(f"no scheme of cost model {model.name!r} fits on {gpus} GPUs")
+        costs = [model.stage_cost(s) for s in schemes]
+        self.gpus = gpus
+        self._a = np.array([c.a for c in costs])[:, None]
+        self._b = np.array([c.b for c in costs])[:, None]
+        self._c = np.array([c.c for c in costs])[:, None]
+        self._pp = np.array([s.pp for s in schemes], dtype=np.float64)[:, None]
+        self._g = np.array([s.gpus for s in schemes], dtype=np.float64)[:, None]
+        self._cap = np.array([model.max_len(s) for s in schemes], dtype=np.float64)[:, None]
+
+    def __call__(self, lengths: Sequence[int]) -> LowerBound:
+        values, counts = np.unique(np.asarray(lengths, dtype=np.float64), return_counts=True)
+        if values.size == 0:
+            raise PlanError("cannot bound an empty batch; give at least one sequence")
+        work = self._a * values**2 + self._b * values  # (scheme, length) per-stage ms
+        fits = self._cap >= values
+        if not fits.any(axis=0).all():
+            longest = int(values[~fits.any(axis=0)][-1])
+            raise PlanError(
+                f"a sequence of {longest} tokens exceeds the MaxLen of every scheme on {self.gpus} GPUs"
+            )
+        alone = np.where(fits, self._pp * (work + self._c), np.inf)  # (scheme, length)
+        gpu_ms = np.where(fits, self._g * work, np.inf)
+        longest = float(alone.min(axis=0).max())
+
+        def spread(t: float) -> float:  # GPU-time / G with every sequence on a scheme where it alone takes <= t
+            return float(np.dot(np.where(alone <= t, gpu_ms, np.inf).min(axis=0), counts)) / self.gpus
+
+        plain = spread(np.inf)
+        steps = np.unique(alone[np.isfinite(alone) & (alone >= longest)])  # where spread() changes
+        lo, hi = 0, len(steps) - 1  # first step k with spread(steps[k]) < steps[k + 1] (monotone in k)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if spread(steps[mid]) < steps[mid + 1]:
+                hi = mid
+            else:
+                lo = mid + 1
+        return LowerBound(max(steps[lo], spread(steps[lo])), longest, plain, self.gpus)
+
+
+def lower_bound(cost_model: CostModel, gpus: int, lengths: Sequence[int]) -> LowerBound:
+    """The lower bound (module docstring) of a batch of ``lengths`` on ``gpus`` GPUs."""
+    return BoundModel(cost_model, gpus)(lengths)
