@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from hgraph.planner import baselines
 from hgraph.planner.assign import Planner
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
+from hgraph.planner.context import parse_degrees, with_context_parallel
 from hgraph.planner.cost import load_cost_model
 from hgraph.planner.plan import IterationPlan
 from hgraph.planner.proposal import propose
@@ -42,12 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true", help="solve each iteration exactly by MILP (small batches only)")
     parser.add_argument("--split-long", action="store_true", help="cut sequences longer than every MaxLen into pieces")
     parser.add_argument("--baselines", action="store_true", help="also run the slow hydraulis-reference baseline")
+    parser.add_argument(
+        "--context-parallel", default=None, metavar="1,2,4",
+        help="cp degrees the plan may use; cp schemes the table lacks are derived analytically (hgraph.planner.context)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def plan_run(args: argparse.Namespace) -> tuple[list[IterationPlan], dict[str, list[IterationPlan]]]:
     """hgraph's plans and each baseline's plans for the batches ``args`` describes."""
     cost_model = load_cost_model(args.cost_table)
+    if args.context_parallel is not None:
+        cost_model = with_context_parallel(cost_model, parse_degrees(args.context_parallel))
     lengths = read_lengths(args.lengths or sample_path())
     batches = make_batches(lengths, args.tokens_per_iteration, args.max_len, args.iterations, args.seed)
     candidates = propose(cost_model, args.gpus, lengths, max_len=args.max_len, tokens_per_iteration=args.tokens_per_iteration)

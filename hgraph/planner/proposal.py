@@ -369,15 +369,16 @@ class _Program:
 
 
 def _layout(groups: list[tuple[Scheme, int]]) -> _Layout:
-    """Canonical multiset of pipelines: (scheme, count) pairs, largest TP first."""
+    """Canonical multiset of pipelines: (scheme, count) pairs, largest stage mesh (tp·cp) first, then
+    largest TP: with power-of-two meshes every stage then starts at a multiple of its size (node-aligned)."""
     counts: dict[Scheme, int] = {}
     for scheme, d in groups:
         counts[scheme] = counts.get(scheme, 0) + d
-    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp, -sc[0].gpus, -sc[0].pp, sc[0].cp)))
+    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp * sc[0].cp, -sc[0].tp, -sc[0].gpus, -sc[0].pp)))
 
 
 def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
-    """A Strategy of the layout's pipelines on consecutive ranks, largest TP first.
+    """A Strategy of the layout's pipelines on consecutive ranks, in layout order.
 
     This is the placement ``Strategy`` itself gives pipelines without ranks (TP groups inside a
     node), written out directly because that generic search is slow for a thousand GPUs.

@@ -1,0 +1,113 @@
+"""Context parallelism in the cost model: analytic cp entries by hand, MaxLen per cp, profiled entries win."""
+
+import json
+import math
+from importlib import resources
+
+import pytest
+
+from hgraph.cli import main
+from hgraph.errors import CostModelError
+from hgraph.planner.context import ANALYTIC, parse_degrees, with_context_parallel
+from hgraph.planner.cost import CostModel, Scheme
+
+
+def preset_table(name: str) -> dict:
+    return json.loads(resources.files("hgraph.planner").joinpath("presets", f"{name}.json").read_text())
+
+
+def entry(table: dict, tp: int, pp: int) -> dict:
+    return next(e for e in table["strategies"] if e["tp"] == tp and e["pp"] == pp and e.get("cp", 1) == 1)
+
+
+def test_analytic_cp_entry_by_hand_across_nodes():
+    # 32B, tp8 cp2: 16 GPUs, the cp ring crosses nodes (NIC: 25 GB/s, 10 us in the LNK topology model)
+    table = preset_table("llama32b_a800")
+    base = entry(table, 8, 1)
+    model = with_context_parallel(CostModel.preset("llama32b_a800"), (1, 2))
+    cost = model.stage_cost(Scheme(tp=8, cp=2))
+    layers, hidden = 60, 6656
+    ring_bytes_per_token = layers * 3 * (1 / 2) * 2 * 2 * hidden / 8  # fwd K,V once; bwd K,V,dK,dV
+    assert cost.a == pytest.approx(base["a"] / 2)
+    assert cost.b == pytest.approx(base["b"] / 2 + ring_bytes_per_token / 25e9 * 1e3)
+    assert cost.c == pytest.approx(base["c"] + layers * 3 * 1 * 10e-6 * 1e3)
+    assert model.source(Scheme(tp=8, cp=2)) == ANALYTIC and model.source(Scheme(tp=8)) is None
+    # the issue's floor, one 32K sequence: tp16 alone 4.98 s; tp8 cp2 on the same 16 GPUs is faster
+    l = 32768
+    assert model.stage_cost(Scheme(tp=16)).micro_batch_time([l]) == pytest.approx(4982, abs=1)
+    assert cost.micro_batch_time([l]) < 0.8 * model.stage_cost(Scheme(tp=16)).micro_batch_time([l])
+
+
+def test_analytic_cp_entry_inside_a_node_uses_nvlink():
+    table = preset_table("llama7b_a800")
+    base = entry(table, 2, 2)
+    model = with_context_parallel(CostModel.preset("llama7b_a800"), (1, 4))
+    cost = model.stage_cost(Scheme(tp=2, pp=2, cp=4))  # a stage is 8 GPUs: one node
+    stage_layers = 16
+    ring = stage_layers * 3 * (3 / 4) * 2 * 2 * 4096 / 2
+    assert cost.b == pytest.approx(base["b"] / 4 + ring / 150e9 * 1e3)
+    assert cost.c == pytest.approx(base["c"] + stage_layers * 3 * 3 * 3e-6 * 1e3)
+
+
+def test_max_len_per_cp_degree_by_hand():
+    # MaxLen = align128((mem - safe - gap - states) / (L * H/tp * A_tp / cp)): states do not shrink with
+    # cp (weights are replicated over the cp ranks), activations do
+    t = preset_table("llama13b_a800")
+    reg, mem = t["memory_regression"], t["cluster_config"]["gpu_memory_bound"]
+    model = with_context_parallel(CostModel.preset("llama13b_a800"), (1, 2, 4)).with_world_size(128)
+    h, layers, vocab = 5120, 40, 30592
+    for tp, cp in ((8, 1), (8, 2), (4, 4), (2, 2)):
+        states = (1 - 0.75) * (layers * reg["B"] * h * h + 2 * 16 * vocab * h) / tp
+        states += 0.75 * (layers * reg["B"] * h * h + 2 * 16 * vocab * h) / 128
+        free = mem - reg["safe_bound"] - 5242880000 - states
+        expected = int(free // (layers * (h / tp) * reg["A"][f"tp{tp}"] / cp)) // 128 * 128
+        assert model.max_len(Scheme(tp=tp, cp=cp)) == expected
+    assert model.max_len(Scheme(tp=8, cp=2)) > 1.9 * model.max_len(Scheme(tp=8))
+
+
+def test_degrees_select_schemes_and_profiled_entries_win():
+    table = preset_table("llama7b_a800")
+    table["strategies"].append({"tp": 2, "pp": 1, "cp": 2, "a": 1e-6, "b": 0.05, "c": 60.0, "source": "profiled"})
+    model = CostModel.from_table(table)
+    both = with_context_parallel(model, (1, 2))
+    assert both.stage_cost(Scheme(tp=2, cp=2)).b == 0.05 and both.source(Scheme(tp=2, cp=2)) == "profiled"
+    assert {s.cp for s in both.schemes} == {1, 2}
+    only_cp = with_context_parallel(model, (2, 4))
+    assert {s.cp for s in only_cp.schemes} == {2, 4}
+    plain = with_context_parallel(model, (1,))
+    assert all(s.cp == 1 for s in plain.schemes)
+    assert len(both.schemes) == 2 * len(plain.schemes)
+
+
+def test_cp_table_round_trips_with_its_sources_and_says_it_is_analytic():
+    model = with_context_parallel(CostModel.preset("llama7b_a800"), (1, 2))
+    table = model.to_table()
+    assert "analytic" in table["_context_parallel"]
+    assert sum(e.get("source") == ANALYTIC for e in table["strategies"]) == len(model.schemes) // 2
+    again = CostModel.from_table(json.loads(json.dumps(table)))
+    assert again.to_table() == table
+    assert all(again.source(s) == model.source(s) for s in model.schemes)
+    assert f"[{ANALYTIC}]" in str(model)
+
+
+def test_bad_degrees_are_named():
+    with pytest.raises(CostModelError, match="1,2,4"):
+        parse_degrees("2,x")
+    with pytest.raises(CostModelError, match="integers >= 1"):
+        with_context_parallel(CostModel.preset("llama7b_a800"), (0, 2))
+    assert parse_degrees("4, 1,2") == (1, 2, 4)
+
+
+def test_plan_cli_rejects_a_bad_context_parallel_flag(capsys):
+    assert main(["plan", "--gpus", "8", "--context-parallel", "two"]) == 1
+    assert "--context-parallel 'two'" in capsys.readouterr().err
+
+
+def test_ring_bandwidth_is_the_slowest_link():
+    from hgraph.lnk.topology import Topology
+    from hgraph.planner.context import ring_link
+
+    topo = Topology(ranks_per_node=8)
+    assert ring_link(topo, 2, 4) == (topo.intra_latency, topo.intra_bandwidth)  # ranks 0,2,4,6
+    assert ring_link(topo, 4, 4) == (topo.inter_latency, topo.inter_bandwidth)  # ranks 0,4,8,12
+    assert math.isclose(ring_link(topo, 1, 8)[1], topo.intra_bandwidth)
