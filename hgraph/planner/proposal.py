@@ -86,7 +86,6 @@ class _Found(NamedTuple):
 class _Buckets:
     upper: np.ndarray  # upper length bound of each bucket
     longest: np.ndarray  # longest sequence in each bucket
-    shortest: np.ndarray  # shortest sequence in each bucket
     # prefix sums over buckets, index 0 = empty prefix
     count: np.ndarray
     tokens: np.ndarray
@@ -277,8 +276,6 @@ def _bucketize(values: np.ndarray, counts: np.ndarray, caps: Sequence[int]) -> _
     present = np.unique(index)
     longest = np.zeros(len(upper))
     np.maximum.at(longest, index, values)
-    shortest = np.full(len(upper), np.inf)
-    np.minimum.at(shortest, index, values)
     cnt = np.bincount(index, weights=counts, minlength=len(upper))
     tok = np.bincount(index, weights=counts * values, minlength=len(upper))
     sq = np.bincount(index, weights=counts * values * values, minlength=len(upper))
@@ -286,7 +283,7 @@ def _bucketize(values: np.ndarray, counts: np.ndarray, caps: Sequence[int]) -> _
     def prefix(x: np.ndarray) -> np.ndarray:
         return np.concatenate([[0.0], np.cumsum(x[present])])
 
-    return _Buckets(upper[present], longest[present], shortest[present], prefix(cnt), prefix(tok), prefix(sq))
+    return _Buckets(upper[present], longest[present], prefix(cnt), prefix(tok), prefix(sq))
 
 
 class _Program:
@@ -338,10 +335,7 @@ class _Program:
         work = cost.a * (bk.squares[j] - bk.squares[i]) + cost.b * tokens
         longest = bk.longest[j - 1]
         longest_work = cost.seq_time(longest)
-        # the replica holding the most sequences of the top bucket: at least ceil(count / d) of them
-        stacked = np.ceil((bk.count[j] - bk.count[j - 1]) / d - 1e-9)
-        heaviest = longest_work + np.maximum(stacked - 1, 0) * cost.seq_time(bk.shortest[j - 1])
-        w = np.maximum(work / d, heaviest)
+        w = np.maximum(work / d, longest_work)  # the replica holding the longest sequence
         v_min = np.maximum(1.0, np.ceil(tokens / d / self.caps[scheme]))
         v_max = np.maximum(v_min, np.ceil(count / d))
         pp = scheme.pp
