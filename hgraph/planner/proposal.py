@@ -22,6 +22,8 @@ Two changes to the reference make the candidates cover what decides an iteration
   sequences where the average holds two. When ``lengths`` is a sample of several iterations'
   worth of tokens, the optimum of ``scenarios`` batches drawn from it (``batches.make_batches``,
   seeded) joins the candidates too.
+* With context parallelism (cp > 1 schemes next to cp = 1 ones) the proposal for the cp = 1 schemes
+  alone joins as well (origin ``"cp1:..."``), so enabling cp never removes a candidate.
 
 Cost: buckets (geometric, ratio ``BUCKET_RATIO``, plus every MaxLen as a boundary) keep ``j`` small;
 GPUs are counted in units of ``q`` GPUs with ``gpus / q <= MAX_UNITS``; the DP is vectorised over
@@ -39,6 +41,7 @@ import numpy as np
 
 from hgraph.errors import PlanError
 from hgraph.planner.batches import make_batches
+from hgraph.planner.context import with_context_parallel
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.strategy import Pipeline, Strategy
 
@@ -196,6 +199,13 @@ def propose_candidates(
             if layout not in kept:
                 predicted = float(program.slowest[program.units, nb])
                 kept[layout] = _Found(layout, predicted, int(drawn.longest[-1]), f"batch{k}")
+    if any(s.cp > 1 for s in schemes) and any(s.cp == 1 for s in schemes):
+        # context parallelism widens the choice, it must not narrow it: the proposal without cp joins
+        plain = with_context_parallel(cost_model, (1,))
+        for c in propose_candidates(plain, gpus, lengths, max_len, tokens_per_iteration, max_candidates, scenarios):
+            layout = _layout([(Scheme.of(p), 1) for p in c.strategy.pipelines])
+            if layout not in kept:
+                kept[layout] = _Found(layout, c.predicted_ms, c.covers, f"cp1:{c.origin}")
     result = [
         Candidate(_strategy(f.layout, model.gpus_per_node), f.predicted_ms, f.covers, f.origin)
         for f in kept.values()

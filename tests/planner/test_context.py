@@ -111,3 +111,56 @@ def test_ring_bandwidth_is_the_slowest_link():
     assert ring_link(topo, 2, 4) == (topo.intra_latency, topo.intra_bandwidth)  # ranks 0,2,4,6
     assert ring_link(topo, 4, 4) == (topo.inter_latency, topo.inter_bandwidth)  # ranks 0,4,8,12
     assert math.isclose(ring_link(topo, 1, 8)[1], topo.intra_bandwidth)
+
+
+def _long_tail_batch(seed: int = 0) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [32768] + [rng.randint(200, 3000) for _ in range(150)]
+
+
+def test_the_long_sequence_goes_to_a_cp_pipeline_and_beats_every_plan_without_cp():
+    from hgraph.planner.assign import Planner
+    from hgraph.planner.bound import lower_bound
+    from hgraph.planner.proposal import propose
+
+    plain = CostModel.preset("llama13b_a800")
+    model = with_context_parallel(plain, (1, 2, 4))
+    batch = _long_tail_batch()
+    sample = batch * 3  # a sample of three iterations' worth
+    plan = Planner(model, propose(model, 64, sample, tokens_per_iteration=sum(batch))).plan(batch)
+    holder = next(p for p in plan.pipelines if any(0 in mb for mb in p.micro_batches))
+    assert holder.pipeline.cp > 1
+    # short sequences fill data-parallel pipelines without cp
+    assert any(p.pipeline.cp == 1 and p.micro_batches for p in plan.pipelines)
+    # the oracle: no plan without cp can beat the longest sequence alone on its fastest cp = 1 scheme
+    assert plan.predicted_ms < 0.8 * lower_bound(plain, 64, batch).ms
+
+
+def test_plan_cli_with_context_parallel_mixes_cp_degrees(capsys, tmp_path):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(map(str, _long_tail_batch(1) * 4)) + "\n")
+    argv = ["plan", "--cost-table", "llama13b_a800", "--gpus", "64", "--lengths", str(lengths),
+            "--tokens-per-iteration", str(sum(_long_tail_batch(1))), "--iterations", "2", "--json"]
+    assert main(argv) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--context-parallel", "1,2,4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any(32768 in it["lengths"] for it in data["iterations"])
+    for it in data["iterations"]:
+        if 32768 in it["lengths"]:  # the long sequences on cp pipelines, the rest without cp
+            long_ones = {i for i, l in enumerate(it["lengths"]) if l == 32768}
+            for p in it["pipelines"]:
+                held = {i for mb in p["micro_batches"] for i in mb}
+                assert p["cp"] > 1 or not held & long_ones, it["strategy"]
+            assert any(p["cp"] == 1 and p["micro_batches"] for p in it["pipelines"]), it["strategy"]
+        for p in it["pipelines"]:
+            assert len(p["ranks"]) == p["tp"] * p["pp"] * p["cp"]
+            assert all(sum(it["lengths"][i] for i in mb) <= p["max_len"] for mb in p["micro_batches"])
+    for cp_it, plain_it in zip(data["iterations"], without["iterations"]):
+        assert cp_it["lengths"] == plain_it["lengths"]
+        # the cp candidates include the plain ones; the heuristic's local search may land 1% apart
+        assert cp_it["predicted_ms"] <= plain_it["predicted_ms"] * 1.01
+        if 32768 in cp_it["lengths"]:
+            assert cp_it["predicted_ms"] < 0.8 * plain_it["predicted_ms"], (cp_it["strategy"], plain_it["strategy"])
