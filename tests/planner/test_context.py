@@ -160,7 +160,5 @@ def test_plan_cli_with_context_parallel_mixes_cp_degrees(capsys, tmp_path):
             assert all(sum(it["lengths"][i] for i in mb) <= p["max_len"] for mb in p["micro_batches"])
     for cp_it, plain_it in zip(data["iterations"], without["iterations"]):
         assert cp_it["lengths"] == plain_it["lengths"]
-        # the cp candidates include the plain ones; the heuristic's local search may land 1% apart
-        assert cp_it["predicted_ms"] <= plain_it["predicted_ms"] * 1.01
         if 32768 in cp_it["lengths"]:
             assert cp_it["predicted_ms"] < 0.8 * plain_it["predicted_ms"], (cp_it["strategy"], plain_it["strategy"])
