@@ -59,26 +59,46 @@ class LowerBound:
 
 
 class BoundModel:
-    """The per-scheme constants of ``lower_bound`` for one cost model on ``gpus`` GPUs (built once)."""
+    """The per-scheme constants of the bound (built once): ``for_cost_model`` for every scheme of a
+    cost model on ``gpus`` GPUs (the bound of the module docstring), ``for_pipelines`` for the
+    pipelines of one strategy (a bound of that strategy's plans: the same argument over its schemes)."""
 
-    def __init__(self, cost_model: CostModel, gpus: int) -> None:
+    def __init__(self, rows: Sequence[tuple[float, float, float, int, int, int]], gpus: int) -> None:
+        """``rows``: ``(a, b, c, pp, gpus, max_len)`` per scheme; ``gpus``: the GPUs to spread over."""
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise PlanError(f"gpus={gpus!r}; the lower bound needs a positive number of GPUs")
+        if not rows:
+            raise PlanError(f"no scheme to bound with on {gpus} GPUs")
+        self.gpus = gpus
+        a, b, c, pp, g, cap = (np.array(col, dtype=np.float64)[:, None] for col in zip(*rows))
+        self._a, self._b, self._c, self._pp, self._g, self._cap = a, b, c, pp, g, cap
+
+    @classmethod
+    def for_cost_model(cls, cost_model: CostModel, gpus: int) -> BoundModel:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise PlanError(f"gpus={gpus!r}; the lower bound needs a positive number of GPUs")
         model = cost_model.with_world_size(gpus)
         schemes = [s for s in model.schemes if s.gpus <= gpus and model.max_len(s) > 0]
         if not schemes:
             raise PlanError(f"no scheme of cost model {model.name!r} fits on {gpus} GPUs")
-        costs = [model.stage_cost(s) for s in schemes]
-        self.gpus = gpus
-        self._a = np.array([c.a for c in costs])[:, None]
-        self._b = np.array([c.b for c in costs])[:, None]
-        self._c = np.array([c.c for c in costs])[:, None]
-        self._pp = np.array([s.pp for s in schemes], dtype=np.float64)[:, None]
-        self._g = np.array([s.gpus for s in schemes], dtype=np.float64)[:, None]
-        self._cap = np.array([model.max_len(s) for s in schemes], dtype=np.float64)[:, None]
+        rows = []
+        for s in schemes:
+            cost = model.stage_cost(s)
+            rows.append((cost.a, cost.b, cost.c, s.pp, s.gpus, model.max_len(s)))
+        return cls(rows, gpus)
+
+    @classmethod
+    def for_pipelines(cls, costs: Sequence[Any], gpus_each: Sequence[int]) -> BoundModel:
+        """``costs``: a ``PipelineCost`` per pipeline; ``gpus_each``: its GPU count."""
+        rows = {(c.a, c.b, c.c, c.pp, g, c.max_len) for c, g in zip(costs, gpus_each)}
+        return cls(sorted(rows), int(sum(gpus_each)))
 
     def __call__(self, lengths: Sequence[int]) -> LowerBound:
         values, counts = np.unique(np.asarray(lengths, dtype=np.float64), return_counts=True)
+        return self.of_histogram(values, counts)
+
+    def of_histogram(self, values: np.ndarray, counts: np.ndarray) -> LowerBound:
+        """The bound of a batch given as sorted distinct lengths and their counts."""
         if values.size == 0:
             raise PlanError("cannot bound an empty batch; give at least one sequence")
         work = self._a * values**2 + self._b * values  # (scheme, length) per-stage ms
@@ -109,4 +129,4 @@ class BoundModel:
 
 def lower_bound(cost_model: CostModel, gpus: int, lengths: Sequence[int]) -> LowerBound:
     """The lower bound (module docstring) of a batch of ``lengths`` on ``gpus`` GPUs."""
-    return BoundModel(cost_model, gpus)(lengths)
+    return BoundModel.for_cost_model(cost_model, gpus)(lengths)
