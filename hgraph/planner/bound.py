@@ -6,13 +6,17 @@ Whatever strategy, dispatch and packing a planner chooses on ``G`` GPUs, the ite
   ``l`` costs ``T(mb) >= a·l² + b·l + c`` per stage, and the 1F1B time ``Σ T + (pp − 1)·max T`` of its
   pipeline is at least ``pp · T(mb)``; so ``min over schemes of pp · (a·l² + b·l + c)``;
 * **gpu_time**: the total GPU-time over the GPUs. A pipeline of ``g`` GPUs busy for ``t`` ms spends
-  ``g·t`` GPU-ms, at least ``g · (a·l² + b·l)`` for each of its sequences, and the pipelines use at most
-  ``G`` GPUs; so ``Σ_i min over schemes of g · (a·l_i² + b·l_i) / G``;
+  ``g·t`` GPU-ms, at least ``g · (a·l² + b·l + c·l/MaxLen)`` for each of its sequences (a micro-batch
+  pays ``c`` once and holds at most MaxLen tokens), and the pipelines use at most ``G`` GPUs; so
+  ``Σ_i min over schemes of g · (a·l_i² + b·l_i + c·l_i/MaxLen) / G``;
 
-and hence their maximum. ``ms`` strengthens that maximum: a sequence on a scheme where it alone takes
-longer than ``T`` rules out an iteration of ``T``, so ``ms`` is the smallest ``T >= longest`` at which
-the GPU-time of the batch, each sequence on its cheapest scheme among those where it alone takes at
-most ``T``, fits into ``G·T`` (found by bisection over those per-sequence times). The minimum runs over every scheme of the cost model that fits on ``G`` GPUs
+and hence their maximum. ``ms`` strengthens that maximum. In an iteration of ``T`` ms, a sequence can
+only sit on a scheme where it alone takes at most ``T``, and a pipeline of ``pp > 1`` stages does at
+most ``W_max = (sqrt(T) − sqrt((pp − 1)·c))²`` of work (``W + v·c + (pp − 1)·(W/v + c) <= T``, the
+1F1B time with ``v`` even micro-batches, minimised over ``v``), so each of its GPUs spends at least
+``T / W_max`` GPU-ms per ms of work. ``ms`` is the smallest ``T >= longest`` at which the batch's
+GPU-time, each sequence on its cheapest allowed scheme at those rates, fits into ``G·T`` (the
+GPU-time only falls as ``T`` grows; found by bisection). The minimum runs over every scheme of the cost model that fits on ``G`` GPUs
 and holds the sequence within its MaxLen (counted for a ``G``-GPU world), so the bound holds for every
 candidate set drawn from that cost model. It counts compute only: Pull/Push exposure only adds to a
 plan's predicted time. With ``split_long`` the bound is that of the pieces the plan holds.
@@ -109,22 +113,34 @@ class BoundModel:
                 f"a sequence of {longest} tokens exceeds the MaxLen of every scheme on {self.gpus} GPUs"
             )
         alone = np.where(fits, self._pp * (work + self._c), np.inf)  # (scheme, length)
-        gpu_ms = np.where(fits, self._g * work, np.inf)
+        # a micro-batch holds at most MaxLen tokens, so each token carries at least c / MaxLen of its c
+        flat = np.where(fits, self._g * (work + self._c * values / np.maximum(self._cap, 1.0)), np.inf)
+        gpu_work = np.where(fits, self._g * work, np.inf)
+        deep = (self._pp > 1)[:, 0]
+        bubble = np.sqrt((self._pp - 1) * self._c)  # (scheme, 1)
         longest = float(alone.min(axis=0).max())
 
-        def spread(t: float) -> float:  # GPU-time / G with every sequence on a scheme where it alone takes <= t
-            return float(np.dot(np.where(alone <= t, gpu_ms, np.inf).min(axis=0), counts)) / self.gpus
+        def spread(t: float) -> float:
+            """GPU-time / G with every sequence on a scheme where it alone takes <= t; a pipeline of
+            pp > 1 stages busy for t ms does at most (sqrt(t) - sqrt((pp-1)·c))² of work."""
+            cost = flat.copy()
+            if deep.any():
+                room = np.maximum(np.sqrt(t) - bubble[deep], 0.0) ** 2
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    cost[deep] = np.where(room > 0, gpu_work[deep] * (t / room), np.inf)
+            return float(np.dot(np.where(alone <= t, cost, np.inf).min(axis=0), counts)) / self.gpus
 
-        plain = spread(np.inf)
-        steps = np.unique(alone[np.isfinite(alone) & (alone >= longest)])  # where spread() changes
-        lo, hi = 0, len(steps) - 1  # first step k with spread(steps[k]) < steps[k + 1] (monotone in k)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if spread(steps[mid]) < steps[mid + 1]:
-                hi = mid
+        plain = float(np.dot(flat.min(axis=0), counts)) / self.gpus
+        lo = hi = max(longest, plain)
+        while spread(hi) > hi:  # spread() does not increase with t: find an iteration time that fits
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1e-7 * hi:
+            mid = (lo + hi) / 2
+            if spread(mid) > mid:
+                lo = mid
             else:
-                lo = mid + 1
-        return LowerBound(max(steps[lo], spread(steps[lo])), longest, plain, self.gpus)
+                hi = mid
+        return LowerBound(hi, longest, plain, self.gpus)
 
 
 def lower_bound(cost_model: CostModel, gpus: int, lengths: Sequence[int]) -> LowerBound:

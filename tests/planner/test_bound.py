@@ -88,8 +88,8 @@ def test_bound_never_exceeds_the_exhaustive_optimum(llama7b):
         assert bound.ms <= optimum * (1 + 1e-12), (trial, gpus, lengths, bound, optimum)
         assert bound.ms >= max(bound.longest_ms, bound.gpu_time_ms)
         ratios.append(optimum / bound.ms)
-    # the bound is not vacuous: on these instances it is within a factor of two of the optimum
-    assert max(ratios) < 2.0
+    # the bound is not vacuous: on these instances the optimum is within 11% of it (1.03 on average)
+    assert max(ratios) < 1.15
 
 
 def test_bound_is_attained_by_one_sequence_alone(llama7b):
@@ -99,12 +99,16 @@ def test_bound_is_attained_by_one_sequence_alone(llama7b):
 
 def test_gpu_time_term_from_the_inputs_alone(llama7b):
     # 64 sequences of 1,000 tokens on 8 GPUs: the cheapest GPU-time per sequence is min over schemes of
-    # gpus * (a l^2 + b l); computed here straight from the table entries
+    # gpus * (a l^2 + b l + c l / MaxLen); computed here straight from the table entries
     world = llama7b.with_world_size(8)
-    per_seq = min(s.gpus * world.stage_cost(s).seq_time(1000) for s in world.schemes if s.gpus <= 8)
+    per_seq = min(
+        s.gpus * (world.stage_cost(s).seq_time(1000) + world.stage_cost(s).c * 1000 / world.max_len(s))
+        for s in world.schemes
+        if s.gpus <= 8
+    )
     bound = lower_bound(llama7b, 8, [1000] * 64)
     assert bound.gpu_time_ms == pytest.approx(64 * per_seq / 8)
-    assert bound.ms == bound.gpu_time_ms > bound.longest_ms
+    assert bound.ms >= bound.gpu_time_ms > bound.longest_ms
 
 
 def test_bound_rejects_sequences_no_scheme_holds(llama7b):
