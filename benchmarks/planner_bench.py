@@ -78,7 +78,11 @@ def run_setting(name: str, iterations: int, ref_iterations: int, ref_time_limit:
     candidates = propose(cost_model, gpus, lengths, max_len=max_len, tokens_per_iteration=tokens)
     propose_s = time.perf_counter() - start
     planner = Planner(cost_model, candidates)
-    ours = [planner.plan(b) for b in batches]
+    ours, cpu_ms = [], []
+    for b in batches:  # CPU time too: wall time on a shared machine counts other programs' load
+        begin = time.process_time()
+        ours.append(planner.plan(b))
+        cpu_ms.append((time.process_time() - begin) * 1e3)
     runs = {}
     if with_baselines:
         homogeneous = baselines.homogeneous_strategies(cost_model, gpus)
@@ -102,7 +106,8 @@ def run_setting(name: str, iterations: int, ref_iterations: int, ref_time_limit:
                     "context_parallel": list(cp or (1,)), "lengths": source, "sample_size": len(lengths),
                     "iterations": iterations, "seed": seed, "candidates": len(candidates),
                     "propose_s": round(propose_s, 3)},
-        "hgraph": _stats(ours),
+        "hgraph": {**_stats(ours), "plan_cpu_ms_median": round(statistics.median(cpu_ms), 2),
+                   "plan_cpu_ms_max": round(max(cpu_ms), 2)},
         "baselines": {k: _stats(v) for k, v in runs.items()},
         "longest_sequence_floor_ms": [round(f, 1) for f in floor],
     }
@@ -141,9 +146,10 @@ def goals(result: dict) -> dict:
     if "32b_1024gpu_32k_cp:speedup_over_best_no_cp" in out:
         out["cp_speedup_32b_1024_at_least_1.5"] = out["32b_1024gpu_32k_cp:speedup_over_best_no_cp"] >= 1.5
     if "32b_4096gpu_32k_cp" in result:
-        worst = result["32b_4096gpu_32k_cp"]["hgraph"]["plan_ms_max"]
-        out["plan_ms_max_4096_gpus"] = worst
-        out["plan_time_4096_at_most_1s"] = worst <= 1000
+        big = result["32b_4096gpu_32k_cp"]["hgraph"]
+        out["plan_ms_max_4096_gpus"] = big["plan_ms_max"]
+        out["plan_cpu_ms_max_4096_gpus"] = big["plan_cpu_ms_max"]
+        out["plan_time_4096_at_most_1s"] = big["plan_ms_max"] <= 1000
     ratios = {name: r["hgraph"]["ratio_to_bound_max"] for name, r in result.items()}
     out["ratio_to_bound_max"] = ratios
     out["ratio_to_bound_at_most_1.10"] = all(v <= 1.10 for v in ratios.values())
