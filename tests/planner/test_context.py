@@ -162,3 +162,20 @@ def test_plan_cli_with_context_parallel_mixes_cp_degrees(capsys, tmp_path):
         assert cp_it["lengths"] == plain_it["lengths"]
         if 32768 in cp_it["lengths"]:
             assert cp_it["predicted_ms"] < 0.8 * plain_it["predicted_ms"], (cp_it["strategy"], plain_it["strategy"])
+
+
+def test_profile_measures_cp_schemes_on_gloo_ranks(tmp_path, monkeypatch):
+    from hgraph.planner.profile_ranks import profile_ranks
+
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path))
+    profile = profile_ranks("hgraph.demo:tiny_model", 2, ["tp1", "tp1,cp2"], [64, 128, 256], repeats=2, memory_gb=0.05)
+    model = profile.cost_model
+    cp2 = Scheme(tp=1, cp=2)
+    assert set(profile.fits) == {Scheme(1, 1), cp2}
+    assert all(t > 0 for t in profile.times_ms[cp2]) and model.source(cp2) == "profiled"
+    # each cp rank keeps half the activations of a micro-batch: about twice the MaxLen
+    assert 1.5 * model.max_len(Scheme(1, 1)) < model.max_len(cp2)
+    # the profiled cp entry wins over the analytic one
+    extended = with_context_parallel(model, (1, 2, 4))
+    assert extended.stage_cost(cp2) == model.stage_cost(cp2) and extended.source(cp2) == "profiled"
+    assert extended.source(Scheme(tp=1, cp=4)) == ANALYTIC
