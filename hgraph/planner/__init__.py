@@ -23,6 +23,8 @@ __all__ += [
     "read_lengths", "sample_path",
 ]
 
+from hgraph.planner.bound import LowerBound, lower_bound
+from hgraph.planner.context import with_context_parallel
 from hgraph.planner.profile import profile_cost_model
 
-__all__ += ["profile_cost_model"]
+__all__ += ["LowerBound", "lower_bound", "profile_cost_model", "with_context_parallel"]

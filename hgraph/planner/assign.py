@@ -4,11 +4,13 @@
 
 1. Keep the candidates whose largest MaxLen takes the longest sequence (longer sequences raise
    ``PlanError``, or are cut into MaxLen-sized pieces with ``split_long=True``).
-2. Order them by a valid lower bound (the longest sequence alone on its best pipeline; the total
-   work spread evenly); skip every candidate whose bound cannot beat the best plan found.
+2. Order them by a valid lower bound (``hgraph.planner.bound`` over the candidate's own pipelines;
+   the total work spread evenly); skip every candidate whose bound cannot beat the best plan found.
 3. Greedy dispatch + packing (``dispatch``) for the rest, then local search on the ``refine`` best
    (those within ``REFINE_WITHIN`` of the best greedy plan).
 4. The smallest predicted time (compute plus exposed Pull/Push) wins.
+
+Every plan carries the lower bound of ``hgraph.planner.bound`` for the candidates' GPU count.
 
 ``exact=True`` replaces 3 by the joint MILP of ``exact.solve_joint`` (small batches only).
 """
@@ -20,7 +22,10 @@ import numbers
 import time
 from typing import Any, Iterable, Optional, Sequence, Union
 
+import numpy as np
+
 from hgraph.errors import PlanError
+from hgraph.planner.bound import BoundModel
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.dispatch import Assigner
 from hgraph.planner.exact import solve_joint
@@ -104,6 +109,11 @@ class Planner:
             for s in self.candidates
         ]
         self.largest_max_len = max(c.max_len for costs in self.pipeline_costs for c in costs)
+        self.bound = BoundModel.for_cost_model(cost_model, max(s.world_size for s in self.candidates))
+        self._bounds = [
+            BoundModel.for_pipelines(costs, [p.tp * p.pp * p.cp for p in s.pipelines])
+            for s, costs in zip(self.candidates, self.pipeline_costs)
+        ]
 
     def predicted(self, k: int, compute: Sequence[float]) -> float:
         """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push)."""
@@ -113,13 +123,15 @@ class Planner:
             out = max(out, t + (exposed_comm_ms(comm, t, layers) if t > 0 else 0.0))
         return out
 
-    def _lower_bound(self, k: int, lengths: Sequence[int], longest: int) -> float:
+    def _lower_bound(self, k: int, values: np.ndarray, counts: np.ndarray) -> float:
+        """A lower bound of candidate ``k``'s time: ``hgraph.planner.bound`` over its own pipelines, and
+        the total work on its cheapest pipelines spread over all of them."""
         costs = self.pipeline_costs[k]
-        groups = set(costs)
-        eligible = [c for c in groups if c.max_len >= longest]
-        tail = min(c.pp * (c.seq_time(longest) + c.c) for c in eligible)
-        spread = sum(min(c.seq_time(l) for c in groups if c.max_len >= l) for l in lengths) / len(costs)
-        return max(tail, spread)
+        groups = sorted(set(costs), key=lambda c: (c.a, c.b, c.c, c.pp, c.max_len))
+        work = np.array([c.a * values**2 + c.b * values for c in groups])
+        cap = np.array([c.max_len for c in groups], dtype=np.float64)[:, None]
+        spread = float(np.dot(np.where(cap >= values, work, np.inf).min(axis=0), counts)) / len(costs)
+        return max(self._bounds[k].of_histogram(values, counts).ms, spread)
 
     def plan(
         self, lengths: Sequence[int], split_long: bool = False, exact: bool = False,
@@ -153,10 +165,13 @@ class Planner:
             for p, cost, mbs in zip(strategy.pipelines, self.pipeline_costs[k], packs)
         )
         plan_ms = (time.perf_counter() - start) * 1e3
-        return IterationPlan(strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms)
+        return IterationPlan(
+            strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms, self.bound(pieces)
+        )
 
     def _heuristic(self, eligible: list[int], pieces: list[int], longest: int, start: float):
-        bounds = sorted((self._lower_bound(k, pieces, longest), k) for k in eligible)
+        values, counts = np.unique(np.asarray(pieces, dtype=np.float64), return_counts=True)
+        bounds = sorted((self._lower_bound(k, values, counts), k) for k in eligible)
         greedy: list[tuple[float, int, Assigner, list[list[int]]]] = []
         best = math.inf
         for bound, k in bounds:

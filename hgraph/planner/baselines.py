@@ -124,7 +124,8 @@ def _plan(planner: Planner, k: int, lengths: Sequence[int], packs, start: float)
     )
     predicted = planner.predicted(k, [pl.compute_ms for pl in pipelines])
     plan_ms = (time.perf_counter() - start) * 1e3
-    return IterationPlan(strategy, pipelines, tuple(lengths), tuple((i, 0) for i in range(len(lengths))), predicted, plan_ms)
+    sources = tuple((i, 0) for i in range(len(lengths)))
+    return IterationPlan(strategy, pipelines, tuple(lengths), sources, predicted, plan_ms, planner.bound(lengths))
 
 
 def homogeneous_tuned(

@@ -4,11 +4,16 @@ Candidates come from ``proposal.propose`` for the length file's distribution; ev
 by hgraph's planner and by the baselines (``megatron``, ``homogeneous-tuned``; ``--baselines`` adds
 the slow ``hydraulis-reference``) and predicted by the same simulator. ``--json`` prints one object::
 
-    {"iterations": [{"strategy", "pipelines": [{"tp", "pp", "cp", "ranks", "max_len",
-                     "micro_batches"}], "predicted_ms", "plan_ms"}],
+    {"iterations": [{"strategy", "lengths", ["sources"], "pipelines": [{"tp", "pp", "cp", "ranks",
+                     "max_len", "micro_batches"}], "predicted_ms", "plan_ms",
+                     "lower_bound": {"ms", "longest_ms", "gpu_time_ms", "gpus"}, "ratio_to_bound"}],
      "summary": {"predicted_ms_total", "baseline": {"name": "megatron", "predicted_ms_total"},
                  "baselines": [{"name", "predicted_ms_total", "plan_ms_median"}],
-                 "speedup", "plan_ms_median", "plan_ms_max"}}
+                 "speedup", "plan_ms_median", "plan_ms_max", "lower_bound_ms_total", "ratio_to_bound_max"}}
+
+``micro_batches`` hold indices into ``lengths`` (the planned pieces; ``sources`` maps each piece to
+``[sequence, first token]`` when ``--split-long`` cut a sequence). ``lower_bound`` is
+``hgraph.planner.bound``: computed from the batch and the cost model alone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Sequence
 from hgraph.planner import baselines
 from hgraph.planner.assign import Planner
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
+from hgraph.planner.context import parse_degrees, with_context_parallel
 from hgraph.planner.cost import load_cost_model
 from hgraph.planner.plan import IterationPlan
 from hgraph.planner.proposal import propose
@@ -37,12 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact", action="store_true", help="solve each iteration exactly by MILP (small batches only)")
     parser.add_argument("--split-long", action="store_true", help="cut sequences longer than every MaxLen into pieces")
     parser.add_argument("--baselines", action="store_true", help="also run the slow hydraulis-reference baseline")
+    parser.add_argument(
+        "--context-parallel", default=None, metavar="1,2,4",
+        help="cp degrees the plan may use; cp schemes the table lacks are derived analytically (hgraph.planner.context)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def plan_run(args: argparse.Namespace) -> tuple[list[IterationPlan], dict[str, list[IterationPlan]]]:
     """hgraph's plans and each baseline's plans for the batches ``args`` describes."""
     cost_model = load_cost_model(args.cost_table)
+    if args.context_parallel is not None:
+        cost_model = with_context_parallel(cost_model, parse_degrees(args.context_parallel))
     lengths = read_lengths(args.lengths or sample_path())
     batches = make_batches(lengths, args.tokens_per_iteration, args.max_len, args.iterations, args.seed)
     candidates = propose(cost_model, args.gpus, lengths, max_len=args.max_len, tokens_per_iteration=args.tokens_per_iteration)
@@ -76,6 +88,8 @@ def summary(ours: Sequence[IterationPlan], others: dict[str, list[IterationPlan]
         "speedup": round(megatron["predicted_ms_total"] / total, 4),
         "plan_ms_median": round(statistics.median(p.plan_ms for p in ours), 3),
         "plan_ms_max": round(max(p.plan_ms for p in ours), 3),
+        "lower_bound_ms_total": round(sum(p.bound.ms for p in ours if p.bound), 3),
+        "ratio_to_bound_max": max(round(p.ratio_to_bound or 1.0, 4) for p in ours),
     }
 
 
@@ -89,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"iteration {k}: {plan}")
     s = result["summary"]
     print(f"total predicted {s['predicted_ms_total']:.1f} ms, {s['speedup']:.2f}x over megatron; "
-          f"plan time median {s['plan_ms_median']:.1f} ms, max {s['plan_ms_max']:.1f} ms")
+          f"plan time median {s['plan_ms_median']:.1f} ms, max {s['plan_ms_max']:.1f} ms; "
+          f"lower bound {s['lower_bound_ms_total']:.1f} ms, worst iteration {s['ratio_to_bound_max']:.3f}x its bound")
     for row in s["baselines"]:
         print(f"  {row['name']:<20} {row['predicted_ms_total']:.1f} ms (plan median {row['plan_ms_median']:.1f} ms)")
     return 0

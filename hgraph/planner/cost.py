@@ -7,7 +7,10 @@ produce the same table format, so every model can be written out and read back.
 
 Context parallelism: a table lists the schemes it was measured for; an entry may carry ``"cp": n``
 (the analytic model writes such entries, with the ring-attention communication in ``b``). A cp > 1
-scheme that the table does not list is not guessed: ``stage_cost`` raises ``CostModelError``.
+scheme that the table does not list is not guessed: ``stage_cost`` raises ``CostModelError``;
+``hgraph.planner.context.with_context_parallel`` adds cp schemes derived from the table's own entries.
+An entry may say where it came from (``"source": "analytic"``, ``"profiled"``...); ``source(scheme)``
+returns it and ``str`` shows it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from hgraph.planner.memory import MemoryRegression, get_field, get_section, inte
 PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")
 
 _TOP_KEYS = {"strategies", "memory_regression", "model_config", "cluster_config", "comm_cost"}
-_ENTRY_KEYS = {"tp", "pp", "cp", "a", "b", "c"}
+_ENTRY_KEYS = {"tp", "pp", "cp", "a", "b", "c", "source"}
 _CLUSTER_KEYS = {"gpus_per_node", "gpu_memory_bound", "utilization_seqlen", "world_size"}
 
 
@@ -108,6 +111,7 @@ class CostModel:
         gpus_per_node: int,
         world_size: int | None = None,
         extra: Mapping[str, Any] | None = None,
+        sources: Mapping[Scheme, str] | None = None,
     ) -> None:
         if not stage_costs:
             raise CostModelError(f"cost model {name!r} has no schemes")
@@ -117,6 +121,7 @@ class CostModel:
         self._gpus_per_node = integer(gpus_per_node, "cluster_config.gpus_per_node")
         self._world_size = None if world_size is None else integer(world_size, "world_size")
         self._extra = json.loads(json.dumps(dict(extra or {})))  # private deep copy
+        self._sources = {s: str(v) for s, v in (sources or {}).items() if s in self._costs}
         for scheme in self._costs:
             self._memory.activation_bytes(scheme.tp)  # every scheme needs its A_tp
 
@@ -151,6 +156,16 @@ class CostModel:
                 f"cost model {self._name!r} has no scheme {scheme}; known: {known}"
             ) from None
 
+    def source(self, scheme: Scheme) -> str | None:
+        """Where the scheme's entry came from (``"analytic"``, ...), None when the table does not say."""
+        self.stage_cost(scheme)
+        return self._sources.get(scheme)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """A copy of the table's extra fields (comments, ``comm_cost``, ``utilization_seqlen``)."""
+        return json.loads(json.dumps(self._extra))
+
     def max_len(self, scheme: Scheme, world_size: int | None = None) -> int:
         """MaxLen (tokens per micro-batch, aligned down to 128) of a known scheme, DESIGN.md A5."""
         self.stage_cost(scheme)
@@ -159,7 +174,9 @@ class CostModel:
 
     def with_world_size(self, world_size: int) -> CostModel:
         """A copy whose MaxLen counts the optimizer shard of a ``world_size``-GPU world."""
-        return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra)
+        return CostModel(
+            self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra, self._sources
+        )
 
     def __repr__(self) -> str:
         world = f", world_size={self._world_size}" if self._world_size else ""
@@ -168,7 +185,8 @@ class CostModel:
     def __str__(self) -> str:
         lines = [repr(self)]
         for s, cost in self._costs.items():
-            lines.append(f"  {s!s:<14} {cost}  MaxLen {self.max_len(s)}")
+            source = f"  [{self._sources[s]}]" if s in self._sources else ""
+            lines.append(f"  {s!s:<14} {cost}  MaxLen {self.max_len(s)}{source}")
         return "\n".join(lines)
 
     # -- the table format -------------------------------------------------------------------------
@@ -206,11 +224,16 @@ class CostModel:
         if not isinstance(entries, list) or not entries:
             raise CostModelError("cost table field strategies: expected a non-empty list of schemes")
         costs: dict[Scheme, StageCost] = {}
+        sources: dict[Scheme, str] = {}
         for i, entry in enumerate(entries):
             scheme, cost = _read_entry(entry, f"strategies[{i}]")
             if scheme in costs:
                 raise CostModelError(f"cost table field strategies[{i}]: scheme {scheme} appears twice")
             costs[scheme] = cost
+            if "source" in entry:
+                if not isinstance(entry["source"], str):
+                    raise CostModelError(f"cost table field strategies[{i}].source: expected a string")
+                sources[scheme] = entry["source"]
         cluster = get_section(table, "cluster_config")
         only_keys(cluster, "cluster_config", _CLUSTER_KEYS)
         extra: dict[str, Any] = {k: v for k, v in table.items() if str(k).startswith("_")}
@@ -232,6 +255,7 @@ class CostModel:
             ),
             world_size=None if world is None else integer(world, "cluster_config.world_size"),
             extra=extra,
+            sources=sources,
         )
 
     def to_table(self) -> dict[str, Any]:
@@ -242,6 +266,8 @@ class CostModel:
             if s.cp > 1:
                 entry["cp"] = s.cp
             entry.update(a=cost.a, b=cost.b, c=cost.c)
+            if s in self._sources:
+                entry["source"] = self._sources[s]
             strategies.append(entry)
         table: dict[str, Any] = {"strategies": strategies, **self._memory.to_table()}
         gpu_memory = self._memory.gpu_memory

@@ -19,6 +19,8 @@ import random
 import time
 from typing import Optional, Sequence
 
+import numpy as np
+
 from hgraph.errors import PlanError
 from hgraph.planner.packing import Packing, pack
 from hgraph.planner.simulate import PipelineCost
@@ -61,6 +63,7 @@ class Assigner:
         for c in self.costs:
             self._group_of.append(groups.setdefault(c, len(groups)))
         self._group_cost = list(groups)
+        self._times: Optional[list[list[float]]] = None
 
     # -- packing with a cache keyed by (group, sorted lengths) --------------------------------------
 
@@ -94,15 +97,21 @@ class Assigner:
         t_max = [0.0] * len(self.costs)
         members: list[list[int]] = [[] for _ in self.costs]
         largest = max(c.max_len for c in self.costs)
+        times = self._seq_times()
+        groups = list(enumerate(self._group_cost))
         for i in order:
             l = lengths[i]
             best: Optional[tuple[float, int, int]] = None
-            for g, cost in enumerate(self._group_cost):
+            for g, cost in groups:
                 if l > cost.max_len:
                     continue
                 p = heaps[g][0][1]
-                t = cost.seq_time(l)
-                new = lower_bound(cost, work[p] + t, tokens[p] + l, max(t_max[p], t), len(members[p]) + 1)
+                t = times[g][i]
+                w, n = work[p] + t, tokens[p] + l
+                if cost.pp == 1:  # lower_bound() inlined for the common case
+                    new = w + max(1, -(-n // cost.max_len)) * cost.c
+                else:
+                    new = lower_bound(cost, w, n, max(t_max[p], t), len(members[p]) + 1)
                 if best is None or new < best[0]:
                     best = (new, g, p)
             if best is None:
@@ -111,12 +120,19 @@ class Assigner:
                 )
             new, g, p = best
             heapq.heapreplace(heaps[g], (new, p))
-            t = self.costs[p].seq_time(l)
+            t = times[g][i]
             work[p] += t
             tokens[p] += l
             t_max[p] = max(t_max[p], t)
             members[p].append(i)
         return members
+
+    def _seq_times(self) -> list[list[float]]:
+        """``seq_time`` of every sequence on every group's pipelines (computed once)."""
+        if self._times is None:
+            values = np.asarray(self.lengths, dtype=np.float64)
+            self._times = [(c.a * values * values + c.b * values).tolist() for c in self._group_cost]
+        return self._times
 
     # -- stage 2: local search ---------------------------------------------------------------------
 

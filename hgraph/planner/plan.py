@@ -2,7 +2,8 @@
 
 Micro-batches hold indices into ``IterationPlan.lengths`` (the planned *pieces*); ``sources`` maps
 each piece back to ``(sequence index in the batch, first token)``. Without splitting, piece ``i`` is
-sequence ``i`` whole (``sources[i] == (i, 0)``).
+sequence ``i`` whole (``sources[i] == (i, 0)``). ``bound`` is the lower bound of ``hgraph.planner.bound``
+for the pieces on the strategy's GPUs (set by the planner and the baselines).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hgraph.planner.bound import LowerBound
 from hgraph.planner.simulate import PipelineCost
 from hgraph.strategy import Pipeline, Strategy
 
@@ -60,7 +62,8 @@ class PipelinePlan:
 
 @dataclass(frozen=True)
 class IterationPlan:
-    """The chosen strategy, every pipeline's micro-batches, the predicted time and the planning time."""
+    """The chosen strategy, every pipeline's micro-batches, the predicted time, the planning time and
+    a lower bound of the iteration's time."""
 
     strategy: Strategy
     pipelines: tuple[PipelinePlan, ...]
@@ -68,23 +71,38 @@ class IterationPlan:
     sources: tuple[tuple[int, int], ...]
     predicted_ms: float
     plan_ms: float
+    bound: LowerBound | None = None
 
     @property
     def num_micro_batches(self) -> int:
         return sum(len(p.micro_batches) for p in self.pipelines)
 
+    @property
+    def ratio_to_bound(self) -> float | None:
+        """``predicted_ms / bound.ms`` (>= 1; None without a bound)."""
+        return None if self.bound is None else self.bound.ratio(self.predicted_ms)
+
     def to_json(self) -> dict[str, Any]:
-        """The per-iteration object of ``hgraph plan --json``."""
-        return {
+        """The per-iteration object of ``hgraph plan --json``: micro-batches index ``lengths``."""
+        out: dict[str, Any] = {
             "strategy": str(self.strategy),
+            "lengths": list(self.lengths),
             "pipelines": [p.to_json() for p in self.pipelines],
             "predicted_ms": round(self.predicted_ms, 3),
             "plan_ms": round(self.plan_ms, 3),
         }
+        if any(src != (i, 0) for i, src in enumerate(self.sources)):  # split_long cut sequences
+            out["sources"] = [list(s) for s in self.sources]
+        if self.bound is not None:
+            out["lower_bound"] = self.bound.to_json()
+            out["ratio_to_bound"] = round(self.bound.ratio(self.predicted_ms), 4)
+        return out
 
     def __str__(self) -> str:
         head = (
             f"IterationPlan {self.strategy}: {len(self.lengths)} sequences, {sum(self.lengths)} tokens, "
             f"predicted {self.predicted_ms:.1f} ms (planned in {self.plan_ms:.1f} ms)"
         )
+        if self.bound is not None:
+            head += f", {self.ratio_to_bound:.3f}x the {self.bound}"
         return "\n".join([head] + [f"  {p}" for p in self.pipelines])

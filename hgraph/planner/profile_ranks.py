@@ -2,7 +2,8 @@
 
 ``profile_ranks(model_factory, world_size, schemes, lengths)`` launches ``world_size`` processes
 once (``hgraph.launch``); every rank compiles the model for the homogeneous strategy of each scheme
-(``world_size / (tp*pp)`` replicas). Per scheme, each iteration is one ``run_iteration`` (Pull, 1F1B,
+(``world_size / (tp*pp*cp)`` replicas; under cp each rank gets its load-balanced chunks of every
+micro-batch, as in training, so ``--schemes tp1,cp2`` measures context parallelism itself). Per scheme, each iteration is one ``run_iteration`` (Pull, 1F1B,
 Push) in which every pipeline runs one micro-batch per length (one sequence of ``l`` tokens each,
 in a seeded shuffled order that all ranks share): one warm-up iteration per scheme, then ``repeats``
 rounds of one timed iteration per scheme (rounds outermost, so that load from other programs on
@@ -136,8 +137,13 @@ def _resolve(model_factory: ModelFactory) -> Callable[[], Any]:
 # -- on every rank ---------------------------------------------------------------------------------
 
 
+def _key(tp: int, pp: int, cp: int = 1) -> str:
+    """The per-rank measurement key of a scheme: ``"tp2,pp1"``, ``"tp1,pp1,cp2"``."""
+    return f"tp{tp},pp{pp}" + (f",cp{cp}" if cp > 1 else "")
+
+
 def _rank_main(
-    factory: ModelFactory, schemes: list[tuple[int, int]], lengths: list[int], repeats: int
+    factory: ModelFactory, schemes: list[tuple[int, ...]], lengths: list[int], repeats: int
 ) -> dict[str, Any]:
     """Runs on each rank: per scheme, the saved bytes of each length's micro-batch (warm-up) and, per
     repeat, the forward+backward milliseconds of each length's micro-batch on this rank's stage."""
@@ -148,7 +154,6 @@ def _rank_main(
     import hgraph
     from hgraph.runtime.context import RankContext, rank_context
     from hgraph.runtime.reshard import default_comm
-    from hgraph.runtime.trainer import pack_micro_batch
     from hgraph.strategy import homogeneous
 
     comm = default_comm()
@@ -157,7 +162,8 @@ def _rank_main(
     model = _resolve(factory)()
     vocab = _embedding(model).num_embeddings
     start = time.perf_counter()
-    strategies = [homogeneous(comm.world_size, tp=tp, pp=pp) for tp, pp in schemes]
+    schemes = [tuple(s) + (1,) * (3 - len(s)) for s in schemes]  # (tp, pp, cp)
+    strategies = [homogeneous(comm.world_size, tp=tp, pp=pp, cp=cp) for tp, pp, cp in schemes]
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
     params = compiled.traced.params()
     shards = {
@@ -166,15 +172,15 @@ def _rank_main(
     }
     buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
     gen = torch.Generator().manual_seed(1)
-    batches = []
-    for length in lengths:
-        batches.append(pack_micro_batch([torch.randint(0, vocab, (length,), generator=gen)]))
-        batches[-1].update(buffers)
+    sequences = [torch.randint(0, vocab, (length,), generator=gen) for length in lengths]
     out: dict[str, Any] = {"saved_bytes": {}, "compute_ms": {}, "compile_s": time.perf_counter() - start}
-    programs = {f"tp{tp},pp{pp}": compiled.program(i, rank) for i, (tp, pp) in enumerate(schemes)}
+    programs = {_key(*s): compiled.program(i, rank) for i, s in enumerate(schemes)}
+    inputs = {}
+    for key, program in programs.items():  # this rank's micro-batches (its chunks under cp)
+        inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]
     for key, program in programs.items():  # warm-up, counting saved bytes
         with rank_context(RankContext(rank, comm, program.groups)):
-            out["saved_bytes"][key] = _saved_bytes(program, shards, batches)
+            out["saved_bytes"][key] = _saved_bytes(program, shards, inputs[key])
         out["compute_ms"][key] = []
     # Repeats outermost: a burst of load from elsewhere on the machine hits every scheme alike.
     for repeat in range(repeats):
@@ -182,10 +188,25 @@ def _rank_main(
         random.Random(repeat).shuffle(order)  # the same order on every rank
         for key, program in programs.items():
             with rank_context(RankContext(rank, comm, program.groups)):
-                ms = _compute_ms(program, shards, [batches[i] for i in order])
+                ms = _compute_ms(program, shards, [inputs[key][i] for i in order])
             out["compute_ms"][key].append([ms[order.index(i)] for i in range(len(lengths))])
     out["total_s"] = time.perf_counter() - start
     return out
+
+
+def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
+    """One sequence as this rank's micro-batch: under cp, its load-balanced chunks of the packed
+    tokens (padded to ``2·cp``), as ``Trainer`` feeds them."""
+    from hgraph.runtime.trainer import pack_micro_batch
+    from hgraph.simulate import cp_chunk_indices
+
+    cp_group = program.groups["cp"]
+    cp = len(cp_group)
+    packed = pack_micro_batch([sequence], 2 * cp if cp > 1 else 1)
+    if cp > 1:
+        idx = cp_chunk_indices(packed["input_ids"].shape[-1], cp, cp_group.index(rank))
+        packed = {k: v[..., idx] for k, v in packed.items()}
+    return {**packed, **buffers}
 
 
 def _compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
@@ -265,13 +286,14 @@ def _check(
     if repeats < 1:
         raise CostModelError(f"repeats={repeats}; need at least 1")
     for s in schemes:
-        if s.cp > 1:
-            raise CostModelError(f"scheme {s}: multi-rank profiling measures tp and pp schemes, not cp")
         if world_size % s.gpus:
             raise CostModelError(
                 f"scheme {s} needs {s.gpus} ranks per pipeline, which does not divide world size {world_size}"
             )
-    validate_strategies([homogeneous(world_size, s.tp, s.pp) for s in schemes], world_size, model_dims(model))
+    validate_strategies([homogeneous(world_size, s.tp, s.pp, s.cp) for s in schemes], world_size, model_dims(model))
+    short = [l for l in lengths if any(l < 2 * s.cp for s in schemes)]
+    if short:
+        raise CostModelError(f"lengths {short}: a cp scheme splits each sequence into 2·cp chunks; use longer lengths")
 
 
 def measure_ranks(
@@ -297,7 +319,7 @@ def measure_ranks(
         return json.loads(path.read_text()), path, True
     start = time.perf_counter()
     per_rank = launch(
-        _rank_main, world_size, args=(model_factory, [(s.tp, s.pp) for s in schemes], lengths, repeats),
+        _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp) for s in schemes], lengths, repeats),
         timeout=timeout,
     )
     raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
@@ -310,14 +332,14 @@ def _stage_ranks(world_size: int, scheme: Scheme) -> list[list[int]]:
     """Ranks of each stage over all replicas of the homogeneous strategy of ``scheme``."""
     from hgraph.strategy import homogeneous
 
-    pipelines = homogeneous(world_size, scheme.tp, scheme.pp).pipelines
+    pipelines = homogeneous(world_size, scheme.tp, scheme.pp, scheme.cp).pipelines
     return [[r for p in pipelines for r in p.stage_ranks(s)] for s in range(scheme.pp)]
 
 
 def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
     """``T(l)`` per length: the slowest stage's median forward+backward time of the ``l``-token
     micro-batch, the median taken over every sample of that stage (its ranks times the repeats)."""
-    key = f"tp{scheme.tp},pp{scheme.pp}"
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
     ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]  # [rank][repeat][length]
     stages = _stage_ranks(raw["world_size"], scheme)
     repeats = range(raw["repeats"])
@@ -328,11 +350,12 @@ def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
 
 
 def activation_per_token(raw: dict[str, Any], scheme: Scheme) -> float:
-    """Saved-for-backward bytes per token of the whole model on one TP rank (see module docstring)."""
-    key = f"tp{scheme.tp},pp{scheme.pp}"
+    """Saved-for-backward bytes per token of the whole model on one TP rank (see module docstring);
+    under cp, per token of the micro-batch's ``1/cp`` share on the rank."""
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
     hi, lo = len(raw["lengths"]) - 1, len(raw["lengths"]) - 2
     dl = raw["lengths"][hi] - raw["lengths"][lo]
-    slope = [(r["saved_bytes"][key][hi] - r["saved_bytes"][key][lo]) / dl for r in raw["per_rank"]]
+    slope = [(r["saved_bytes"][key][hi] - r["saved_bytes"][key][lo]) / dl * scheme.cp for r in raw["per_rank"]]
     return sum(max(slope[r] for r in ranks) for ranks in _stage_ranks(raw["world_size"], scheme))
 
 
@@ -387,7 +410,7 @@ def build_ranks_table(
     }
     model = CostModel(
         name, {s: f.cost for s, f in fits.items()}, regression, gpus_per_node=raw["world_size"],
-        world_size=raw["world_size"], extra=extra,
+        world_size=raw["world_size"], extra=extra, sources={s: "profiled" for s in fits},
     )
     return model, fits, times
 

@@ -18,6 +18,12 @@ Two changes to the reference make the candidates cover what decides an iteration
   longest sequences and a few replica counts, the best strategy that dedicates those replicas to the
   long tail (the rest filled optimally), and every homogeneous strategy of the world, so choosing per
   iteration can never do worse than a fixed homogeneous strategy.
+* The distribution's expected batch hides how batches differ: one iteration may draw six 32K
+  sequences where the average holds two. When ``lengths`` is a sample of several iterations'
+  worth of tokens, the optimum of ``scenarios`` batches drawn from it (``batches.make_batches``,
+  seeded) joins the candidates too.
+* With context parallelism (cp > 1 schemes next to cp = 1 ones) the proposal for the cp = 1 schemes
+  alone joins as well (origin ``"cp1:..."``), so enabling cp never removes a candidate.
 
 Cost: buckets (geometric, ratio ``BUCKET_RATIO``, plus every MaxLen as a boundary) keep ``j`` small;
 GPUs are counted in units of ``q`` GPUs with ``gpus / q <= MAX_UNITS``; the DP is vectorised over
@@ -34,6 +40,8 @@ from typing import NamedTuple
 import numpy as np
 
 from hgraph.errors import PlanError
+from hgraph.planner.batches import make_batches
+from hgraph.planner.context import with_context_parallel
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.strategy import Pipeline, Strategy
 
@@ -42,6 +50,8 @@ MIN_BUCKET = 128
 MAX_UNITS = 64
 TAIL_REPLICAS = (1, 2, 3, 4)
 TIE_WEIGHT = 0.1
+SCENARIOS = 4
+SCENARIO_SEED = 12345
 
 Lengths = Sequence[int] | Mapping[int, float] | np.ndarray
 
@@ -51,8 +61,9 @@ class Candidate:
     """A proposed strategy and why: its DP-predicted time for the sequences of length <= ``covers``.
 
     ``origin`` is ``"dp"`` (the optimum for that length bound), ``"tail:<scheme>x<d>"`` (``d``
-    replicas of a scheme dedicated to the longest sequences) or ``"homogeneous"`` (one scheme on every
-    GPU, however it was found).
+    replicas of a scheme dedicated to the longest sequences), ``"homogeneous"`` (one scheme on every
+    GPU, however it was found) or ``"batch<k>"`` (the optimum of the k-th drawn batch; its predicted
+    time is for that batch).
     """
 
     strategy: Strategy
@@ -91,16 +102,20 @@ def propose(
     max_len: int | None = None,
     tokens_per_iteration: float | None = None,
     max_candidates: int = 24,
+    scenarios: int = SCENARIOS,
 ) -> list[Strategy]:
     """Candidate strategies for ``gpus`` GPUs and a length sample or histogram ``{length: count}``.
 
     ``lengths`` should describe one iteration's batch; give ``tokens_per_iteration`` to rescale a
     larger sample to one iteration. Lengths above ``max_len`` are truncated to it. The result holds
-    every homogeneous strategy plus at most ``max_candidates`` heterogeneous ones, deduplicated.
+    every homogeneous strategy plus at most ``max_candidates`` heterogeneous ones, plus the optimum of
+    each of ``scenarios`` batches drawn from a sample (module docstring), deduplicated.
     """
     return [
         c.strategy
-        for c in propose_candidates(cost_model, gpus, lengths, max_len, tokens_per_iteration, max_candidates)
+        for c in propose_candidates(
+            cost_model, gpus, lengths, max_len, tokens_per_iteration, max_candidates, scenarios
+        )
     ]
 
 
@@ -111,6 +126,7 @@ def propose_candidates(
     max_len: int | None = None,
     tokens_per_iteration: float | None = None,
     max_candidates: int = 24,
+    scenarios: int = SCENARIOS,
 ) -> list[Candidate]:
     """Like ``propose`` but with each candidate's predicted time and origin, best first."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -170,11 +186,46 @@ def propose_candidates(
                 predicted = dp.evaluate(k, gpus // scheme.gpus, j) if j else math.inf
                 covers = int(buckets.longest[j - 1]) if j else 0
                 kept[layout] = _Found(layout, predicted, covers, "homogeneous")
+    for k, batch in enumerate(_scenario_batches(lengths, max_len, tokens_per_iteration, scenarios)):
+        values, counts = _histogram(batch, max_len, None)
+        if values[-1] > max(caps.values()):
+            continue
+        drawn = _bucketize(values, counts, sorted(set(caps.values())))
+        program = _Program(model, schemes, caps, gpus, drawn)
+        program.run()
+        nb = len(drawn.upper)
+        if np.isfinite(program.slowest[program.units, nb]):
+            layout = _layout(program.trace(program.units, nb))
+            if layout not in kept:
+                predicted = float(program.slowest[program.units, nb])
+                kept[layout] = _Found(layout, predicted, int(drawn.longest[-1]), f"batch{k}")
+    if any(s.cp > 1 for s in schemes) and any(s.cp == 1 for s in schemes):
+        # context parallelism widens the choice, it must not narrow it: the proposal without cp joins
+        plain = with_context_parallel(cost_model, (1,))
+        for c in propose_candidates(plain, gpus, lengths, max_len, tokens_per_iteration, max_candidates, scenarios):
+            layout = _layout([(Scheme.of(p), 1) for p in c.strategy.pipelines])
+            if layout not in kept:
+                kept[layout] = _Found(layout, c.predicted_ms, c.covers, f"cp1:{c.origin}")
     result = [
         Candidate(_strategy(f.layout, model.gpus_per_node), f.predicted_ms, f.covers, f.origin)
         for f in kept.values()
     ]
     return sorted(result, key=lambda c: (-c.covers, c.predicted_ms))
+
+
+def _scenario_batches(
+    lengths: Lengths, max_len: int | None, tokens_per_iteration: float | None, scenarios: int
+) -> list[list[int]]:
+    """``scenarios`` seeded batches of a sample holding at least two iterations' tokens, else none."""
+    if isinstance(scenarios, bool) or not isinstance(scenarios, int) or scenarios < 0:
+        raise PlanError(f"scenarios={scenarios!r}; it must be an integer >= 0")
+    if not scenarios or tokens_per_iteration is None or isinstance(lengths, Mapping):
+        return []
+    sample = [int(l) for l in np.asarray(lengths).ravel()]
+    tokens = int(math.ceil(tokens_per_iteration))
+    if sum(sample) < 2 * tokens:
+        return []
+    return make_batches(sample, tokens, int(max_len or max(sample)), scenarios, seed=SCENARIO_SEED)
 
 
 def _pareto(proposals: Iterable[_Found]) -> list[_Found]:
@@ -369,15 +420,16 @@ class _Program:
 
 
 def _layout(groups: list[tuple[Scheme, int]]) -> _Layout:
-    """Canonical multiset of pipelines: (scheme, count) pairs, largest TP first."""
+    """Canonical multiset of pipelines: (scheme, count) pairs, largest stage mesh (tp·cp) first, then
+    largest TP: with power-of-two meshes every stage then starts at a multiple of its size (node-aligned)."""
     counts: dict[Scheme, int] = {}
     for scheme, d in groups:
         counts[scheme] = counts.get(scheme, 0) + d
-    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp, -sc[0].gpus, -sc[0].pp, sc[0].cp)))
+    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp * sc[0].cp, -sc[0].tp, -sc[0].gpus, -sc[0].pp)))
 
 
 def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
-    """A Strategy of the layout's pipelines on consecutive ranks, largest TP first.
+    """A Strategy of the layout's pipelines on consecutive ranks, in layout order.
 
     This is the placement ``Strategy`` itself gives pipelines without ranks (TP groups inside a
     node), written out directly because that generic search is slow for a thousand GPUs.

@@ -30,7 +30,8 @@ def test_plan_json_schema_and_plan_validity(capsys):
     batches = make_batches(read_lengths(sample_path()), 20000, 16384, 2, seed=1)
     assert len(data["iterations"]) == 2
     for it, batch in zip(data["iterations"], batches):
-        assert set(it) == {"strategy", "pipelines", "predicted_ms", "plan_ms"}
+        assert set(it) == {"strategy", "lengths", "pipelines", "predicted_ms", "plan_ms", "lower_bound", "ratio_to_bound"}
+        assert it["lengths"] == batch
         placed = []
         for p in it["pipelines"]:
             assert set(p) == {"tp", "pp", "cp", "ranks", "max_len", "micro_batches"}
@@ -40,7 +41,8 @@ def test_plan_json_schema_and_plan_validity(capsys):
                 placed += mb
         assert sorted(placed) == list(range(len(batch)))
     s = data["summary"]
-    assert set(s) == {"predicted_ms_total", "baseline", "baselines", "speedup", "plan_ms_median", "plan_ms_max"}
+    assert set(s) == {"predicted_ms_total", "baseline", "baselines", "speedup", "plan_ms_median", "plan_ms_max",
+                      "lower_bound_ms_total", "ratio_to_bound_max"}
     assert s["baseline"]["name"] == "megatron"
     assert [b["name"] for b in s["baselines"]] == ["megatron", "homogeneous-tuned"]
     assert s["speedup"] == pytest.approx(s["baseline"]["predicted_ms_total"] / s["predicted_ms_total"], rel=1e-3)

@@ -212,8 +212,8 @@ def test_profile_ranks_rejects_bad_requests_before_launching(tmp_path, monkeypat
         profile_ranks(tiny_llama, 2, ["tp1"], [16, 32])
     with pytest.raises(CostModelError, match="module-level function"):
         profile_ranks(lambda: tiny_llama(), 2, ["tp1"], [16, 32, 64])
-    with pytest.raises(CostModelError, match="not cp"):
-        profile_ranks(tiny_llama, 2, ["tp1,cp2"], [16, 32, 64])
+    with pytest.raises(CostModelError, match="2·cp chunks"):
+        profile_ranks(tiny_llama, 2, ["tp1,cp2"], [3, 32, 64])
 
 
 def test_profile_on_two_gloo_ranks_then_cache_hit_through_the_cli(tmp_path, monkeypatch, capsys):
