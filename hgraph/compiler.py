@@ -16,6 +16,7 @@ costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,7 @@ from hgraph.layout import Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import StageGraph, partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
+from hgraph.passes.recompute import RecomputeConfig, recompute, regions
 from hgraph.runtime.executor import RankProgram
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
@@ -50,6 +52,8 @@ class CompileOptions:
     layer_costs: Optional[tuple[float, ...]] = None
     topology: Any = None
     overlap: Any = None  # passes.schedule.OverlapConfig when schedule == "overlap"
+    recompute: RecomputeConfig = RecomputeConfig()
+    reduce_dtype: Optional[torch.dtype] = torch.float32
 
 
 @dataclass
@@ -218,12 +222,18 @@ class CompiledModel:
             gm = self.local_program(pipeline.cp, pipeline.tp)
             start = time.perf_counter()
             params = set(self.traced.param_names)
-            self._stages[key] = partition(
-                gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs
-            )
+            stages = partition(gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs)
             self.pass_history.append(
                 PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
             )
+            if self.options.recompute.mode != "none" and "recompute" not in self._disabled:
+                start = time.perf_counter()
+                ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp)
+                before = sum(len(sg.gm.graph.nodes) for sg in stages)
+                stages = [replace(sg, gm=recompute(sg.gm, ctx)) for sg in stages]
+                after = sum(len(sg.gm.graph.nodes) for sg in stages)
+                self.pass_history.append(PassRecord("recompute", time.perf_counter() - start, before, after))
+            self._stages[key] = stages
         return self._stages[key]
 
     def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
@@ -364,9 +374,14 @@ class CompiledModel:
             f"stage {prog.stage}/{prog.pp} (layers {list(sg.layers)}), groups "
             + ", ".join(f"{k}={list(v)}" for k, v in prog.groups.items()),
         ]
-        compute = [n for n in sg.gm.graph.nodes if n.op == "call_function" and not n.meta.get("hgraph_comm")]
+        body = [n for r in regions(sg.gm) for n in r.body.graph.nodes]
+        compute = [n for n in [*sg.gm.graph.nodes, *body]
+                   if n.op == "call_function" and not n.meta.get("hgraph_comm")
+                   and not (n.target is operator.getitem and n.args[0].op == "call_module")]
         lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
                      + " ".join(str(x) for x in prog.schedule(4)))
+        lines.append(f"recompute: {self.options.recompute}" + "".join(
+            f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
         totals: dict[str, int] = {}
         for rec in self.subgraphs(strategy, rank):
             lines.append("  " + str(rec))
@@ -470,6 +485,8 @@ def compile(
     schedule: Any = "none",
     layer_costs: Optional[Sequence[float]] = None,
     topology: Any = None,
+    recompute: Any = "none",
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -479,6 +496,10 @@ def compile(
     ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.passes.schedule.OverlapConfig`` (prefetched pulls, early pushes; same results).
+    ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
+    (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``. ``reduce_dtype``: dtype
+    gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
+    ``None`` reduces in the compute dtype).
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -502,6 +523,8 @@ def compile(
         layer_costs=tuple(layer_costs) if layer_costs is not None else None,
         topology=topology,
         overlap=overlap,
+        recompute=RecomputeConfig.of(recompute),
+        reduce_dtype=reduce_dtype,
     )
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         traced = trace(model, example_inputs, loss_fn)
