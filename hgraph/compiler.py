@@ -32,6 +32,7 @@ from hgraph.layout import Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import StageGraph, partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
+from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import RecomputeConfig, recompute, regions
 from hgraph.runtime.executor import RankProgram
 from hgraph.strategy import Pipeline, Strategy, as_strategies
@@ -53,6 +54,11 @@ class CompileOptions:
     topology: Any = None
     overlap: Any = None  # passes.schedule.OverlapConfig when schedule == "overlap"
     recompute: RecomputeConfig = RecomputeConfig()
+    recompute_by_scheme: tuple[tuple[tuple[int, int, int], RecomputeConfig], ...] = ()  # (cp, tp, pp)
+
+    def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
+        """The recompute config of pipelines with these degrees."""
+        return dict(self.recompute_by_scheme).get((cp, tp, pp), self.recompute)
     reduce_dtype: Optional[torch.dtype] = torch.float32
 
 
@@ -72,6 +78,7 @@ class CompileContext:
     strategy: Optional[Strategy] = None
     stages: Optional[list[StageGraph]] = None
     parameter_comm: dict[str, ParameterComm] = field(default_factory=dict)
+    recompute: Optional[RecomputeConfig] = None  # this pipeline scheme's, for the recompute pass
 
     @property
     def mesh(self) -> tuple[int, int]:
@@ -226,9 +233,12 @@ class CompiledModel:
             self.pass_history.append(
                 PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
             )
-            if self.options.recompute.mode != "none" and "recompute" not in self._disabled:
+            ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp)
+            stages = [replace(sg, gm=fp32_loss(sg.gm, ctx)) if sg.returns_loss else sg for sg in stages]
+            config = self.options.recompute_for(*key)
+            if config.mode != "none" and "recompute" not in self._disabled:
                 start = time.perf_counter()
-                ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp)
+                ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, recompute=config)
                 before = sum(len(sg.gm.graph.nodes) for sg in stages)
                 stages = [replace(sg, gm=recompute(sg.gm, ctx)) for sg in stages]
                 after = sum(len(sg.gm.graph.nodes) for sg in stages)
@@ -259,12 +269,20 @@ class CompiledModel:
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
                     users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
-        itemsize = torch.finfo(self.options.compute_dtype or torch.float32).bits // 8
+        compute = self.options.compute_dtype or torch.float32
+        itemsize = torch.finfo(compute).bits // 8
+        push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
         self._param_comm[index] = plan_parameters(
             strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, itemsize,
-            self.options.topology,
+            self.options.topology, push_itemsize,
         )
         self.pass_history.append(PassRecord(f"insert_comm[{strategy}]", time.perf_counter() - start, 0, 0))
+
+    def master_parameters(self) -> dict[str, torch.Tensor]:
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
+        traced copy holds them in the compute dtype)."""
+        named = dict(self.model.named_parameters())
+        return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 
     # ------------------------------------------------------------------ inspection
     def strategy_index(self, strategy: StrategyLike) -> int:
@@ -323,6 +341,7 @@ class CompiledModel:
             pushes=list(reversed(pulls)),
             activations=activation_subgraphs(stages, s, pi),
             compute_dtype=self.options.compute_dtype,
+            reduce_dtype=self.options.reduce_dtype,
         )
         if self.options.schedule == "overlap":
             from hgraph.passes.schedule import build
@@ -380,7 +399,8 @@ class CompiledModel:
                    and not (n.target is operator.getitem and n.args[0].op == "call_module")]
         lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
                      + " ".join(str(x) for x in prog.schedule(4)))
-        lines.append(f"recompute: {self.options.recompute}" + "".join(
+        pipeline = s.pipelines[prog.pipeline]
+        lines.append(f"recompute: {self.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
             f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
         totals: dict[str, int] = {}
         for rec in self.subgraphs(strategy, rank):
@@ -434,6 +454,19 @@ class CompiledModel:
         from hgraph.simulate import simulate_strategy
 
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
+
+
+def _recompute_by_scheme(recompute: Any) -> tuple:
+    """``compile``'s per-scheme recompute dict as ``((cp, tp, pp), RecomputeConfig)`` pairs."""
+    if not isinstance(recompute, dict):
+        return ()
+    out = []
+    for scheme, value in recompute.items():
+        p = Strategy.parse(scheme).pipelines[0] if isinstance(scheme, str) else scheme
+        if not all(hasattr(p, d) for d in ("cp", "tp", "pp")):
+            raise HGraphError(f"recompute key {scheme!r}; expected a scheme like 'tp2,pp2' or a Pipeline")
+        out.append(((p.cp, p.tp, p.pp), RecomputeConfig.of(value)))
+    return tuple(out)
 
 
 def _check_user_passes(passes: Sequence[Any]) -> list[Pass]:
@@ -497,7 +530,8 @@ def compile(
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.passes.schedule.OverlapConfig`` (prefetched pulls, early pushes; same results).
     ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
-    (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``. ``reduce_dtype``: dtype
+    (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``; or a dict from pipeline
+    scheme (``"tp2,pp2"``) to one of those, e.g. the planner's ``choose_recompute`` per scheme. ``reduce_dtype``: dtype
     gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
     ``None`` reduces in the compute dtype).
     """
@@ -523,9 +557,15 @@ def compile(
         layer_costs=tuple(layer_costs) if layer_costs is not None else None,
         topology=topology,
         overlap=overlap,
-        recompute=RecomputeConfig.of(recompute),
+        recompute=RecomputeConfig.of("none" if isinstance(recompute, dict) else recompute),
+        recompute_by_scheme=_recompute_by_scheme(recompute),
         reduce_dtype=reduce_dtype,
     )
+    # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
+    # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
+    source = model
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        source = copy.deepcopy(model).to(compute_dtype)
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
-        traced = trace(model, example_inputs, loss_fn)
+        traced = trace(source, example_inputs, loss_fn)
         return CompiledModel(model, traced, strategies, options, passes, disable)

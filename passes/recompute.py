@@ -1,8 +1,11 @@
 """Recompute pass: wrap chosen layers of a stage program in checkpointed regions.
 
-``RecomputeConfig(mode, layers=None, every=None)`` says what to recompute: ``mode`` ``"none"``,
-``"selective"`` or ``"full"`` (see ``hgraph.runtime.recompute`` for what each keeps), for every layer,
-the layer indices in ``layers``, or every ``every``-th layer (0, k, 2k, ...).
+``RecomputeConfig(mode, layers=None, every=None, keep_communication=True)`` says what to recompute:
+``mode`` ``"none"``, ``"selective"`` or ``"full"`` (see ``hgraph.runtime.recompute`` for what each
+keeps), for every layer, the layer indices in ``layers``, or every ``every``-th layer (0, k, 2k, ...).
+``keep_communication=False`` lets full recomputation reissue a layer's collectives in backward (two
+all-reduces per tensor-parallel layer, as Megatron does) instead of keeping their outputs, so only the
+layer inputs stay alive.
 
 The pass runs on each stage program after ``partition``. Every maximal run of consecutive nodes of one
 chosen layer becomes a ``RecomputedRegion`` submodule called once with the run's inputs (values from
@@ -32,6 +35,7 @@ class RecomputeConfig:
     mode: str = "none"
     layers: Optional[frozenset[int]] = None
     every: Optional[int] = None
+    keep_communication: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,7 +78,8 @@ class RecomputeConfig:
             f"layers {sorted(self.layers)}" if self.layers is not None
             else f"every {self.every} layers" if self.every is not None else "all layers"
         )
-        return f"{self.mode} ({which})"
+        reissue = ", collectives reissued" if not self.keep_communication else ""
+        return f"{self.mode} ({which}{reissue})"
 
 
 def region_layer(node: fx.Node) -> Optional[int]:
@@ -100,7 +105,7 @@ def _runs(gm: fx.GraphModule, config: RecomputeConfig) -> list[tuple[int, list[f
     return runs
 
 
-def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, mode: str) -> None:
+def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, config: RecomputeConfig) -> None:
     members = set(run)
     inputs: list[fx.Node] = []
     for n in run:
@@ -117,10 +122,10 @@ def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, mod
         env[n] = body.node_copy(n, lambda a: env[a])
     body.output(tuple(env[n] for n in outputs))
     name = f"recompute_layer{layer}_{index}"
-    gm.add_submodule(name, RecomputedRegion(fx.GraphModule(gm, body), layer, mode))
+    gm.add_submodule(name, RecomputedRegion(fx.GraphModule(gm, body), layer, config.mode, config.keep_communication))
     with gm.graph.inserting_after(run[-1]):
         call = gm.graph.call_module(name, tuple(inputs))
-    call.meta["hgraph_recompute"] = {"layer": layer, "mode": mode, "nodes": len(run)}
+    call.meta["hgraph_recompute"] = {"layer": layer, "mode": config.mode, "nodes": len(run)}
     anchor, renamed = call, []
     for i, n in enumerate(outputs):
         with gm.graph.inserting_after(anchor):
@@ -135,12 +140,13 @@ def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, mod
 
 
 def recompute(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
-    """Outline the layers ``ctx.options.recompute`` chooses into ``RecomputedRegion`` calls."""
-    config = RecomputeConfig.of(getattr(ctx.options, "recompute", None))
+    """Outline the layers ``ctx.recompute`` (else ``ctx.options.recompute``) chooses into
+    ``RecomputedRegion`` calls."""
+    config = RecomputeConfig.of(getattr(ctx, "recompute", None) or getattr(ctx.options, "recompute", None))
     if config.mode == "none":
         return gm
     for i, (layer, run) in enumerate(_runs(gm, config)):
-        _outline(gm, layer, run, i, config.mode)
+        _outline(gm, layer, run, i, config)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -43,6 +43,19 @@ class RankProgram:
     activations: list[Any] = field(default_factory=list)
     compute_dtype: Optional[torch.dtype] = None
     overlap: Any = None  # passes.schedule.RankSchedule under schedule="overlap"
+    reduce_dtype: Optional[torch.dtype] = torch.float32
+
+    @property
+    def push_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced and moved in: ``reduce_dtype``, else the compute dtype."""
+        return self.reduce_dtype or self.compute_dtype or torch.float32
+
+    def push_source(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A held parameter's gradient (zeros if autograd left none) in ``push_dtype``."""
+        if param is None:
+            return None
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        return grad.to(self.push_dtype)
 
     def schedule(self, num_micro_batches: int) -> list[Step]:
         return one_f_one_b(self.pp, self.stage, num_micro_batches)
@@ -109,13 +122,10 @@ def push_gradients(
     comm = current().comm
     out: dict[str, Optional[torch.Tensor]] = {}
     for pc in program.pushes:
-        p = params.get(pc.name)
-        grad = None
-        if p is not None:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grad = program.push_source(params.get(pc.name))
         t0 = time.time()
         with comm_step(program.rank, f"push_gradient {pc.name} (ranks {list(pc.push.plan.ranks)})"):
-            shard = execute(pc.push.plan, grad, comm, device=shards[pc.name].device)
+            shard = execute(pc.push.plan, grad, comm, dtype=program.push_dtype, device=shards[pc.name].device)
         if timeline is not None:
             timeline.add("push_gradient", pc.name, t0, time.time())
         if shard is not None:

@@ -140,3 +140,22 @@ def test_recomputed_layers_do_not_issue_communication_twice(llama, monkeypatch):
     # recompute; full recomputes it once more, selective keeps its output.
     for i in range(2):
         assert [per_mode[m][i][1] for m in MODES] == [16, 16, 24]
+
+
+def test_full_recompute_can_reissue_collectives_instead(llama, monkeypatch):
+    model, ids, (ref_loss, ref_grads) = llama
+    counter = CountingComm(monkeypatch)
+    counts = {}
+    for keep in (True, False):
+        compiled = hgraph.compile(model, ["tp2"], example_inputs=ids,
+                                  recompute=RecomputeConfig("full", keep_communication=keep))
+        counter.counts.clear()
+        loss, grads = compiled.simulate(0, ids)
+        counts[keep] = counter.of(0)["start_all_reduce"]
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for name, want in ref_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6)
+    assert "collectives reissued" in compiled.explain(0, 0, backward=False)
+    # Reissued per layer and micro-batch (4 x 2): the attention output's all-reduce. The MLP output's is
+    # the layer's last op and nothing saved depends on it, so checkpoint's early stop never replays it.
+    assert counts[False] - counts[True] == 4 * 2
