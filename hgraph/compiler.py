@@ -60,6 +60,7 @@ class CompileOptions:
         """The recompute config of pipelines with these degrees."""
         return dict(self.recompute_by_scheme).get((cp, tp, pp), self.recompute)
     reduce_dtype: Optional[torch.dtype] = torch.float32
+    coalesce: bool = False
 
 
 @dataclass
@@ -342,6 +343,7 @@ class CompiledModel:
             activations=activation_subgraphs(stages, s, pi),
             compute_dtype=self.options.compute_dtype,
             reduce_dtype=self.options.reduce_dtype,
+            coalesce=self.options.coalesce,
         )
         if self.options.schedule == "overlap":
             from hgraph.passes.schedule import build
@@ -520,6 +522,7 @@ def compile(
     topology: Any = None,
     recompute: Any = "none",
     reduce_dtype: Optional[torch.dtype] = torch.float32,
+    coalesce: bool = False,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -533,7 +536,9 @@ def compile(
     (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``; or a dict from pipeline
     scheme (``"tp2,pp2"``) to one of those, e.g. the planner's ``choose_recompute`` per scheme. ``reduce_dtype``: dtype
     gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
-    ``None`` reduces in the compute dtype).
+    ``None`` reduces in the compute dtype). ``coalesce``: pull and push each layer's parameters
+    together, one merged call per group and kind (``hgraph.runtime.coalesce``), so an iteration issues
+    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -549,6 +554,11 @@ def compile(
         raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
     elif schedule == "overlap":
         overlap = OverlapConfig()
+    if coalesce and schedule == "overlap":
+        raise HGraphError(
+            "coalesce=True with schedule='overlap' is not supported yet (the overlap schedule starts pulls "
+            "and pushes one parameter at a time); use schedule='none' with coalesce=True, or coalesce=False"
+        )
     options = CompileOptions(
         compute_dtype=compute_dtype,
         sequence_parallel=sequence_parallel,
@@ -560,6 +570,7 @@ def compile(
         recompute=RecomputeConfig.of("none" if isinstance(recompute, dict) else recompute),
         recompute_by_scheme=_recompute_by_scheme(recompute),
         reduce_dtype=reduce_dtype,
+        coalesce=coalesce,
     )
     # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
     # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
