@@ -4,6 +4,7 @@ the same results as running every plan alone (bit-identical on simulated ranks).
 import collections
 import threading
 
+import pytest
 import torch
 
 import hgraph
@@ -123,6 +124,7 @@ def _train(coalesce):
     return losses, trainer.full_parameters()
 
 
+@pytest.mark.slow  # the plan-level gloo test above covers coalesced calls on gloo in the default run
 def test_coalesced_training_on_gloo_matches_uncoalesced():
     (ref_losses, ref_params), _ = launch(_train, 2, args=(False,), timeout=120)
     for losses, params in launch(_train, 2, args=(True,), timeout=120):

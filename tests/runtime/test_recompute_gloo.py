@@ -41,23 +41,27 @@ def reference_run(batches):
     return losses, params
 
 
-def recompute_run(recompute, iterations):
-    """Runs on every rank (module level so spawned processes can import it)."""
-    compiled = hgraph.compile(make_model(), STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)),
-                              recompute=recompute)
-    trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
-    losses, params = [], []
-    for i, batch in enumerate(make_batches(iterations)):
-        losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))
-        params.append(trainer.full_parameters())
-    return losses, params
+def recompute_run(configs, iterations):
+    """Runs on every rank (module level so spawned processes can import it): one training per config."""
+    results = []
+    for recompute in configs:
+        compiled = hgraph.compile(make_model(), STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)),
+                                  recompute=recompute)
+        trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
+        losses, params = [], []
+        for i, batch in enumerate(make_batches(iterations)):
+            losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))
+            params.append(trainer.full_parameters())
+        results.append((losses, params))
+    return results
 
 
 def test_full_and_selective_recompute_on_real_gloo_processes():
     iterations = len(STRATEGIES)
     ref_losses, ref_params = reference_run(make_batches(iterations))
-    for recompute in ("full", RecomputeConfig("selective", layers={1})):
-        for losses, params in hgraph.launch(recompute_run, 2, args=(recompute, iterations), timeout=300):
+    configs = ["full", RecomputeConfig("selective", layers={1})]
+    for per_config in hgraph.launch(recompute_run, 2, args=(configs, iterations), timeout=300):
+        for losses, params in per_config:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
             for got, want in zip(params, ref_params):
                 for name, value in want.items():
