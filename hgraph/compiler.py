@@ -16,6 +16,7 @@ costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,8 @@ from hgraph.layout import Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import StageGraph, partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
+from hgraph.passes.precision import fp32_loss
+from hgraph.passes.recompute import RecomputeConfig, recompute, regions
 from hgraph.runtime.executor import RankProgram
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
@@ -50,6 +53,14 @@ class CompileOptions:
     layer_costs: Optional[tuple[float, ...]] = None
     topology: Any = None
     overlap: Any = None  # passes.schedule.OverlapConfig when schedule == "overlap"
+    recompute: RecomputeConfig = RecomputeConfig()
+    recompute_by_scheme: tuple[tuple[tuple[int, int, int], RecomputeConfig], ...] = ()  # (cp, tp, pp)
+
+    def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
+        """The recompute config of pipelines with these degrees."""
+        return dict(self.recompute_by_scheme).get((cp, tp, pp), self.recompute)
+    reduce_dtype: Optional[torch.dtype] = torch.float32
+    coalesce: bool = False
 
 
 @dataclass
@@ -68,6 +79,7 @@ class CompileContext:
     strategy: Optional[Strategy] = None
     stages: Optional[list[StageGraph]] = None
     parameter_comm: dict[str, ParameterComm] = field(default_factory=dict)
+    recompute: Optional[RecomputeConfig] = None  # this pipeline scheme's, for the recompute pass
 
     @property
     def mesh(self) -> tuple[int, int]:
@@ -219,12 +231,21 @@ class CompiledModel:
             gm = self.local_program(pipeline.cp, pipeline.tp)
             start = time.perf_counter()
             params = set(self.traced.param_names)
-            self._stages[key] = partition(
-                gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs
-            )
+            stages = partition(gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs)
             self.pass_history.append(
                 PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
             )
+            ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp)
+            stages = [replace(sg, gm=fp32_loss(sg.gm, ctx)) if sg.returns_loss else sg for sg in stages]
+            config = self.options.recompute_for(*key)
+            if config.mode != "none" and "recompute" not in self._disabled:
+                start = time.perf_counter()
+                ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, recompute=config)
+                before = sum(len(sg.gm.graph.nodes) for sg in stages)
+                stages = [replace(sg, gm=recompute(sg.gm, ctx)) for sg in stages]
+                after = sum(len(sg.gm.graph.nodes) for sg in stages)
+                self.pass_history.append(PassRecord("recompute", time.perf_counter() - start, before, after))
+            self._stages[key] = stages
         return self._stages[key]
 
     def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
@@ -250,12 +271,20 @@ class CompiledModel:
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
                     users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
-        itemsize = torch.finfo(self.options.compute_dtype or torch.float32).bits // 8
+        compute = self.options.compute_dtype or torch.float32
+        itemsize = torch.finfo(compute).bits // 8
+        push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
         self._param_comm[index] = plan_parameters(
             strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, itemsize,
-            self.options.topology,
+            self.options.topology, push_itemsize,
         )
         self.pass_history.append(PassRecord(f"insert_comm[{strategy}]", time.perf_counter() - start, 0, 0))
+
+    def master_parameters(self) -> dict[str, torch.Tensor]:
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
+        traced copy holds them in the compute dtype)."""
+        named = dict(self.model.named_parameters())
+        return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 
     # ------------------------------------------------------------------ inspection
     def strategy_index(self, strategy: StrategyLike) -> int:
@@ -314,6 +343,8 @@ class CompiledModel:
             pushes=list(reversed(pulls)),
             activations=activation_subgraphs(stages, s, pi),
             compute_dtype=self.options.compute_dtype,
+            reduce_dtype=self.options.reduce_dtype,
+            coalesce=self.options.coalesce,
         )
         if self.options.schedule == "overlap":
             from hgraph.passes.schedule import build
@@ -365,9 +396,15 @@ class CompiledModel:
             f"stage {prog.stage}/{prog.pp} (layers {list(sg.layers)}), groups "
             + ", ".join(f"{k}={list(v)}" for k, v in prog.groups.items()),
         ]
-        compute = [n for n in sg.gm.graph.nodes if n.op == "call_function" and not n.meta.get("hgraph_comm")]
+        body = [n for r in regions(sg.gm) for n in r.body.graph.nodes]
+        compute = [n for n in [*sg.gm.graph.nodes, *body]
+                   if n.op == "call_function" and not n.meta.get("hgraph_comm")
+                   and not (n.target is operator.getitem and n.args[0].op == "call_module")]
         lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
                      + " ".join(str(x) for x in prog.schedule(4)))
+        pipeline = s.pipelines[prog.pipeline]
+        lines.append(f"recompute: {self.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
+            f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
         totals: dict[str, int] = {}
         for rec in self.subgraphs(strategy, rank):
             lines.append("  " + str(rec))
@@ -427,7 +464,7 @@ def _check_disabled(disabled: Iterable[str], user_passes: Sequence[Pass]) -> fro
     if isinstance(disabled, str):
         disabled = (disabled,)
     names = frozenset(disabled)
-    known = [p.name for p in MESH_PASSES] + [p.name for p in user_passes]
+    known = [p.name for p in MESH_PASSES] + ["recompute"] + [p.name for p in user_passes]
     unknown = sorted(names - set(known))
     if unknown:
         raise InputError(
@@ -435,6 +472,19 @@ def _check_disabled(disabled: Iterable[str], user_passes: Sequence[Pass]) -> fro
             "(compile with passes=[...] to add your own)"
         )
     return names
+
+
+def _recompute_by_scheme(recompute: Any) -> tuple:
+    """``compile``'s per-scheme recompute dict as ``((cp, tp, pp), RecomputeConfig)`` pairs."""
+    if not isinstance(recompute, dict):
+        return ()
+    out = []
+    for scheme, value in recompute.items():
+        p = Strategy.parse(scheme).pipelines[0] if isinstance(scheme, str) else scheme
+        if not all(hasattr(p, d) for d in ("cp", "tp", "pp")):
+            raise HGraphError(f"recompute key {scheme!r}; expected a scheme like 'tp2,pp2' or a Pipeline")
+        out.append(((p.cp, p.tp, p.pp), RecomputeConfig.of(value)))
+    return tuple(out)
 
 
 def _check_user_passes(passes: Sequence[Any]) -> list[Pass]:
@@ -486,6 +536,9 @@ def compile(
     schedule: Any = "none",
     layer_costs: Optional[Sequence[float]] = None,
     topology: Any = None,
+    recompute: Any = "none",
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
+    coalesce: bool = False,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -495,6 +548,13 @@ def compile(
     ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.passes.schedule.OverlapConfig`` (prefetched pulls, early pushes; same results).
+    ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
+    (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``; or a dict from pipeline
+    scheme (``"tp2,pp2"``) to one of those, e.g. the planner's ``choose_recompute`` per scheme. ``reduce_dtype``: dtype
+    gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
+    ``None`` reduces in the compute dtype). ``coalesce``: pull and push each layer's parameters
+    together, one merged call per group and kind (``hgraph.runtime.coalesce``), so an iteration issues
+    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -510,6 +570,11 @@ def compile(
         raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
     elif schedule == "overlap":
         overlap = OverlapConfig()
+    if coalesce and schedule == "overlap":
+        raise HGraphError(
+            "coalesce=True with schedule='overlap' is not supported yet (the overlap schedule starts pulls "
+            "and pushes one parameter at a time); use schedule='none' with coalesce=True, or coalesce=False"
+        )
     options = CompileOptions(
         compute_dtype=compute_dtype,
         sequence_parallel=sequence_parallel,
@@ -518,7 +583,16 @@ def compile(
         layer_costs=tuple(layer_costs) if layer_costs is not None else None,
         topology=topology,
         overlap=overlap,
+        recompute=RecomputeConfig.of("none" if isinstance(recompute, dict) else recompute),
+        recompute_by_scheme=_recompute_by_scheme(recompute),
+        reduce_dtype=reduce_dtype,
+        coalesce=coalesce,
     )
+    # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
+    # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
+    source = model
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        source = copy.deepcopy(model).to(compute_dtype)
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
-        traced = trace(model, example_inputs, loss_fn)
+        traced = trace(source, example_inputs, loss_fn)
         return CompiledModel(model, traced, strategies, options, passes, disable)

@@ -101,7 +101,7 @@ def simulate_strategy(
         ]
         for part in parts
     ]
-    params = compiled.traced.params()
+    params = compiled.master_parameters()
 
     def body(comm: Communicator):
         rank = comm.rank

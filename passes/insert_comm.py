@@ -4,7 +4,8 @@
   compute dtype first (halving bytes for bf16), resharded into the compute layouts of every
   (pipeline, stage) that uses it. Several users (pipelines, or stages holding a tied weight) form a
   ``LayoutUnion("duplicate")``.
-* **Push Gradient** (one per parameter): the gradients of those users, each in the placement
+* **Push Gradient** (one per parameter): the gradients of those users (cast to the reduce dtype, fp32
+  by default, before any reduction), each in the placement
   autograd leaves it in (Partial over cp/tp where the local backward produced partial sums), form a
   ``LayoutUnion("partial")`` (tied weights and data-parallel pipelines are summed) and are reduced
   and moved into the optimizer layout in one LNK plan.
@@ -72,12 +73,14 @@ def plan_parameters(
     optimizer_layouts: dict[str, Layout],
     itemsize: int,
     topology: Optional[Any] = None,
+    push_itemsize: Optional[int] = None,
 ) -> dict[str, ParameterComm]:
     """Pull/push plans for every parameter of ``strategy``.
 
     ``users[name]`` lists the (pipeline, stage) pairs whose stage program takes the parameter;
     ``specs[(cp, tp)][name]`` / ``grad_specs[...]`` are its compute and gradient placements on that
-    stage mesh.
+    stage mesh. ``itemsize``: bytes per element pulled (the compute dtype's); ``push_itemsize``: pushed
+    (the reduce dtype's; default ``itemsize``).
     """
     out: dict[str, ParameterComm] = {}
     for name, holders in users.items():
@@ -92,7 +95,7 @@ def plan_parameters(
         dst = _union(compute, "duplicate")
         src = _union(grads, "partial")
         pull_plan = solve(opt, dst, topology, itemsize=itemsize)
-        push_plan = solve(src, opt, topology, itemsize=itemsize)
+        push_plan = solve(src, opt, topology, itemsize=push_itemsize or itemsize)
         out[name] = ParameterComm(
             name=name,
             holders=tuple(holders),

@@ -43,6 +43,20 @@ class RankProgram:
     activations: list[Any] = field(default_factory=list)
     compute_dtype: Optional[torch.dtype] = None
     overlap: Any = None  # passes.schedule.RankSchedule under schedule="overlap"
+    reduce_dtype: Optional[torch.dtype] = torch.float32
+    coalesce: bool = False  # pull/push one layer's parameters together (runtime/coalesce.py)
+
+    @property
+    def push_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced and moved in: ``reduce_dtype``, else the compute dtype."""
+        return self.reduce_dtype or self.compute_dtype or torch.float32
+
+    def push_source(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """A held parameter's gradient (zeros if autograd left none) in ``push_dtype``."""
+        if param is None:
+            return None
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        return grad.to(self.push_dtype)
 
     def schedule(self, num_micro_batches: int) -> list[Step]:
         return one_f_one_b(self.pp, self.stage, num_micro_batches)
@@ -82,45 +96,77 @@ class IterationOutput:
     micro_batches: int
 
 
+def layer_buckets(comms: Sequence[Any], coalesce: bool) -> list[list[Any]]:
+    """``comms`` (ParameterComm) cut into runs of one layer each when ``coalesce``, else singletons."""
+    if not coalesce:
+        return [[pc] for pc in comms]
+    from hgraph.passes.schedule import layer_of
+
+    buckets: list[list[Any]] = []
+    previous = None
+    for pc, layer in zip(comms, layer_of([pc.name for pc in comms])):
+        if buckets and layer == previous:
+            buckets[-1].append(pc)
+        else:
+            buckets.append([pc])
+        previous = layer
+    return buckets
+
+
+def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
+    if len(plans) == 1:
+        return [execute(plans[0], sources[0], comm, **kw)]
+    from hgraph.runtime.coalesce import execute_coalesced
+
+    return execute_coalesced(plans, sources, comm, **kw)
+
+
+def _label(kind: str, bucket: list[Any], plans: list[Any]) -> str:
+    ranks = sorted({r for p in plans for r in p.ranks})
+    names = bucket[0].name if len(bucket) == 1 else f"{bucket[0].name} .. {bucket[-1].name} ({len(bucket)} coalesced)"
+    return f"{kind} {names} (ranks {ranks})"
+
+
 def pull_parameters(
     program: RankProgram, shards: dict[str, torch.Tensor], timeline: Any = None
 ) -> dict[str, torch.Tensor]:
-    """Run every Pull Parameter plan; returns the compute-layout parameters this rank holds (leaves)."""
+    """Run every Pull Parameter plan (one layer's together under ``coalesce``); returns the
+    compute-layout parameters this rank holds (leaves)."""
     comm = current().comm
     local: dict[str, torch.Tensor] = {}
-    for pc in program.pulls:
-        src = shards[pc.name]
-        if program.compute_dtype is not None:
-            src = src.to(program.compute_dtype)
+    for bucket in layer_buckets(program.pulls, program.coalesce):
+        sources = [shards[pc.name] if program.compute_dtype is None else shards[pc.name].to(program.compute_dtype)
+                   for pc in bucket]
+        plans = [pc.pull.plan for pc in bucket]
         t0 = time.time()
-        with comm_step(program.rank, f"pull_parameter {pc.name} (ranks {list(pc.pull.plan.ranks)})"):
-            out = execute(pc.pull.plan, src, comm)
+        with comm_step(program.rank, _label("pull_parameter", bucket, plans)):
+            outs = _run_bucket(plans, sources, comm)
         if timeline is not None:
-            timeline.add("pull_parameter", pc.name, t0, time.time())
-        if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
-            local[pc.name] = out.detach().requires_grad_(True)
+            timeline.add("pull_parameter", bucket[0].name, t0, time.time())
+        for pc, out in zip(bucket, outs):
+            if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
+                local[pc.name] = out.detach().requires_grad_(True)
     return local
 
 
 def push_gradients(
     program: RankProgram, params: dict[str, torch.Tensor], shards: dict[str, torch.Tensor], timeline: Any = None
 ) -> dict[str, Optional[torch.Tensor]]:
-    """Run every Push Gradient plan; returns this rank's optimizer-layout gradient shards."""
+    """Run every Push Gradient plan (one layer's together under ``coalesce``); returns this rank's
+    optimizer-layout gradient shards."""
     comm = current().comm
     out: dict[str, Optional[torch.Tensor]] = {}
-    for pc in program.pushes:
-        p = params.get(pc.name)
-        grad = None
-        if p is not None:
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+    device = shards_device(shards)
+    for bucket in layer_buckets(program.pushes, program.coalesce):
+        grads = [program.push_source(params.get(pc.name)) for pc in bucket]
+        plans = [pc.push.plan for pc in bucket]
         t0 = time.time()
-        with comm_step(program.rank, f"push_gradient {pc.name} (ranks {list(pc.push.plan.ranks)})"):
-            shard = execute(pc.push.plan, grad, comm, device=shards[pc.name].device)
+        with comm_step(program.rank, _label("push_gradient", bucket, plans)):
+            results = _run_bucket(plans, grads, comm, dtype=program.push_dtype, device=device)
         if timeline is not None:
-            timeline.add("push_gradient", pc.name, t0, time.time())
-        if shard is not None:
-            shard = shard.to(shards[pc.name].dtype)
-        out[pc.name] = shard
+            timeline.add("push_gradient", bucket[0].name, t0, time.time())
+        for pc, shard in zip(bucket, results):
+            out[pc.name] = None if shard is None else shard.to(shards[pc.name].dtype)
     return out
 
 

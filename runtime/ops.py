@@ -22,7 +22,8 @@ rank-ordered chunks. The adjoint of a placement change swaps the roles::
 ``grad_all_reduce`` is an identity forward and stays an ``autograd.Function`` (a custom op may not
 return its input, so it would cost a copy); its backward calls ``hgraph.all_reduce``.
 ``packed_attention`` is causal attention over packed sequences (``hgraph.packed_attention`` and its
-``hgraph.packed_attention_backward``, which recomputes the forward; with context parallelism the K/V
+``hgraph.packed_attention_backward``, which recomputes the forward; the kernel per device and construct
+comes from ``runtime/attention_kernels.py``: per-sequence SDPA on CPU, varlen or FlexAttention on CUDA; with context parallelism the K/V
 gathers are ``hgraph.all_gather`` calls outside it). The two ``vocab_parallel_*`` functions are
 compositions of aten ops and the custom ops above (Megatron vocab-parallel embedding and cross entropy).
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from hgraph.errors import CommunicationError, ShardingRuleError
+from hgraph.runtime import attention_kernels
 from hgraph.runtime.context import RankContext, current, rank_context
 
 Tensor = torch.Tensor
@@ -381,6 +383,11 @@ def _packed_attention_local(
     else:
         stream_positions = position_ids
         local_stream = torch.arange(q.shape[2], device=q.device)
+    kernel = attention_kernels.choose_kernel(q.device, q.dtype, cp=cp, needs_grad=torch.is_grad_enabled())
+    if kernel == "varlen":
+        return attention_kernels.varlen(q, k, v, stream_positions, scale, enable_gqa)
+    if kernel == "flex":
+        return attention_kernels.flex(q, k, v, stream_positions, local_stream, scale, enable_gqa)
     rows = range(q.shape[0])
     if all(torch.equal(stream_positions[0], stream_positions[b]) for b in rows):
         return _attend_row(q, k, v, _runs(local_stream, stream_positions[0]), scale, enable_gqa)

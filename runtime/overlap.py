@@ -121,11 +121,9 @@ class _Pushes:
                 break
             for i in bucket:
                 pc = self.program.pushes[i]
-                p = self.params.get(pc.name)
-                grad = None
-                if p is not None:
-                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                handle = start(pc.push.plan, grad, self.comm, device=self.device, tag=PUSH_TAG)
+                grad = self.program.push_source(self.params.get(pc.name))
+                handle = start(pc.push.plan, grad, self.comm, dtype=self.program.push_dtype, device=self.device,
+                               tag=PUSH_TAG)
                 self.handles.append((i, handle, time.time()))
             self.next_bucket += 1
 

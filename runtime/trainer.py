@@ -164,7 +164,7 @@ class Trainer:
         self.planner = planner
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
-        params = compiled.traced.params()
+        params = compiled.master_parameters()
         layouts = compiled.optimizer_layouts
         shards = {
             fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(self.rank)].clone()

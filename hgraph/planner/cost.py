@@ -96,6 +96,31 @@ class StageCost:
         return f"T(l) = {self.a:.4g}*l^2 + {self.b:.4g}*l + {self.c:.4g} ms"
 
 
+# Recompute time as fractions of the attention (a) and linear (b) terms. Full recomputation replays
+# a layer's forward: one of the four attention passes (forward, and the forward its backward recomputes,
+# then two of gradient work) and one of the three linear passes. Selective replays only elementwise ops.
+RECOMPUTE_TIME = {"none": (0.0, 0.0), "selective": (0.0, 0.05), "full": (0.25, 1 / 3)}
+
+
+def recompute_cost(cost: StageCost, mode: str) -> StageCost:
+    """``T(l)`` of a stage whose layers all run under ``mode`` (see ``RECOMPUTE_TIME``)."""
+    if mode not in RECOMPUTE_TIME:
+        raise CostModelError(f"recompute={mode!r}; expected one of {', '.join(RECOMPUTE_TIME)}")
+    extra_a, extra_b = RECOMPUTE_TIME[mode]
+    if mode == "none":
+        return cost
+    return StageCost(cost.a * (1 + extra_a), cost.b * (1 + extra_b), cost.c)
+
+
+def choose_recompute(model: CostModel, scheme: Scheme, tokens: int, world_size: int | None = None) -> str | None:
+    """The fastest recompute mode under which ``scheme`` fits a ``tokens``-token micro-batch (None
+    when no mode does): the planner's per-scheme choice."""
+    for mode in RECOMPUTE_TIME:  # fastest first
+        if model.with_recompute({scheme: mode}).max_len(scheme, world_size) >= tokens:
+            return mode
+    return None
+
+
 class CostModel:
     """Immutable map from scheme to ``StageCost`` and MaxLen, for one model on one kind of cluster.
 
@@ -112,6 +137,7 @@ class CostModel:
         world_size: int | None = None,
         extra: Mapping[str, Any] | None = None,
         sources: Mapping[Scheme, str] | None = None,
+        recompute: str | Mapping[Scheme, str] = "none",
     ) -> None:
         if not stage_costs:
             raise CostModelError(f"cost model {name!r} has no schemes")
@@ -124,6 +150,9 @@ class CostModel:
         self._sources = {s: str(v) for s, v in (sources or {}).items() if s in self._costs}
         for scheme in self._costs:
             self._memory.activation_bytes(scheme.tp)  # every scheme needs its A_tp
+        self._recompute = dict(recompute) if isinstance(recompute, Mapping) else dict.fromkeys(self._costs, recompute)
+        for scheme, mode in self._recompute.items():
+            self._memory.kept_bytes(scheme.tp, mode)  # an unknown mode is an error here
 
     @property
     def name(self) -> str:
@@ -146,10 +175,15 @@ class CostModel:
         """Known schemes, in table order."""
         return tuple(self._costs)
 
+    def recompute(self, scheme: Scheme) -> str:
+        """The recompute mode ``scheme`` is costed with (``with_recompute``)."""
+        return self._recompute.get(scheme, "none")
+
     def stage_cost(self, scheme: Scheme) -> StageCost:
-        """Per-stage ``T(l)`` of ``scheme``; an unknown scheme raises ``CostModelError``."""
+        """Per-stage ``T(l)`` of ``scheme`` (with its recompute time); an unknown scheme raises
+        ``CostModelError``."""
         try:
-            return self._costs[scheme]
+            return recompute_cost(self._costs[scheme], self.recompute(scheme))
         except KeyError:
             known = ", ".join(str(s) for s in self._costs)
             raise CostModelError(
@@ -170,13 +204,18 @@ class CostModel:
         """MaxLen (tokens per micro-batch, aligned down to 128) of a known scheme, DESIGN.md A5."""
         self.stage_cost(scheme)
         world = world_size if world_size is not None else self._world_size
-        return self._memory.max_len(scheme.tp, scheme.pp, scheme.cp, world)
+        return self._memory.max_len(scheme.tp, scheme.pp, scheme.cp, world, self.recompute(scheme))
 
     def with_world_size(self, world_size: int) -> CostModel:
         """A copy whose MaxLen counts the optimizer shard of a ``world_size``-GPU world."""
-        return CostModel(
-            self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra, self._sources
-        )
+        return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra,
+                         sources=self._sources, recompute=self._recompute)
+
+    def with_recompute(self, recompute: str | Mapping[Scheme, str]) -> CostModel:
+        """A copy costing every scheme (or each scheme of a mapping) with that recompute mode: its
+        MaxLen grows and its ``T(l)`` gains the recompute time (``hgraph.planner.cost.recompute_cost``)."""
+        return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, self._world_size,
+                         self._extra, sources=self._sources, recompute=recompute)
 
     def __repr__(self) -> str:
         world = f", world_size={self._world_size}" if self._world_size else ""

@@ -22,6 +22,22 @@ The memory model is the regression of DESIGN.md A5, with the constants of a cost
 * ``gap``: CUDA/NCCL context bytes keyed by the GPUs of one stage mesh: ``gpu1``, ``gpu2``, ``gpu4``...
   (the smallest key >= tp*cp), ``node`` beyond the largest one. ``mem`` is ``gpu_memory_bound``.
 
+Activation recomputation (``hgraph.compile(recompute=...)``) changes what a layer keeps per token
+between its forward and its backward; with ``a = (H/tp) * A_tp`` one layer's bytes without
+recomputation and ``n`` of the ``L`` layers recomputed::
+
+    activations = (L - n) * a + n * kept + (a - kept if n else 0)        (divided by cp)
+    kept(full)      = itemsize * H * (1 + 2 * [tp > 1])   the layer input, plus the two all-reduced
+                                                          outputs (attention, MLP) a TP layer keeps so
+                                                          that its collectives are not reissued (at
+                                                          most a; only the input with
+                                                          keep_communication=False)
+    kept(selective) = SELECTIVE_KEPT * a                  matmul, attention and collective outputs
+
+The last term is the working set of the one layer being recomputed in backward. ``SELECTIVE_KEPT``
+(0.53) was measured with ``benchmarks/recompute_bench.py`` (Llama, ffn = 4 H, fp32 on CPU); GPU runs
+of ``benchmarks/gpu_bench.py`` check all three against measured peaks.
+
 When the world size is unknown the ZeRO share is left out (the limit of a large world); pass the
 planner's GPU count for the exact value: the difference is ``alpha * S_model / world_size`` bytes.
 """
@@ -37,6 +53,8 @@ from typing import Any
 from hgraph.errors import CostModelError
 
 ALIGN = 128
+RECOMPUTE_MODES = ("none", "selective", "full")
+SELECTIVE_KEPT = 0.53
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,7 @@ class MemoryRegression:
     hidden: int
     layers: int
     vocab: int
+    itemsize: int = 2  # bytes of one activation element (bf16 in the A800 tables)
 
     def __post_init__(self) -> None:
         if not 0 <= self.alpha <= 1:
@@ -100,11 +119,35 @@ class MemoryRegression:
             states += self.alpha * (self.layers * layer + 2 * vocab) / world_size
         return states
 
-    def token_bytes(self, tp: int, cp: int = 1) -> float:
-        """Activation bytes one token of a micro-batch costs on one GPU of stage 0."""
-        return self.layers * (self.hidden / tp) * self.activation_bytes(tp) / cp
+    def kept_bytes(self, tp: int, recompute: str, keep_communication: bool = True) -> float:
+        """Bytes per token one layer keeps for its backward under ``recompute`` (module docstring);
+        ``keep_communication=False``: full recomputation reissues the collectives instead."""
+        layer = (self.hidden / tp) * self.activation_bytes(tp)
+        if recompute == "none":
+            return layer
+        if recompute == "selective":
+            return SELECTIVE_KEPT * layer
+        if recompute == "full":
+            return min(layer, self.itemsize * self.hidden * (3 if tp > 1 and keep_communication else 1))
+        raise CostModelError(f"recompute={recompute!r}; expected one of {', '.join(RECOMPUTE_MODES)}")
 
-    def max_len(self, tp: int, pp: int, cp: int = 1, world_size: int | None = None) -> int:
+    def token_bytes(
+        self, tp: int, cp: int = 1, recompute: str = "none", recomputed_layers: int | None = None,
+        keep_communication: bool = True,
+    ) -> float:
+        """Activation bytes one token of a micro-batch costs on one GPU of stage 0, with
+        ``recomputed_layers`` (default: all) of the layers under ``recompute``."""
+        layer = (self.hidden / tp) * self.activation_bytes(tp)
+        kept = self.kept_bytes(tp, recompute, keep_communication)
+        n = 0 if recompute == "none" else self.layers if recomputed_layers is None else recomputed_layers
+        if not 0 <= n <= self.layers:
+            raise CostModelError(f"recomputed_layers={n}; the model has {self.layers} layers")
+        return ((self.layers - n) * layer + n * kept + (layer - kept if n else 0.0)) / cp
+
+    def max_len(
+        self, tp: int, pp: int, cp: int = 1, world_size: int | None = None, recompute: str = "none",
+        recomputed_layers: int | None = None, keep_communication: bool = True,
+    ) -> int:
         """MaxLen in tokens, aligned down to 128; 0 when the model states alone do not fit."""
         if world_size is not None and world_size < tp * pp * cp:
             raise CostModelError(
@@ -119,7 +162,7 @@ class MemoryRegression:
         )
         if free <= 0:
             return 0
-        tokens = int(free // self.token_bytes(tp, cp))
+        tokens = int(free // self.token_bytes(tp, cp, recompute, recomputed_layers, keep_communication))
         return tokens // ALIGN * ALIGN
 
     # -- the table format -------------------------------------------------------------------------
