@@ -27,6 +27,21 @@ def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[
     plt.close(fig)
 
 
+def train_and_heldout(path: Path, history: Sequence[dict], evals: Sequence[dict]) -> None:
+    """Training loss per iteration and held-out loss at each evaluation, on one axis."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="training (batch)")
+    if evals:
+        ax.plot([e["iteration"] for e in evals], [e["loss"] for e in evals], "o-", label="held-out")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("token-mean cross entropy")
+    ax.set_title("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def strategy_and_loads(path: Path, history: Sequence[dict]) -> None:
     """Top: which strategy ran each iteration. Bottom: tokens each pipeline got (stacked)."""
     names = sorted({h["strategy"] for h in history}, key=lambda s: [h["strategy"] for h in history].index(s))
