@@ -12,12 +12,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[dict]] = None) -> None:
+def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[dict]] = None,
+               heldout: Optional[Sequence[dict]] = None) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="hgraph (planner)")
+    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="training, hgraph (planner)")
     if baseline:
         ax.plot([h["iteration"] for h in baseline], [h["loss"] for h in baseline], "--",
                 label=f"homogeneous {baseline[0]['strategy']}")
+    if heldout:
+        ax.plot([e["iteration"] for e in heldout], [e["loss"] for e in heldout], "o-", label="held-out")
     ax.set_xlabel("iteration")
     ax.set_ylabel("token-mean cross entropy")
     ax.set_title("loss")

@@ -142,6 +142,14 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     return [str(s) for s in found], json.dumps(cm.to_table())
 
 
+def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
+    """A learnable sequence: an arithmetic progression mod ``vocab`` with a random start and step,
+    so the next token follows from the two before it (the loss can fall well below log(vocab))."""
+    start = int(torch.randint(0, vocab, (1,), generator=generator))
+    step = int(torch.randint(1, 8, (1,), generator=generator))
+    return (start + step * torch.arange(length)) % vocab
+
+
 def length_batches(cfg: TrainConfig) -> list[list[int]]:
     from hgraph.planner.batches import make_batches, read_lengths, sample_path
 
@@ -161,7 +169,6 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
 
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
     import hgraph
-    from hgraph.demo import synthetic_sequence
 
     model = ModelSpec(cfg.model, cfg.seed)()
     vocab = model_vocab(model) or 256
