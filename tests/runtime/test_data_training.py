@@ -83,7 +83,11 @@ def _train_eval_export(path):
     again = make_trainer(loaded)
     again_eval = again.evaluate(held, strategy=1)
     trains_on = again.step_data(data, strategy=2)
-    return evals, untouched, again_eval, trains_on, after, held
+    from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+    lengths = share_lengths(trainer, lambda: held[0])  # only rank 0 holds the batch
+    mine = scatter_sequences(trainer, trainer.dispatch(lengths, strategy=0), lengths)  # "2x tp1"
+    return evals, untouched, again_eval, trains_on, after, held, mine
 
 
 @pytest.mark.timeout(600)
@@ -91,8 +95,13 @@ def test_evaluate_and_export_round_trip(tmp_path):
     import transformers
 
     path = str(tmp_path / "export")
-    evals, untouched, again_eval, trains_on, state, held = hgraph.launch(_train_eval_export, 2, args=(path,),
-                                                                         timeout=500)[0]
+    ranks = hgraph.launch(_train_eval_export, 2, args=(path,), timeout=500)
+    evals, untouched, again_eval, trains_on, state, held, mine0 = ranks[0]
+    mine1 = ranks[1][-1]
+    # each rank received only the sequences of its own pipeline, all of them once
+    assert mine0 and mine1 and not set(mine0) & set(mine1) and set(mine0) | set(mine1) == set(range(len(held[0])))
+    for i, seq in {**mine0, **mine1}.items():
+        assert torch.equal(seq, held[0][i])
     assert untouched  # evaluation changes no parameter
     loaded = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     assert set(loaded.state_dict()) == set(state)
@@ -110,3 +119,38 @@ def test_evaluate_and_export_round_trip(tmp_path):
     for e in evals + [again_eval]:
         assert e == pytest.approx(oracle, rel=1e-5, abs=1e-5)
     assert math.isfinite(trains_on)
+
+
+def _gpt2_tied(path):
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=512, n_embd=32, n_layer=2, n_head=4, n_positions=256, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+    compiled = hgraph.compile(model, ["tp2", "2x tp1"], example_inputs=torch.randint(0, 8, (1, 16)))
+    trainer = hgraph.Trainer(compiled, lr=1e-2)
+    data = loader()
+    for i in range(2):
+        trainer.step_data(data, strategy=i)
+    hgraph.export_pretrained(trainer, model, path)
+    return trainer.state_dict()
+
+
+@pytest.mark.timeout(600)
+def test_export_tied_embeddings(tmp_path):
+    import transformers
+
+    path = str(tmp_path / "gpt2")
+    state = hgraph.launch(_gpt2_tied, 2, args=(path,), timeout=500)[0]
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])  # tied names, one value
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    fresh = transformers.GPT2LMHeadModel(loaded.config).eval()
+    fresh.load_state_dict(state)  # the unmodified model with the trained parameters: same logits
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, loaded(ids).logits)
