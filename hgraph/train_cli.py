@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from hgraph.errors import InputError
-from hgraph.train_config import TrainConfig, read_config
+from hgraph.train_config import STDLIB, TrainConfig, read_config
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
@@ -76,15 +76,18 @@ def model_vocab(model: torch.nn.Module) -> Optional[int]:
 
 def loaders(cfg: TrainConfig) -> tuple[Any, Any]:
     """The training and held-out ``TokenLoader`` of a config with ``data.paths``."""
-    from hgraph.data import DocumentSource, TokenLoader, load_tokenizer
+    from hgraph.data import DocumentSource, TokenLoader, load_tokenizer, stdlib_corpus, stdlib_tokenizer
 
     d = cfg.data
     assert d is not None
-    tok = load_tokenizer(d.tokenizer)
-    make = lambda paths: TokenLoader(  # noqa: E731
-        DocumentSource.from_paths(list(paths), d.format, d.text_field), tok, d.context, d.tokens_per_iteration,
-        d.seed, d.long_documents, d.window)
-    return make(d.paths), (make(cfg.eval_paths) if cfg.eval_paths else None)
+    tok = stdlib_tokenizer() if d.tokenizer == STDLIB else load_tokenizer(d.tokenizer)
+
+    def make(paths: tuple[str, ...], split: int) -> Any:
+        source = stdlib_corpus()[split] if paths == (STDLIB,) else \
+            DocumentSource.from_paths(list(paths), d.format, d.text_field)
+        return TokenLoader(source, tok, d.context, d.tokens_per_iteration, d.seed, d.long_documents, d.window)
+
+    return make(d.paths, 0), (make(cfg.eval_paths, 1) if cfg.eval_paths else None)
 
 
 def lr_lambda(cfg: TrainConfig) -> Any:

@@ -9,7 +9,8 @@ directory), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_s
 ``long_documents``, ``seed``, ``window``; without ``paths``: the synthetic sequences of 0.1 with
 ``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``, ``interval``, ``batches``),
 ``checkpoint`` (``dir``, ``interval``, ``resume``), ``export`` (``dir``), ``planner``
-(``cost_table``). Input paths (model files, data, tokenizer, eval) are relative to the config file; output
+(``cost_table``). ``"hgraph:stdlib"`` as ``data.paths`` / ``eval.paths`` / ``data.tokenizer``
+names the embedded corpus (training / held-out files) and its BPE. Input paths (model files, data, tokenizer, eval) are relative to the config file; output
 directories (``out``, checkpoint, export) to the working directory.
 """
 
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 from hgraph.errors import InputError
 
+STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
 TOP = {"model", "strategies", "world_size", "iterations", "lr", "weight_decay", "grad_clip", "warmup",
        "lr_schedule", "min_lr_ratio", "seed", "data", "eval", "checkpoint", "export", "planner", "out"}
 TABLES = {
@@ -133,7 +135,7 @@ class _Fields:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.fail(key, f"expected a path or a list of paths, got {value!r}")
         base = Path(self.path).parent
-        return tuple(v if os.path.isabs(os.path.expanduser(v)) else str(base / v) for v in value)
+        return tuple(v if v == STDLIB or os.path.isabs(os.path.expanduser(v)) else str(base / v) for v in value)
 
 
 def read_config(path: str) -> TrainConfig:

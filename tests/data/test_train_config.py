@@ -94,3 +94,15 @@ def test_train_checkpoint_resume_export(tmp_path, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert model.config.vocab_size == 512
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_example_config_names_the_embedded_corpus():
+    from hgraph.train_cli import loaders, precheck
+    from hgraph.train_config import read_config
+
+    example = Path(__file__).parents[2] / "examples" / "configs" / "stdlib.toml"
+    cfg = read_config(str(example))
+    assert cfg.data.paths == ("hgraph:stdlib",) and cfg.model.endswith("configs/tiny_llama.json")
+    precheck(cfg)
+    train, held = loaders(cfg)
+    assert len(train.source.files) > 1000 and not set(train.source.files) & set(held.source.files)
