@@ -2,7 +2,8 @@
 
 Public API: layouts (``Layout``, ``LayoutUnion``, ``Shard``, ``Replicate``, ``Partial``), strategies
 (``Strategy``, ``Pipeline``), the layout solver (``hgraph.lnk``), the planner (``hgraph.planner``),
-``compile`` and the runtime (``launch``, ``Trainer``). Errors derive from ``HGraphError``.
+``compile``, the runtime (``launch``, ``Trainer``), data (``hgraph.data``) and ``export_pretrained``.
+Errors derive from ``HGraphError``.
 """
 
 from hgraph.errors import (

@@ -29,6 +29,8 @@ def share_lengths(trainer: Any, read: Any) -> Optional[list[int]]:
             batch, message = None, {"end": True}
         except HGraphError as exc:
             batch, message = None, {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - e.g. a file vanished: report it on every rank, never hang
+            batch, message = None, {"error": f"reading the next batch failed ({type(exc).__name__}: {exc})"}
         trainer._feed_batch = batch
         payload = json.dumps(message).encode()
     decided = json.loads(trainer._broadcast_bytes(payload))

@@ -106,3 +106,16 @@ def test_example_config_names_the_embedded_corpus():
     precheck(cfg)
     train, held = loaders(cfg)
     assert len(train.source.files) > 1000 and not set(train.source.files) & set(held.source.files)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_auto_strategies_profile_and_propose(tmp_path, monkeypatch):
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
+    path = setup_run(tmp_path, strategies="auto", iterations=2, eval={"interval": 0},
+                     checkpoint={"interval": 0, "resume": False}, export={"dir": str(tmp_path / "export")})
+    assert main(["train", path]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["strategies"]
+    history = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert all(h["predicted_ms"] is not None for h in history)  # the planner chose each iteration
