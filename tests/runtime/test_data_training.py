@@ -34,8 +34,9 @@ def schedule(opt):
         opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / total)))
 
 
-def make_trainer(model):
-    compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)))
+def make_trainer(model, overlap=False):
+    compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)),
+                              schedule="overlap" if overlap else "none")
     return hgraph.Trainer(compiled, lr=3e-3, grad_clip=1.0, lr_scheduler=schedule)
 
 
@@ -80,7 +81,7 @@ def _train_eval_export(path):
     import transformers
 
     loaded = transformers.LlamaForCausalLM.from_pretrained(path).eval()
-    again = make_trainer(loaded)
+    again = make_trainer(loaded, overlap=True)  # evaluation under the overlap schedule too
     again_eval = again.evaluate(held, strategy=1)
     trains_on = again.step_data(data, strategy=2)
     from hgraph.runtime.feed import scatter_sequences, share_lengths
