@@ -94,6 +94,12 @@ def test_train_checkpoint_resume_export(tmp_path, capsys):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert model.config.vocab_size == 512
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # the exported directory as the model of a new run: it starts from the trained weights
+    cfg.update(model=str(tmp_path / "export"), iterations=1, checkpoint={}, export={}, out=str(tmp_path / "out2"))
+    Path(path).write_text(json.dumps(cfg))
+    assert main(["train", path]) == 0
+    again = json.loads((tmp_path / "out2" / "eval.json").read_text())
+    assert again[0]["iteration"] == 0 and again[0]["loss"] == pytest.approx(resumed["heldout_last"], rel=1e-5)
 
 
 def test_example_config_names_the_embedded_corpus():
