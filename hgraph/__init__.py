@@ -2,7 +2,8 @@
 
 Public API: layouts (``Layout``, ``LayoutUnion``, ``Shard``, ``Replicate``, ``Partial``), strategies
 (``Strategy``, ``Pipeline``), the layout solver (``hgraph.lnk``), the planner (``hgraph.planner``),
-``compile`` and the runtime (``launch``, ``Trainer``). Errors derive from ``HGraphError``.
+``compile``, the runtime (``launch``, ``Trainer``), data (``hgraph.data``) and ``export_pretrained``.
+Errors derive from ``HGraphError``.
 """
 
 from hgraph.errors import (
@@ -40,6 +41,10 @@ def __getattr__(name: str):
         from hgraph.runtime.launch import init_from_env
 
         return init_from_env
+    if name == "export_pretrained":
+        from hgraph.export import export_pretrained
+
+        return export_pretrained
     if name == "Trainer":
         from hgraph.runtime.trainer import Trainer
 
@@ -52,7 +57,7 @@ def __getattr__(name: str):
         from hgraph import frontend
 
         return getattr(frontend, name)
-    if name in ("rules", "lnk", "planner", "frontend", "models"):
+    if name in ("rules", "lnk", "planner", "frontend", "models", "data"):
         import importlib
 
         return importlib.import_module(f"hgraph.{name}")
@@ -68,6 +73,7 @@ __all__ = [
     "TracedModel",
     "Trainer",
     "compile",
+    "export_pretrained",
     "init_from_env",
     "launch",
     "load_cost_model",

@@ -1,7 +1,11 @@
 """``hgraph demo``: the whole idea on this machine, in a few minutes.
 
-A small Llama-style model trains on local gloo ranks on synthetic token sequences whose lengths are
-drawn from the bundled sample of real Wikipedia document lengths (scaled down to fit a CPU). Steps:
+A small Llama-style model trains on local gloo ranks on real code: the source files of this
+interpreter's standard library (``hgraph.data.stdlib_corpus``, no download), tokenized by a
+byte-level BPE of 512 tokens trained locally on first use and cached, split into pieces of at most
+``--max-len`` tokens and batched to ``--tokens-per-iteration`` in a seeded order. The loss is a
+language-modelling loss; the held-out loss (files never trained on) is measured every
+``--eval-interval`` iterations, forward only. Steps:
 
 1. profile ``T(l) = a·l² + b·l + c`` for every scheme on this machine (``hgraph profile``, cached);
 2. propose candidate strategies from the length distribution (``hgraph.planner.propose``);
@@ -27,7 +31,7 @@ import torch
 from hgraph.errors import HGraphError
 
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(vocab_size=256, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),
+    "tiny": dict(vocab_size=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),
     "small": dict(vocab_size=512, hidden=128, layers=4, heads=8, kv_heads=4, ffn=256),
     "medium": dict(vocab_size=1024, hidden=256, layers=4, heads=8, kv_heads=8, ffn=512),
 }
@@ -43,12 +47,12 @@ class DemoConfig:
     iterations: int = 30
     tokens_per_iteration: int = 2048
     max_len: int = 512
-    length_scale: int = 8
+    eval_interval: int = 10
+    eval_batches: int = 4
     lr: float = 3e-3
     seed: int = 0
     timeline: bool = True
     schedule: str = "overlap"
-    batches: tuple[tuple[int, ...], ...] = field(default=())
     candidates: tuple[str, ...] = field(default=())
     cost_table: str = ""
 
@@ -66,27 +70,20 @@ def tiny_model() -> torch.nn.Module:
     return model_factory("tiny")
 
 
-def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
-    """A learnable sequence: an arithmetic progression mod ``vocab`` with a random start and step,
-    so the next token follows from the two before it (the loss can fall well below log(vocab))."""
-    start = int(torch.randint(0, vocab, (1,), generator=generator))
-    step = int(torch.randint(1, 8, (1,), generator=generator))
-    return (start + step * torch.arange(length)) % vocab
+def corpus_loaders(cfg: DemoConfig) -> tuple[Any, Any]:
+    """Training and held-out ``TokenLoader`` over the standard library (same order on every rank)."""
+    from hgraph.data import TokenLoader, stdlib_corpus, stdlib_tokenizer
+
+    train, held = stdlib_corpus()
+    tok = stdlib_tokenizer()
+    make = lambda src: TokenLoader(src, tok, cfg.max_len, cfg.tokens_per_iteration, seed=cfg.seed, window=64)  # noqa: E731
+    return make(train), make(held)
 
 
-def batch_sequences(cfg: DemoConfig, iteration: int) -> list[torch.Tensor]:
-    """The global batch of ``iteration`` (identical on every rank)."""
-    g = torch.Generator().manual_seed(cfg.seed * 100_003 + iteration)
-    vocab = SIZES[cfg.size]["vocab_size"]
-    return [synthetic_sequence(n, vocab, g) for n in cfg.batches[iteration]]
-
-
-def scaled_batches(cfg: DemoConfig) -> list[list[int]]:
-    """Batches of Wikipedia lengths divided by ``length_scale`` (at least 16 tokens)."""
-    from hgraph.planner.batches import make_batches, read_lengths, sample_path
-
-    lengths = [max(16, n // cfg.length_scale) for n in read_lengths(sample_path())]
-    return make_batches(lengths, cfg.tokens_per_iteration, cfg.max_len, cfg.iterations, seed=cfg.seed)
+def corpus_batches(cfg: DemoConfig) -> list[list[int]]:
+    """The lengths of the batches the run will train on (for the strategy proposal)."""
+    train, _ = corpus_loaders(cfg)
+    return [[len(s) for s in train.next_batch()] for _ in range(cfg.iterations)]
 
 
 def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
@@ -107,13 +104,24 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     planner = Planner(cost_model, compiled.strategies)
     trainer = hgraph.Trainer(compiled, lr=cfg.lr, weight_decay=0.01, grad_clip=1.0, planner=planner,
                              timeline=cfg.timeline)
+    train, held = corpus_loaders(cfg)
+    held_batches = held.first_batches(cfg.eval_batches) if rank == 0 else None
+    evals: list[dict[str, Any]] = []
+
+    def evaluate() -> None:
+        evals.append({"iteration": trainer.iteration, "loss": trainer.evaluate(held_batches)})
+        if bar is not None:
+            bar.write(f"iter {trainer.iteration:3d}  held-out loss {evals[-1]['loss']:7.4f}")
+
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.iterations, desc=f"{len(cfg.candidates)} candidates", unit="it", leave=False)
     for i in range(cfg.iterations):
-        loss = trainer.step(batch_sequences(cfg, i))
+        if cfg.eval_interval and i % cfg.eval_interval == 0:
+            evaluate()
+        loss = trainer.step_data(train)
         rec = trainer.history[-1]
         if bar is not None:
             bar.update(1)
@@ -123,10 +131,12 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
                 f"  measured {rec['seconds'] * 1000:7.1f} ms"
                 + (f"  exposed comm (rank 0) {exposed:6.1f} ms" if exposed is not None else "")
             )
+    if cfg.eval_interval:
+        evaluate()
     if bar is not None:
         bar.close()
     events = trainer.gather_timeline() if cfg.timeline else []
-    return {"history": trainer.history, "compile_s": compile_s, "events": events,
+    return {"history": trainer.history, "evals": evals, "compile_s": compile_s, "events": events,
             "strategies": [str(s) for s in compiled.strategies]}
 
 
@@ -179,7 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo", help="run folder for plots, trace, plans (default runs/demo)")
     parser.add_argument("--model-size", choices=sorted(SIZES), default="tiny", help="model size (default tiny)")
     parser.add_argument("--tokens-per-iteration", type=int, default=2048)
-    parser.add_argument("--max-len", type=int, default=512, help="longest sequence after scaling")
+    parser.add_argument("--max-len", type=int, default=512, help="context: longer files are split into pieces")
+    parser.add_argument("--eval-interval", type=int, default=10, help="held-out loss every N iterations (0: never)")
     parser.add_argument("--compare", action="store_true",
                         help="also train on the best single homogeneous strategy and report the speedup")
     parser.add_argument("--schedule", choices=("overlap", "none"), default="overlap",
@@ -201,10 +212,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = DemoConfig(size=args.model_size, world_size=args.world_size, iterations=args.iterations,
                      tokens_per_iteration=args.tokens_per_iteration, max_len=args.max_len, seed=args.seed,
-                     schedule=args.schedule)
-    batches = scaled_batches(cfg)
+                     schedule=args.schedule, eval_interval=args.eval_interval)
+    batches = corpus_batches(cfg)
     print(f"hgraph demo: {SIZES[cfg.size]} model, {cfg.world_size} gloo ranks, {cfg.iterations} iterations, "
-          f"~{cfg.tokens_per_iteration} tokens/iteration (Wikipedia lengths / {cfg.length_scale})")
+          f"<= {cfg.tokens_per_iteration} tokens/iteration of the Python standard library (BPE 512, "
+          f"context {cfg.max_len})")
     t0 = time.perf_counter()
     table = profiled_cost_table(cfg, fresh=args.fresh_profile)
     cost_model = CostModel.from_table(table)
@@ -213,8 +225,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
                                           tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
     print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates))
-    cfg = DemoConfig(**{**asdict(cfg), "batches": tuple(tuple(b) for b in batches),
-                        "candidates": tuple(candidates), "cost_table": json.dumps(table)})
+    cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table)})
     print(f"[3/4] training on {cfg.world_size} ranks (each compiles the candidates first)")
     t1 = time.perf_counter()
     result = launch(_rank_train, cfg.world_size, args=(cfg,), timeout=args.timeout)[0]
@@ -244,7 +255,8 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         for h in history
     ]
     (out / "plans.json").write_text(json.dumps(plans, indent=1))
-    plots.loss_curve(out / "loss.png", history, comparison["history"] if comparison else None)
+    plots.loss_curve(out / "loss.png", history, comparison["history"] if comparison else None,
+                     result.get("evals"))
     plots.strategy_and_loads(out / "strategies.png", history)
     plots.predicted_vs_measured(out / "predicted_vs_measured.png", history)
     trace_files = plots.timeline_files(out, result.get("events") or [])
@@ -258,6 +270,7 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         "strategies_used": sorted({h["strategy"] for h in history}),
         "loss_first": history[0]["loss"],
         "loss_last": history[-1]["loss"],
+        "heldout": result.get("evals") or [],
         "compile_s": result["compile_s"],
         "train_wall_s": train_s,
         "step_s_total_after_first": measured,
@@ -291,6 +304,10 @@ def _exposed_total(events: list) -> Optional[float]:
 def _summary_text(s: dict[str, Any]) -> str:
     lines = [
         f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f} over {s['iterations']} iterations on {s['world_size']} ranks",
+    ]
+    if s.get("heldout"):
+        lines.append("held-out loss " + " -> ".join(f"{e['loss']:.3f} (it {e['iteration']})" for e in s["heldout"]))
+    lines += [
         f"strategies used: {', '.join(s['strategies_used'])}",
         f"step time (iterations 2..): measured {s['step_s_total_after_first']:.2f} s, "
         f"predicted {s['predicted_ms_total_after_first'] / 1000:.2f} s; compile {s['compile_s']:.1f} s per rank",

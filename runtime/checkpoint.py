@@ -149,6 +149,8 @@ def _write_manifest(trainer: Any, partial: Path, state: dict[str, torch.Tensor],
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
         "files": files,
         "extra": extra,
+        # the position of the TokenLoader that Trainer.step_data reads (rank 0 holds it)
+        "data": trainer.data.state_dict() if getattr(trainer, "data", None) is not None else None,
     }
     try:
         text = json.dumps(manifest, indent=1, sort_keys=True)

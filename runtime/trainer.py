@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from hgraph.errors import InputError, TrainingError
+from hgraph.errors import CheckpointError, InputError, TrainingError
 from hgraph.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.runtime.comm import Communicator
@@ -177,6 +177,8 @@ class Trainer:
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.iteration = 0
         self.history: list[dict[str, Any]] = []
+        self.data: Any = None  # the TokenLoader of step_data; its position is saved with the checkpoint
+        self._feed_batch: Optional[Sequence[torch.Tensor]] = None  # rank 0: the batch being fed
         # timeline=True: this rank's intervals of every step (runtime/timeline.py); gather_timeline()
         self.timeline: Optional[Timeline] = Timeline(self.rank) if timeline else None
         from hgraph.compiler import model_dims
@@ -221,6 +223,54 @@ class Trainer:
     def step(self, sequences: Sequence[torch.Tensor], strategy: Union[int, Any, None] = None) -> float:
         """One iteration on the global batch ``sequences``; returns the token-mean loss."""
         start = time.perf_counter()
+        lengths = self._check_sequences(sequences)
+        return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), start)
+
+    def step_data(self, loader: Any, strategy: Union[int, Any, None] = None) -> Optional[float]:
+        """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
+        reads it, every rank receives just its pipeline's tokens); ``None`` when the data are over.
+        ``save`` then stores the loader's position."""
+        from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+        start = time.perf_counter()
+        self.data = loader
+        lengths = share_lengths(self, lambda: self._checked(loader.next_batch()))
+        if lengths is None:
+            return None
+        d = self.dispatch(lengths, strategy)
+        return self._train_on(lengths, scatter_sequences(self, d, lengths), d, start)
+
+    def evaluate(self, batches: Optional[Sequence[Sequence[torch.Tensor]]],
+                 strategy: Union[int, Any, None] = None) -> float:
+        """Token-mean loss over ``batches`` (held out: forward only, no gradients, parameters and
+        optimizer untouched), with any compiled strategy. Rank 0's ``batches`` count; other ranks
+        may pass ``None`` and receive only their pipeline's tokens."""
+        from hgraph.runtime.evaluate import forward_iteration
+        from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+        todo = iter(batches or []) if self.rank == 0 else iter(())
+        loss_sum, tokens = 0.0, 0
+        while True:
+            lengths = share_lengths(self, lambda: self._checked(next(todo)))
+            if lengths is None:
+                break
+            d = self.dispatch(lengths, strategy)
+            mbs = self._local_micro_batches(d, scatter_sequences(self, d, lengths))
+            program = self.compiled.program(d.strategy_index, self.rank)
+            with rank_context(RankContext(self.rank, self.comm, program.groups)):
+                loss_sum += forward_iteration(program, self.optimizer.shards, mbs)
+            tokens += sum(n - 1 for n in lengths)
+        if tokens == 0:
+            raise InputError("evaluate got no batch; give rank 0 at least one held-out batch")
+        total = self.comm.all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=self.device), self.world)
+        return float(total) / tokens
+
+    def _checked(self, sequences: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        self._check_sequences(sequences)
+        return sequences
+
+    def _check_sequences(self, sequences: Sequence[torch.Tensor]) -> list[int]:
+        """The lengths of a valid batch; ``InputError`` naming the first bad sequence otherwise."""
         if not sequences:
             raise InputError("trainer.step got an empty batch; give at least one sequence")
         lengths = []
@@ -234,13 +284,15 @@ class Trainer:
                 bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
                 raise InputError(f"sequence {i} holds token id {bad}; ids must be in 0..{self.vocab - 1} (the vocabulary)")
             lengths.append(len(s))
-        d = self.dispatch(lengths, strategy)
+        return lengths
+
+    def _local_micro_batches(self, d: Dispatch, sequences: Any) -> list[dict[str, torch.Tensor]]:
+        """This rank's packed micro-batches of dispatch ``d`` (``sequences[i]`` for its pipeline's i)."""
         program = self.compiled.program(d.strategy_index, self.rank)
         cp = len(program.groups["cp"])
         align = 2 * cp if cp > 1 else 1
         if self.compiled.options.sequence_parallel:
             align = math.lcm(align, len(program.groups["tp"]))
-        tokens = sum(l - 1 for l in lengths)
         from hgraph.simulate import cp_chunk_indices
 
         c = program.groups["cp"].index(self.rank)
@@ -255,6 +307,13 @@ class Trainer:
             local = {k: v[..., idx].to(self.device) for k, v in packed.items()}
             local.update(buffers)
             mbs.append(local)
+        return mbs
+
+    def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
+        """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
+        program = self.compiled.program(d.strategy_index, self.rank)
+        tokens = sum(l - 1 for l in lengths)
+        mbs = self._local_micro_batches(d, sequences)
         if program.overlap is not None:  # dry run of this dispatch's communication order (cached)
             self.compiled.check_overlap(d.strategy_index, [len(m) for m in d.micro_batches])
         if self.timeline is not None:
@@ -314,13 +373,35 @@ class Trainer:
         return out
 
     def save(self, path: str, extra: Optional[dict[str, Any]] = None) -> Any:
-        """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``); call on every rank."""
+        """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``), with the data position of
+        the loader ``step_data`` reads; call on every rank."""
         from hgraph.runtime import checkpoint
 
         return checkpoint.save(self, path, extra)
 
-    def load(self, path: str) -> dict[str, Any]:
-        """Resume from a checkpoint, resharding if the world or layouts changed; returns its ``extra``."""
+    def load(self, path: str, data: Any = None) -> dict[str, Any]:
+        """Resume from a checkpoint, resharding if the world or layouts changed; returns its ``extra``.
+        ``data``: the ``TokenLoader`` to put back at the saved position (then read by ``step_data``)."""
         from hgraph.runtime import checkpoint
 
-        return checkpoint.load(self, path)
+        extra = checkpoint.load(self, path)
+        if data is not None:
+            state = checkpoint.read_manifest(path).get("data")
+            if state is None:
+                raise CheckpointError(f"checkpoint {path} holds no data position (it was saved before any "
+                                      "step_data); resume the data another way or pass data=None")
+            data.load_state_dict(state)
+            self.data = data
+        return extra
+
+    def state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """The unmodified model's ``state_dict`` with the trained parameters: the model's own names
+        (tied aliases included), full tensors on CPU, each in its dtype in the model (or ``dtype``);
+        buffers as the model holds them. Call on every rank (the parameters are gathered)."""
+        full = self.full_parameters()
+        canonical = {id(p): fqn for fqn, p in self.compiled.model.named_parameters()}
+        out = {}
+        for name, ref in self.compiled.model.state_dict(keep_vars=True).items():
+            value = full.get(canonical.get(id(ref), ""), ref)
+            out[name] = value.detach().to(device="cpu", dtype=dtype or ref.dtype).clone()
+        return out
