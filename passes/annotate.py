@@ -126,11 +126,18 @@ def _check_spec(rin: RuleInput, node: fx.Node, spec: Spec) -> None:
             raise rin.error(f"spec {spec_str(spec)} shards dim {p.dim} of {node.name}, which has {rin.ndim(node)} dims")
 
 
+def _has_floating_value(val: Any) -> bool:
+    """A floating tensor, or a list/tuple holding one (``split``/``chunk`` outputs: their
+    ``getitem`` users carry the gradient on)."""
+    if isinstance(val, (list, tuple)):
+        return any(_has_floating_value(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
 def _requires_grad(gm: fx.GraphModule, options: ShardingOptions) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        floating = _has_floating_value(node.meta.get("val"))
         if node.op == "placeholder":
             if options.is_param(node):
                 out.add(node)
