@@ -95,6 +95,8 @@ def _view_placement(
     leading = [i for i in gi if i < d and src[i] != 1]
     if not leading:
         e = targets[0]
+        if m == CP and len(targets) > 1 and dst[e] % (2 * degree):
+            return None  # cp tokens are in 2·cp load-balanced chunks: the leading dim must hold them
         if dst[e] % degree:
             if len(targets) > 1:
                 raise rin.error(
@@ -141,7 +143,10 @@ def reshape_rule(node: fx.Node, rin: RuleInput) -> Decision:
     elif target is aten.unflatten.int:
         dim = args[1] % len(src)
         args[2] = _rewrite_sizes(args[2], dim, cuts, rin)
-    return Decision(output=(out[0], out[1]), inputs={x: (req[0], req[1])}, args=tuple(args))
+    inputs = {x: (req[0], req[1])}
+    if target is aten.view_as.default:
+        inputs[args[1]] = (out[0], out[1])  # the local shape reference must be cut like the output
+    return Decision(output=(out[0], out[1]), inputs=inputs, args=tuple(args))
 
 
 def expand_rule(node: fx.Node, rin: RuleInput) -> Decision:
