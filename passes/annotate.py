@@ -108,6 +108,7 @@ def _decide(node: fx.Node, rin: RuleInput) -> Decision:
             "no sharding rule for this op; register one with hgraph.rules.register(op, rule) "
             "(hgraph never replicates an unknown op silently)"
         )
+    rin.interleave_aware = bool(getattr(rule, "interleave_aware", False))
     decision = rule(node, rin)
     if not isinstance(decision, Decision):
         raise rin.error(f"rule {getattr(rule, '__name__', rule)} returned {type(decision).__name__}, not a Decision")

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from hgraph.errors import HGraphError
 from hgraph.layout import Partial, Replicate, Shard
-from hgraph.passes.annotate import _partial_uses
+from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
 from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedShard, spec_str
@@ -210,12 +210,11 @@ def check(target: Any, sample: Sample, specs: dict[str, Spec], seed: int = 0) ->
     free = {p for p in placeholders if p.name in params}
     all_specs: dict[fx.Node, Any] = {p: specs[p.name] for p in placeholders if p.name not in params}
     rin = RuleInput(options, all_specs, free)
-    rule = lookup(target)
-    assert rule is not None, f"{target} has no rule"
+    assert lookup(target) is not None, f"{target} has no rule"
     try:
         for node in [op_node, *([] if outputs == [op_node] else outputs)]:
             rin.node = node
-            decision = rule(node, rin) if node is op_node else lookup(node.target)(node, rin)
+            decision = _decide(node, rin)
             for inp, req in decision.inputs.items():
                 if inp in free:
                     free.discard(inp)
@@ -324,7 +323,7 @@ def preferred_specs(target: Any, sample: Sample) -> dict[str, Spec]:
     rin = RuleInput(options, {p: rr for p in placeholders if p.name not in params}, {p for p in placeholders if p.name in params})
     rin.node = op_node
     try:
-        decision = lookup(target)(op_node, rin)
+        decision = _decide(op_node, rin)
     except HGraphError:
         return {}
     return {p.name: decision.inputs.get(p, rr) for p in placeholders if p.name not in params}
