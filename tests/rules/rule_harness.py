@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.errors import HGraphError
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
@@ -85,7 +85,10 @@ def cut(full: torch.Tensor, spec: Spec, coord: tuple[int, int], token_order: boo
         if not isinstance(p, Shard):
             continue
         dim = p.dim % out.dim()
-        if isinstance(p, StridedShard):
+        if isinstance(p, InterleavedShard):
+            blocks = out.split(list(p.blocks), dim)
+            out = torch.cat([b.chunk(MESH[m], dim)[coord[m]] for b in blocks], dim)
+        elif isinstance(p, StridedShard):
             shape = list(out.shape)
             out = out.unflatten(dim, (p.split_factor, shape[dim] // p.split_factor))
             out = (_token_cut(out, dim + 1, coord[m], MESH[m]) if m == CP and token_order else out.chunk(MESH[m], dim + 1)[coord[m]])
@@ -197,7 +200,13 @@ def input_specs(t: torch.Tensor) -> list[Spec]:
     dims = [d for d in range(t.dim()) if t.shape[d] % (2 * MESH[CP]) == 0]  # cp token order: 2·cp chunks
     options = [Replicate()] + ([Partial()] if t.is_floating_point() else []) + [Shard(d) for d in dims]
     on_cp = options if MESH[CP] > 1 else [Replicate()]
-    return [(a, b) for a in on_cp for b in options if not (isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim)] + [
+    # a fused projection's blocks on tp (q, k, v of unequal sizes where the dim allows)
+    on_tp = options + [
+        InterleavedShard(d, (t.shape[d] // 2, t.shape[d] // 4, t.shape[d] // 4) if t.shape[d] % (4 * MESH[TP]) == 0
+                         else (t.shape[d] // 2, t.shape[d] // 2))
+        for d in dims if t.is_floating_point() and t.shape[d] % (2 * MESH[TP]) == 0
+    ]
+    return [(a, b) for a in on_cp for b in on_tp if not (isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim)] + [
         (Shard(d), Shard(d)) for d in dims if MESH[CP] > 1 and t.shape[d] % (2 * MESH[CP] * MESH[TP]) == 0
     ]
 
