@@ -77,6 +77,15 @@ def _attention_inputs(g: torch.Generator) -> Sample:
                   names=("q", "k", "v", "position_ids"))
 
 
+_OFFSETS = torch.tensor([2, 4, 4, 8], dtype=torch.int32)  # expert 2 gets no token
+
+
+def _grouped_mm() -> Any:
+    import transformers.integrations.moe  # noqa: F401  (registers the op)
+
+    return torch.ops.transformers.grouped_mm_fallback.default
+
+
 def _positions() -> torch.Tensor:
     return torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two packed sequences
 
@@ -228,6 +237,25 @@ CASES: dict[str, list[Case]] = {
     "aten.rms_norm": [
         case(aten.rms_norm.default, lambda g: Sample((rand(g, *X), [8], rand(g, 8), 1e-6), names=("x", "p_w"),
                                                      params=frozenset({"p_w"})))
+    ],
+    # ---------------------------------------------------------------- moe.py
+    "aten.topk": unary(aten.topk.default, rand, 2, -1) + unary(aten.topk.default, rand, 2, 1),
+    "aten.sort": unary(aten.sort.default, rand, -1),
+    "aten.cumsum": unary(aten.cumsum.default, rand, 1),
+    "aten.histc": unary(aten.histc.default, rand, 4, -2.0, 2.0),
+    "aten.index": [case(aten.index.Tensor, lambda g: Sample((rand(g, 8, 4, 8), [ints(g, 4, 4, high=8)])))],
+    "aten.index_put_": [
+        case(aten.index_put_.default, lambda g: Sample((rand(g, 8, 4), [torch.randperm(8, generator=g)[:4]], rand(g, 4, 4)),
+                                                       inplace=True))
+    ],
+    "aten.div_": [case(aten.div_.Tensor, lambda g: Sample((rand(g, *X), positive(g, 4, 4, 1)), inplace=True))],
+    "aten.mul_": [case(aten.mul_.Tensor, lambda g: Sample((rand(g, *X), rand(g, *X)), inplace=True))],
+    "aten.add_": [case(aten.add_.Tensor, lambda g: Sample((rand(g, *X), rand(g, 4, 1, 8)), inplace=True))],
+    "aten.sub_": [case(aten.sub_.Tensor, lambda g: Sample((rand(g, *X), rand(g, *X)), inplace=True))],
+    "transformers.grouped_mm_fallback": [
+        case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 8), _OFFSETS), names=("x", "p_w", "offs"),
+                                             params=frozenset({"p_w"})), "parameter"),
+        case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
     "hgraph.runtime.ops.packed_attention": [case(ops.packed_attention, _attention_inputs)],

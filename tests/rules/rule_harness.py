@@ -65,6 +65,7 @@ class Sample:
     names: tuple[str, ...] = ()
     params: frozenset[str] = frozenset()
     values: bool = True  # False: only shapes and dtypes are defined (``empty``)
+    inplace: bool = False  # mutates its first input: forward only (autograd refuses in-place on leaves)
 
 
 @dataclass
@@ -180,7 +181,8 @@ def build_graph(target: Any, sample: Sample) -> tuple[fx.Graph, list[fx.Node], f
     args = fx.node.map_aggregate(sample.args, place)
     kwargs = fx.node.map_aggregate(sample.kwargs, place)
     node = graph.call_function(target, tuple(args), dict(kwargs))
-    node.meta["val"] = target(*sample.args, **sample.kwargs)
+    fresh = fx.node.map_aggregate(sample.args, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
+    node.meta["val"] = target(*fresh, **sample.kwargs)  # on copies: in-place ops keep the inputs
     outputs = [node]
     if isinstance(node.meta["val"], (list, tuple)):
         outputs = []
@@ -268,7 +270,7 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
     def body(comm):
         rank = comm.rank
         groups = mesh_groups(rank, MESH)
-        xs = [li[rank].clone().requires_grad_(li[rank].is_floating_point()) for li in local_inputs]
+        xs = [li[rank].clone().requires_grad_(li[rank].is_floating_point() and not sample.inplace) for li in local_inputs]
         with rank_context(RankContext(rank, comm, groups)):
             result = local(*xs)
             pairs = []
@@ -295,7 +297,7 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
         sums = [m for m, q in enumerate(spec) if isinstance(q, Partial)]
         got = assemble([r[0][i] for r in results], v.shape, spec, True, sums, f"{label}: output {i}")
         torch.testing.assert_close(got, v, msg=lambda s, i=i: f"{label}: forward output {i} ({spec_str(spec)}): {s}")
-    diff_outs = [(v, c) for v, c in zip(out_vals, cots) if c is not None]
+    diff_outs = [(v, c) for v, c in zip(out_vals, cots) if c is not None and not sample.inplace]
     wanted = [j for j, f in enumerate(fulls) if f.is_floating_point()]
     if not diff_outs or not wanted:
         return
