@@ -96,6 +96,8 @@ def _weight_decision(
             row_parallel = True
         elif isinstance(pw, InterleavedShard) and pw.dim % 2 == n_dim:
             req_w[m], out[m], req_b[m] = pw, InterleavedShard(out_nd - 1, pw.blocks), InterleavedShard(0, pw.blocks)
+        elif pw is None and rin.shape(w)[n_dim] % rin.degree(m):
+            continue  # too few output features to cut (a 1-wide gate): computed whole on every rank
         elif pw is None or (isinstance(pw, Shard) and pw.dim % 2 == n_dim):
             blocks = fused_blocks(node, rin) if pw is None else None
             if blocks:

@@ -198,6 +198,8 @@ CASES: dict[str, list[Case]] = {
         case(aten.linear.default, lambda g: Sample((rand(g, *X), rand(g, 8, 8)), names=("x", "p_w"), params=frozenset({"p_w"}))),
         case(aten.linear.default, lambda g: Sample((rand(g, *X), rand(g, 4, 8), rand(g, 4)), names=("x", "p_w", "p_b"),
                                                    params=frozenset({"p_w", "p_b"})), "bias"),
+        case(aten.linear.default, lambda g: Sample((rand(g, *X), rand(g, 1, 8)), names=("x", "p_w"), params=frozenset({"p_w"})),
+             "one output feature"),
     ],
     "aten.addmm": [
         case(aten.addmm.default, lambda g: Sample((rand(g, 8), rand(g, 16, 8), rand(g, 8, 8)), names=("p_b", "x", "p_w"),
