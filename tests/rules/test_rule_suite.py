@@ -46,5 +46,5 @@ def test_rule_equals_single_device(key, c):
 @pytest.mark.slow
 @pytest.mark.parametrize("key, c", ALL, ids=[c.name for _, c in ALL])
 def test_rule_equals_single_device_every_spec(key, c):
-    outcome = run_case(c.target, c.make, 4096, mesh=c.mesh)
+    outcome = run_case(c.target, c.make, 512, mesh=c.mesh)
     assert outcome.accepted
