@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.errors import HGraphError, StrategyError
+from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import TracedModel, trace
 from hgraph.layout import Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
@@ -485,6 +485,12 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
+    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise InputError(
+            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
+            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
+            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
+        )
     from hgraph.passes.schedule import OverlapConfig
 
     overlap = schedule if isinstance(schedule, OverlapConfig) else None

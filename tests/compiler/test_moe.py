@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.errors import ShardingRuleError
+from hgraph.errors import InputError, ShardingRuleError
 from hgraph.layout import InterleavedShard, Replicate, Shard
 from hgraph.rules.base import TP
 from hgraph.simulate import next_token_targets
@@ -82,3 +82,12 @@ def test_context_parallel_routing_is_refused_clearly():
     ids = torch.randint(0, 128, (2, 16))
     with pytest.raises(ShardingRuleError, match="arange|sort|topk"):  # token counts differ per cp rank
         hgraph.compile(model, ["cp2"], example_inputs=ids)
+
+
+def test_auxiliary_loss_is_refused_not_dropped():
+    """With output_router_logits the model adds a load-balancing loss hgraph cannot split; silently
+    training without it would be a wrong gradient."""
+    model = tiny_mixtral()
+    model.config.output_router_logits = True
+    with pytest.raises(InputError, match="MixtralForCausalLM has config.output_router_logits=True"):
+        hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 128, (2, 16)))
