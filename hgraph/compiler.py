@@ -27,7 +27,7 @@ from torch import nn
 
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import TracedModel, trace
-from hgraph.layout import Layout
+from hgraph.layout import InterleavedShard, Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import StageGraph, partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
@@ -159,15 +159,13 @@ class CompiledModel:
         self._user_passes = _check_user_passes(user_passes)
         self._disabled = frozenset(disabled)
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
-        self.optimizer_layouts: dict[str, Layout] = {
-            fqn: optimizer_layout(shape, self.world_size) for fqn, shape in self.param_shapes.items()
-        }
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
         self._param_comm: dict[int, dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
         start = time.perf_counter()
+        self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
         for i in range(len(strategies)):
             self._build_strategy(i)
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
@@ -225,6 +223,16 @@ class CompiledModel:
                 PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
             )
         return self._stages[key]
+
+    def _optimizer_layouts(self) -> dict[str, Layout]:
+        """The fixed ZeRO layouts; a fused projection cut by blocks on some stage mesh keeps its blocks."""
+        blocks: dict[str, InterleavedShard] = {}
+        for mesh in dict.fromkeys(p.stage_mesh for s in self.strategies for p in s.pipelines):
+            for fqn, spec in self._specs(*mesh, "hgraph_param_spec").items():
+                for p in spec:
+                    if isinstance(p, InterleavedShard):
+                        blocks.setdefault(fqn, p)
+        return {fqn: optimizer_layout(shape, self.world_size, blocks.get(fqn)) for fqn, shape in self.param_shapes.items()}
 
     def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
         gm = self.local_program(cp, tp)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from hgraph.errors import LayoutError
 
@@ -276,8 +276,20 @@ class Layout:
         return tuple(c for c, p in zip(coords, self.placements) if isinstance(p, Partial))
 
     def local_slices(self, rank: int) -> tuple[slice, ...]:
-        """Slices that cut ``rank``'s local tensor out of the global tensor."""
+        """Slices that cut ``rank``'s local tensor out of the global tensor (single-box layouts)."""
         return tuple(slice(a, b) for a, b in self.region(rank))
+
+    def local_of(self, full: Any, rank: int) -> Any:
+        """``rank``'s local tensor cut out of the global tensor ``full`` (a new tensor)."""
+        out = full.new_empty(self.local_shape(rank))
+        for box in self.regions(rank):
+            out[self.local_index(rank, box)] = full[tuple(slice(a, b) for a, b in box)]
+        return out
+
+    def put_local(self, full: Any, rank: int, local: Any) -> None:
+        """Write ``rank``'s local tensor into its boxes of the global tensor ``full``."""
+        for box in self.regions(rank):
+            full[tuple(slice(a, b) for a, b in box)] = local[self.local_index(rank, box)]
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor (its regions concatenated along the interleaved dim)."""
