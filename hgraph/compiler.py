@@ -28,7 +28,7 @@ from torch import nn
 
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import TracedModel, trace
-from hgraph.layout import Layout
+from hgraph.layout import InterleavedShard, Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import StageGraph, partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
@@ -171,15 +171,13 @@ class CompiledModel:
         self._user_passes = _check_user_passes(user_passes)
         self._disabled = _check_disabled(disabled, self._user_passes)
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
-        self.optimizer_layouts: dict[str, Layout] = {
-            fqn: optimizer_layout(shape, self.world_size) for fqn, shape in self.param_shapes.items()
-        }
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
         self._param_comm: dict[int, dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
         start = time.perf_counter()
+        self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
         for i in range(len(strategies)):
             self._build_strategy(i)
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
@@ -247,6 +245,16 @@ class CompiledModel:
                 self.pass_history.append(PassRecord("recompute", time.perf_counter() - start, before, after))
             self._stages[key] = stages
         return self._stages[key]
+
+    def _optimizer_layouts(self) -> dict[str, Layout]:
+        """The fixed ZeRO layouts; a fused projection cut by blocks on some stage mesh keeps its blocks."""
+        blocks: dict[str, InterleavedShard] = {}
+        for mesh in dict.fromkeys(p.stage_mesh for s in self.strategies for p in s.pipelines):
+            for fqn, spec in self._specs(*mesh, "hgraph_param_spec").items():
+                for p in spec:
+                    if isinstance(p, InterleavedShard):
+                        blocks.setdefault(fqn, p)
+        return {fqn: optimizer_layout(shape, self.world_size, blocks.get(fqn)) for fqn, shape in self.param_shapes.items()}
 
     def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
         gm = self.local_program(cp, tp)
@@ -561,6 +569,12 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
+    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise InputError(
+            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
+            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
+            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
+        )
     from hgraph.passes.schedule import OverlapConfig
 
     overlap = schedule if isinstance(schedule, OverlapConfig) else None

@@ -5,7 +5,11 @@ A ``Layout`` places one global tensor on an ordered tuple of ranks arranged as a
 
 * ``Shard(d)``   the tensor dim ``d`` is cut into ``mesh[m]`` chunks along that mesh dim;
 * ``Replicate()`` every coordinate along the mesh dim holds the same data;
-* ``Partial()``  the true value is the *sum* over the coordinates of that mesh dim.
+* ``Partial()``  the true value is the *sum* over the coordinates of that mesh dim;
+* ``InterleavedShard(d, blocks)`` dim ``d`` is consecutive blocks (a fused projection's q, k, v or
+  gate, up) and *each block* is cut along the mesh dim: a rank holds its chunk of every block,
+  concatenated in block order (Megatron's fused-QKV sharding; DTensor's ``_StridedShard`` for equal
+  blocks). Its rank holds several boxes (``regions``); no other mesh dim may cut dim ``d``.
 
 Split rule (as ``torch.chunk`` and DTensor): a dim of size ``n`` cut into ``k`` chunks gets chunks of
 ``ceil(n / k)`` elements, the last non-empty chunk takes the remainder and trailing chunks may be empty.
@@ -21,8 +25,8 @@ is the sum over pipelines).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Union
 
 from hgraph.errors import LayoutError
 
@@ -68,19 +72,44 @@ class Partial:
     __repr__ = __str__
 
 
+@dataclass(frozen=True)
+class InterleavedShard(Shard):
+    """Cut each of the consecutive ``blocks`` of tensor dim ``dim`` across a mesh dim (``S(0:8+4+4)``:
+    rows 0-7, 8-11 and 12-15 each cut, a rank holding its chunk of all three)."""
+
+    blocks: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
+        if len(self.blocks) < 2 or any(b < 1 for b in self.blocks):
+            raise LayoutError(f"InterleavedShard needs two or more positive block sizes, got {self.blocks}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim}:{'+'.join(map(str, self.blocks))})"
+
+    __repr__ = __str__
+
+
 Placement = Union[Shard, Replicate, Partial]
 
 
 def parse_placement(text: str) -> Placement:
-    """Parse the short form used in ``str``: ``S(0)``, ``R`` or ``P``."""
+    """Parse the short form used in ``str``: ``S(0)``, ``S(0:8+4+4)``, ``R`` or ``P``."""
     text = text.strip()
     if text == "R":
         return Replicate()
     if text == "P":
         return Partial()
     if text.startswith("S(") and text.endswith(")"):
-        return Shard(int(text[2:-1]))
-    raise LayoutError(f"cannot parse placement {text!r}; expected 'S(<dim>)', 'R' or 'P'")
+        inner = text[2:-1]
+        try:
+            if ":" in inner:
+                dim, blocks = inner.split(":")
+                return InterleavedShard(int(dim), tuple(int(b) for b in blocks.split("+")))
+            return Shard(int(inner))
+        except ValueError:
+            pass
+    raise LayoutError(f"cannot parse placement {text!r}; expected 'S(<dim>)', 'S(<dim>:<block>+<block>...)', 'R' or 'P'")
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -150,8 +179,17 @@ class Layout:
                         f"placement {p} shards dim {p.dim} but the tensor of shape {self.shape} has "
                         f"{ndim} dims (valid: 0..{ndim - 1})"
                     )
-                p = Shard(p.dim % ndim)
+                p = replace(p, dim=p.dim % ndim)
             normalized.append(p)
+        for p in normalized:
+            if isinstance(p, InterleavedShard):
+                if sum(p.blocks) != self.shape[p.dim]:
+                    raise LayoutError(
+                        f"placement {p} has blocks summing to {sum(p.blocks)} but dim {p.dim} of {self.shape} "
+                        f"has {self.shape[p.dim]} elements"
+                    )
+                if sum(isinstance(q, Shard) and q.dim == p.dim for q in normalized) > 1:
+                    raise LayoutError(f"placements {tuple(normalized)}: an interleaved dim is cut by one mesh dim only")
         set_(self, "placements", tuple(normalized))
         set_(self, "_index", {r: i for i, r in enumerate(self.ranks)})
 
@@ -176,16 +214,61 @@ class Layout:
         except KeyError:
             raise LayoutError(f"rank {rank} is not in layout ranks {self.ranks}") from None
 
+    @property
+    def interleaved_dim(self) -> int | None:
+        """The tensor dim of an ``InterleavedShard`` placement (``None`` without one)."""
+        dims = [p.dim for p in self.placements if isinstance(p, InterleavedShard)]
+        return dims[0] if dims else None
+
+    def regions(self, rank: int) -> tuple[Box, ...]:
+        """The global boxes ``rank`` holds, in the order its local tensor concatenates them (along
+        the interleaved dim); one box unless a placement is an ``InterleavedShard``."""
+        coords = self.coords(rank)
+        boxes = [[(0, s) for s in self.shape]]
+        for mesh_dim, placement in enumerate(self.placements):
+            if not isinstance(placement, Shard):
+                continue
+            d, parts, index = placement.dim, self.mesh[mesh_dim], coords[mesh_dim]
+            blocks = placement.blocks if isinstance(placement, InterleavedShard) else None
+            cut = []
+            for box in boxes:
+                start, stop = box[d]
+                offsets = [0]
+                for size in blocks or (stop - start,):
+                    offsets.append(offsets[-1] + size)
+                for b0, b1 in zip(offsets, offsets[1:]):
+                    lo, hi = chunk_bounds(b1 - b0, parts, index)
+                    cut.append(box[:d] + [(start + b0 + lo, start + b0 + hi)] + box[d + 1 :])
+            boxes = cut
+        merged: list[list[tuple[int, int]]] = []
+        d = self.interleaved_dim
+        for box in boxes:  # blocks that touch (a mesh extent of 1) form one box
+            if merged and d is not None and merged[-1][d][1] == box[d][0]:
+                merged[-1][d] = (merged[-1][d][0], box[d][1])
+            else:
+                merged.append(box)
+        return tuple(tuple(box) for box in merged)
+
     def region(self, rank: int) -> Box:
         """The global box that ``rank`` holds (its ``[start, stop)`` per tensor dim)."""
-        coords = self.coords(rank)
-        box = [(0, s) for s in self.shape]
-        for mesh_dim, placement in enumerate(self.placements):
-            if isinstance(placement, Shard):
-                start, stop = box[placement.dim]
-                lo, hi = chunk_bounds(stop - start, self.mesh[mesh_dim], coords[mesh_dim])
-                box[placement.dim] = (start + lo, start + hi)
-        return tuple(box)
+        boxes = self.regions(rank)
+        if len(boxes) != 1:
+            raise LayoutError(f"rank {rank} holds {len(boxes)} boxes of {self}; use regions()")
+        return boxes[0]
+
+    def local_index(self, rank: int, box: Box) -> tuple[slice, ...]:
+        """Slices of ``rank``'s local tensor that hold global ``box`` (inside one of its regions)."""
+        d = self.interleaved_dim
+        offset = 0
+        for region in self.regions(rank):
+            if all(r0 <= lo and hi <= r1 for (lo, hi), (r0, r1) in zip(box, region)):
+                return tuple(
+                    slice(lo - r0 + (offset if e == d else 0), hi - r0 + (offset if e == d else 0))
+                    for e, ((lo, hi), (r0, _)) in enumerate(zip(box, region))
+                )
+            if d is not None:
+                offset += region[d][1] - region[d][0]
+        raise LayoutError(f"box {box} is not inside one region of rank {rank} in {self}")
 
     def term(self, rank: int) -> tuple[int, ...]:
         """Which partial term ``rank`` holds: its coordinates along the Partial mesh dims."""
@@ -193,12 +276,29 @@ class Layout:
         return tuple(c for c, p in zip(coords, self.placements) if isinstance(p, Partial))
 
     def local_slices(self, rank: int) -> tuple[slice, ...]:
-        """Slices that cut ``rank``'s local tensor out of the global tensor."""
+        """Slices that cut ``rank``'s local tensor out of the global tensor (single-box layouts)."""
         return tuple(slice(a, b) for a, b in self.region(rank))
 
+    def local_of(self, full: Any, rank: int) -> Any:
+        """``rank``'s local tensor cut out of the global tensor ``full`` (a new tensor)."""
+        out = full.new_empty(self.local_shape(rank))
+        for box in self.regions(rank):
+            out[self.local_index(rank, box)] = full[tuple(slice(a, b) for a, b in box)]
+        return out
+
+    def put_local(self, full: Any, rank: int, local: Any) -> None:
+        """Write ``rank``'s local tensor into its boxes of the global tensor ``full``."""
+        for box in self.regions(rank):
+            full[tuple(slice(a, b) for a, b in box)] = local[self.local_index(rank, box)]
+
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        """Shape of ``rank``'s local tensor."""
-        return tuple(b - a for a, b in self.region(rank))
+        """Shape of ``rank``'s local tensor (its regions concatenated along the interleaved dim)."""
+        boxes = self.regions(rank)
+        shape = [b - a for a, b in boxes[0]]
+        d = self.interleaved_dim
+        if d is not None:
+            shape[d] = sum(box[d][1] - box[d][0] for box in boxes)
+        return tuple(shape)
 
     def with_shape(self, shape: tuple[int, ...]) -> "Layout":
         """The same placement on a tensor of another shape."""
@@ -289,20 +389,33 @@ class LayoutUnion:
                 return i
         raise LayoutError(f"rank {rank} is not in union ranks {self.ranks}")
 
-    def region(self, rank: int) -> Box:
-        """The global box ``rank`` holds (dim 0 shifted by its pipeline's offset for ``"split"``)."""
+    def regions(self, rank: int) -> tuple[Box, ...]:
+        """The global boxes ``rank`` holds (dim 0 shifted by its pipeline's offset for ``"split"``)."""
         i = self.pipeline_of(rank)
-        box = self.layouts[i].region(rank)
+        boxes = self.layouts[i].regions(rank)
         if self.hetero == "split":
             off = self.offsets[i]
-            box = ((box[0][0] + off, box[0][1] + off),) + box[1:]
-        return box
+            boxes = tuple(((box[0][0] + off, box[0][1] + off),) + box[1:] for box in boxes)
+        return boxes
+
+    def region(self, rank: int) -> Box:
+        boxes = self.regions(rank)
+        if len(boxes) != 1:
+            raise LayoutError(f"rank {rank} holds {len(boxes)} boxes of {self}; use regions()")
+        return boxes[0]
+
+    def local_index(self, rank: int, box: Box) -> tuple[slice, ...]:
+        i = self.pipeline_of(rank)
+        if self.hetero == "split":
+            off = self.offsets[i]
+            box = ((box[0][0] - off, box[0][1] - off),) + box[1:]
+        return self.layouts[i].local_index(rank, box)
 
     def local_slices(self, rank: int) -> tuple[slice, ...]:
         return tuple(slice(a, b) for a, b in self.region(rank))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.region(rank))
+        return self.layouts[self.pipeline_of(rank)].local_shape(rank)
 
     def __str__(self) -> str:
         return f"Union.{self.hetero}(" + " + ".join(str(lay) for lay in self.layouts) + ")"

@@ -41,7 +41,7 @@ def cp_chunk_indices(length: int, cp: int, index: int) -> torch.Tensor:
 def shard_parameters(compiled: "CompiledModel", rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's fp32 optimizer-layout shards of full parameters."""
     return {
-        fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(rank)].clone()
+        fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank)
         for fqn, layout in compiled.optimizer_layouts.items()
     }
 
@@ -54,7 +54,7 @@ def assemble(compiled: "CompiledModel", shards: list[dict[str, Optional[torch.Te
         for rank in range(compiled.world_size):
             shard = shards[rank][fqn]
             if shard is not None:
-                full[layout.local_slices(rank)] = shard
+                layout.put_local(full, rank, shard)
         out[fqn] = full
     return out
 

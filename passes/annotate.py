@@ -20,6 +20,7 @@ Recorded in ``node.meta``:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ def annotate(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
     free: set[fx.Node] = set()
     rin = RuleInput(options, specs, free)
     params: list[fx.Node] = []
+    views: dict[fx.Node, fx.Node] = {}  # free transposes of free parameters -> the parameter
     for node in gm.graph.nodes:
         rin.node = node
         if node.op == "placeholder":
@@ -59,6 +61,10 @@ def annotate(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
         elif node.op == "get_attr":
             specs[node] = REPLICATED if rin.is_tensor(node) else None
         elif node.op == "call_function":
+            if node.target in _PARAM_VIEWS and node.args[0] in free:
+                free.add(node)  # a transposed parameter: placed by its consumer, like the parameter
+                views[node] = node.args[0]
+                continue
             decision = _decide(node, rin)
             for inp, req in decision.inputs.items():
                 if inp in free:
@@ -66,6 +72,9 @@ def annotate(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
                         raise rin.error(f"rule asks for parameter {inp.name} as Partial {spec_str(req)}")
                     free.discard(inp)
                     specs[inp] = req
+                    if inp in views:
+                        _place_view(inp, views.pop(inp), req, rin, free, specs)
+                        rin.node = node
             specs[node] = decision.output
             node.meta["hgraph_decision"] = decision
         elif node.op == "output":
@@ -79,12 +88,38 @@ def annotate(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
                 f"node '{node.name}' is a {node.op} ({node.target}); annotate needs a flat ATen graph from "
                 "hgraph.frontend.trace (call_module/call_method nodes have no sharding rules)"
             )
+    for view, param in views.items():
+        free.discard(view)
+        _place_view(view, param, REPLICATED, rin, free, specs)
     for p in free:
         specs[p] = REPLICATED
     for node in gm.graph.nodes:
         node.meta["hgraph_spec"] = specs.get(node)
     _gradient_placements(gm, options, params, rin)
     return gm
+
+
+_PARAM_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.permute.default)
+
+
+def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: set, specs: dict) -> None:
+    """A transposed parameter placed as ``req`` by its consumer: the parameter takes the placement
+    that the transpose maps to ``req`` (when still free), then the transpose is decided as usual."""
+    if param in free:
+        ndim = rin.ndim(param)
+        if view.target is torch.ops.aten.permute.default:
+            source = [d % ndim for d in view.args[1]]
+        else:
+            a, b = (0, 1) if view.target is torch.ops.aten.t.default else (view.args[1] % ndim, view.args[2] % ndim)
+            source = list(range(ndim))
+            source[a], source[b] = b, a
+        placed = tuple(replace(p, dim=source[p.dim % ndim]) if isinstance(p, Shard) else p for p in req)
+        free.discard(param)
+        specs[param] = placed
+    rin.node = view
+    decision = _decide(view, rin)
+    specs[view] = decision.output
+    view.meta["hgraph_decision"] = decision
 
 
 def _input_spec(node: fx.Node, rin: RuleInput) -> Spec | None:
@@ -108,6 +143,7 @@ def _decide(node: fx.Node, rin: RuleInput) -> Decision:
             "no sharding rule for this op; register one with hgraph.rules.register(op, rule) "
             "(hgraph never replicates an unknown op silently)"
         )
+    rin.interleave_aware = bool(getattr(rule, "interleave_aware", False))
     decision = rule(node, rin)
     if not isinstance(decision, Decision):
         raise rin.error(f"rule {getattr(rule, '__name__', rule)} returned {type(decision).__name__}, not a Decision")
@@ -126,11 +162,18 @@ def _check_spec(rin: RuleInput, node: fx.Node, spec: Spec) -> None:
             raise rin.error(f"spec {spec_str(spec)} shards dim {p.dim} of {node.name}, which has {rin.ndim(node)} dims")
 
 
+def _has_floating_value(val: Any) -> bool:
+    """A floating tensor, or a list/tuple holding one (``split``/``chunk`` outputs: their
+    ``getitem`` users carry the gradient on)."""
+    if isinstance(val, (list, tuple)):
+        return any(_has_floating_value(v) for v in val)
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
 def _requires_grad(gm: fx.GraphModule, options: ShardingOptions) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        floating = _has_floating_value(node.meta.get("val"))
         if node.op == "placeholder":
             if options.is_param(node):
                 out.add(node)

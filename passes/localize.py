@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.errors import ShardingRuleError
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
     MESH_DIMS,
@@ -169,6 +169,22 @@ class _Builder(LowerContext):
             name = MESH_DIMS[m]
             s, t = spec[m], dst[m]
             gathered_partial = False
+            if s != t and isinstance(s, InterleavedShard):  # gather in block order, then as from R
+                gathered_partial = m in fix and isinstance(t, Replicate)
+                gathered = with_placement(spec, m, Replicate())
+                value = self._comm(ops.all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
+                value = self._reorder(value, s, self.options.degrees[m], to_blocks=True)
+                spec = with_placement(spec, m, Replicate())
+                s = spec[m]
+                value.meta["hgraph_spec"] = spec
+            if s != t and isinstance(t, InterleavedShard):  # whole on every rank first, then own chunks
+                if not isinstance(s, Replicate):
+                    value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
+                    spec = with_placement(spec, m, Replicate())
+                value = self._own_chunks(value, t, name)
+                spec = with_placement(spec, m, t)
+                value.meta["hgraph_spec"] = spec
+                s = t
             if s != t:
                 if m == CP and not (isinstance(s, Partial) and isinstance(t, Replicate)):
                     raise ShardingRuleError(
@@ -197,6 +213,23 @@ class _Builder(LowerContext):
             if isinstance(t, Replicate) and m in fix and not gathered_partial:
                 value = self._comm(ops.grad_all_reduce, (value, name), spec, spec, tensor, like)
         return value
+
+    def _reorder(self, gathered: fx.Node, p: InterleavedShard, degree: int, to_blocks: bool) -> fx.Node:
+        """Rank-major pieces ``[rank][block]`` of a gathered interleaved dim -> block order."""
+        local = [b // degree for b in p.blocks]
+        parts = self.graph.call_function(torch.ops.aten.split_with_sizes.default, (gathered, local * degree, p.dim))
+        items = [self.graph.call_function(operator.getitem, (parts, i)) for i in range(len(local) * degree)]
+        order = [items[r * len(local) + b] for b in range(len(local)) for r in range(degree)]
+        return self.graph.call_function(torch.ops.aten.cat.default, (order, p.dim))
+
+    def _own_chunks(self, whole: fx.Node, p: InterleavedShard, name: str) -> fx.Node:
+        """This rank's chunk of every block of a replicated value, concatenated (no communication)."""
+        blocks = self.graph.call_function(torch.ops.aten.split_with_sizes.default, (whole, list(p.blocks), p.dim))
+        mine = [
+            self.graph.call_function(ops.split, (self.graph.call_function(operator.getitem, (blocks, i)), name, p.dim))
+            for i in range(len(p.blocks))
+        ]
+        return self.graph.call_function(torch.ops.aten.cat.default, (mine, p.dim))
 
     def _comm(self, fn: Any, args: tuple, src: Spec, dst: Spec, tensor: str, like: fx.Node) -> fx.Node:
         node = self.graph.create_node("call_function", fn, args, {}, name=f"{fn.__name__}_{tensor}")

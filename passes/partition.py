@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import torch
 import torch.fx as fx
 
 from hgraph.errors import StrategyError
@@ -154,7 +155,8 @@ def assign_stages(
         inputs = [a for a in n.all_input_nodes]
         from_params[n] = any(from_params.get(a, False) for a in inputs)
         stages = [fixed[a] for a in inputs if a in fixed]
-        if layer.get(n) is not None:
+        size_only = not isinstance(n.meta.get("val"), torch.Tensor) and not from_params[n] and not stages
+        if layer.get(n) is not None and not size_only:  # sizes of the inputs go wherever they are used
             fixed[n] = max([stage_of_layer[layer[n]]] + stages)
         elif stages:
             fixed[n] = max(stages)

@@ -116,7 +116,7 @@ def _dst_bytes(pc: Any, rank: int) -> int:
     plan = pc.pull.plan
     if rank not in plan.dst.ranks:
         return 0
-    return int(torch.Size([hi - lo for lo, hi in plan.dst.region(rank)]).numel()) * plan.itemsize
+    return int(torch.Size(plan.dst.local_shape(rank)).numel()) * plan.itemsize
 
 
 def build(program: Any, config: OverlapConfig) -> RankSchedule:

@@ -35,6 +35,17 @@ def _view(tensor: torch.Tensor, box: Box, region: Box) -> torch.Tensor:
     return tensor[tuple(slice(lo - r0, hi - r0) for (lo, hi), (r0, _) in zip(box, region))]
 
 
+class _Local:
+    """A rank's local tensor of a layout: global boxes -> views (several regions when interleaved)."""
+
+    def __init__(self, tensor: Optional[torch.Tensor], layout: Any, rank: int) -> None:
+        self.tensor, self.layout, self.rank = tensor, layout, rank
+
+    def __getitem__(self, box: Box) -> torch.Tensor:
+        assert self.tensor is not None
+        return self.tensor[self.layout.local_index(self.rank, box)]
+
+
 def _shape(box: Box) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in box)
 
@@ -146,22 +157,22 @@ def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Opti
     """The interpreter: yields each started communication, receives its result, returns the output."""
     rank = comm.rank
     in_src, in_dst = rank in plan.src.ranks, rank in plan.dst.ranks
-    src_region = plan.src.region(rank) if in_src else None
     if in_src:
-        if local is None or tuple(local.shape) != _shape(src_region):
+        want = plan.src.local_shape(rank)
+        if local is None or tuple(local.shape) != want:
             got = None if local is None else tuple(local.shape)
             raise CommunicationError(
-                f"rank {rank} holds {plan.src} region {src_region} (shape {_shape(src_region)}) "
+                f"rank {rank} holds {plan.src} regions {plan.src.regions(rank)} (shape {want}) "
                 f"but was given {got}"
             )
     if plan.noop:
         return local if in_dst else None
-    dst_region = plan.dst.region(rank) if in_dst else None
     if local is not None:
         like = local
     else:
         like = torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=device)
-    out = like.new_zeros(_shape(dst_region)) if in_dst else None
+    out = like.new_zeros(plan.dst.local_shape(rank)) if in_dst else None
+    src_at = _Local(local, plan.src, rank)
     first = first_round(plan)
     indexed = [(k, s) for k, s in enumerate(plan.steps) if rank in s.ranks]  # == plan.steps_for(rank)
     steps = [s for _, s in indexed]
@@ -178,26 +189,28 @@ def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Opti
             while i + 1 < len(steps) and getattr(steps[i + 1], "phase", None) == step.phase:
                 i += 1
                 batch.append(steps[i])
-            yield from _exchange(batch, rank, comm, local, src_region, out, dst_region, like, tag)
+            yield from _exchange(batch, rank, comm, src_at, _Local(out, plan.dst, rank), like, tag)
         elif isinstance(step, LocalCopy):
-            target = _view(out, step.box, dst_region)
-            source = _view(local, step.box, src_region)
+            target = _Local(out, plan.dst, rank)[step.box]
+            source = src_at[step.box]
             if step.accumulate:
                 target += source
             else:
                 target.copy_(source)
-        else:
+        else:  # collectives are planned for single-box layouts only
+            src_region = plan.src.region(rank) if in_src else None
+            dst_region = plan.dst.region(rank) if in_dst else None
             out = yield from _collective(step, rank, comm, local, src_region, dst_region)
         i += 1
     return out
 
 
-def _exchange(batch, rank, comm, local, src_region, out, dst_region, like, tag=0):
+def _exchange(batch, rank, comm, src_at: _Local, out_at: _Local, like, tag=0):
     """One phase of point-to-point transfers: post all, then write (or add) in plan order."""
     sends, recvs, writes = [], [], []
     for t in batch:
         if t.src == rank:
-            source = _view(local, t.box, src_region) if t.phase == "A" else _view(out, t.box, dst_region)
+            source = src_at[t.box] if t.phase == "A" else out_at[t.box]
             sends.append((t.dst, source.contiguous()))
         if t.dst == rank:
             buffer = like.new_empty(_shape(t.box))
@@ -205,7 +218,7 @@ def _exchange(batch, rank, comm, local, src_region, out, dst_region, like, tag=0
             writes.append((t, buffer))
     yield comm.start_exchange(sends, recvs, tag)
     for t, buffer in writes:
-        target = _view(out, t.box, dst_region)
+        target = out_at[t.box]
         if t.accumulate:
             target += buffer
         else:

@@ -167,8 +167,7 @@ class Trainer:
         params = compiled.master_parameters()
         layouts = compiled.optimizer_layouts
         shards = {
-            fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(self.rank)].clone()
-            .to(self.device)
+            fqn: layout.local_of(params[fqn].detach().to(torch.float32), self.rank).to(self.device)
             for fqn, layout in layouts.items()
         }
         replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))

@@ -27,6 +27,8 @@ def collective_steps(src: AnyLayout, dst: AnyLayout) -> Optional[tuple[Step, ...
     """One collective per group along the changed mesh dim, or ``None`` when none applies."""
     if not (isinstance(src, Layout) and isinstance(dst, Layout)):
         return None
+    if src.interleaved_dim is not None or dst.interleaved_dim is not None:
+        return None  # several boxes per rank: point-to-point only
     if src.ranks != dst.ranks or src.mesh != dst.mesh:
         return None
     changed = [m for m, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]

@@ -37,20 +37,21 @@ class Piece:
 def pieces_of(layout: AnyLayout) -> tuple[Piece, ...]:
     """The pieces of ``layout`` in rank order of its layouts."""
     if isinstance(layout, Layout):
-        return tuple(Piece(r, layout.region(r), 0, layout.term(r)) for r in layout.ranks)
+        return tuple(Piece(r, box, 0, layout.term(r)) for r in layout.ranks for box in layout.regions(r))
     if not isinstance(layout, LayoutUnion):
         raise LayoutError(f"expected a Layout or LayoutUnion, got {layout!r}")
     out = []
     for p, (inner, offset) in enumerate(zip(layout.layouts, layout.offsets)):
         for r in inner.ranks:
-            box, term, replica = inner.region(r), inner.term(r), 0
-            if layout.hetero == "split":
-                box = ((box[0][0] + offset, box[0][1] + offset),) + box[1:]
-            elif layout.hetero == "duplicate":
-                replica = p
-            else:
-                term = (p,) + term
-            out.append(Piece(r, box, replica, term))
+            for box in inner.regions(r):
+                term, replica = inner.term(r), 0
+                if layout.hetero == "split":
+                    box = ((box[0][0] + offset, box[0][1] + offset),) + box[1:]
+                elif layout.hetero == "duplicate":
+                    replica = p
+                else:
+                    term = (p,) + term
+                out.append(Piece(r, box, replica, term))
     return tuple(out)
 
 
@@ -71,10 +72,10 @@ def local_shards(layout: AnyLayout, value: "torch.Tensor") -> dict[int, "torch.T
     first = {}
     for p in pieces:
         first[p.replica] = min(first.get(p.replica, p.term), p.term)
-    out = {}
+    out = {r: value.new_zeros(layout.local_shape(r)) for r in layout.ranks}
     for p in pieces:
-        part = value[tuple(slice(a, b) for a, b in p.box)].clone()
-        out[p.rank] = part if p.term == first[p.replica] else part.zero_()
+        if p.term == first[p.replica]:
+            out[p.rank][layout.local_index(p.rank, p.box)] = value[tuple(slice(a, b) for a, b in p.box)]
     return out
 
 
@@ -88,5 +89,5 @@ def assemble(layout: AnyLayout, shards: dict[int, "torch.Tensor"]) -> "torch.Ten
         if (p.box, p.term) in covered:
             continue
         covered.add((p.box, p.term))
-        total[tuple(slice(a, b) for a, b in p.box)] += shards[p.rank]
+        total[tuple(slice(a, b) for a, b in p.box)] += shards[p.rank][layout.local_index(p.rank, p.box)]
     return total

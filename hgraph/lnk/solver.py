@@ -103,16 +103,15 @@ def _validate(src: AnyLayout, dst: AnyLayout) -> None:
 
 def _is_noop(src: AnyLayout, dst: AnyLayout, steps: tuple[Step, ...]) -> bool:
     """Every destination rank already holds exactly its output (only whole-region copies)."""
-    src_boxes = {p.rank: p.box for p in pieces_of(src)}
-    copies = {}
+    copies: dict[int, set[Box]] = defaultdict(set)
     for step in steps:
-        if not isinstance(step, LocalCopy) or step.accumulate or step.rank in copies:
+        if not isinstance(step, LocalCopy) or step.accumulate:
             return False
-        copies[step.rank] = step.box
-    for piece in pieces_of(dst):
-        if src_boxes.get(piece.rank) != piece.box:
+        copies[step.rank].add(step.box)
+    for rank in dst.ranks:
+        if rank not in src.ranks or src.regions(rank) != dst.regions(rank):
             return False
-        if not piece.empty and copies.get(piece.rank) != piece.box:
+        if copies.get(rank, set()) != {box for box in dst.regions(rank) if box_numel(box)}:
             return False
     return True
 

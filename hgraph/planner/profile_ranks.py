@@ -167,7 +167,7 @@ def _rank_main(
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
     params = compiled.traced.params()
     shards = {
-        fqn: params[fqn].detach().to(torch.float32)[layout.local_slices(rank)].clone()
+        fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank)
         for fqn, layout in compiled.optimizer_layouts.items()
     }
     buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}

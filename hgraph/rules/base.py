@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.errors import ShardingRuleError
-from hgraph.layout import Partial, Placement, Replicate, Shard
+from hgraph.layout import InterleavedShard, Partial, Placement, Replicate, Shard
 
 MESH_DIMS = ("cp", "tp")
 CP, TP = 0, 1
@@ -153,6 +153,13 @@ class SizeArg:
     want: int
 
 
+def interleave_aware(rule: Callable) -> Callable:
+    """Mark a rule that handles ``InterleavedShard`` inputs (a fused projection's blocks); any other
+    rule sees such an input as replicated, so ``localize`` gathers it in block order first."""
+    rule.interleave_aware = True  # type: ignore[attr-defined]
+    return rule
+
+
 Lowering = Callable[["LowerContext", fx.Node], fx.Node]
 """Custom emission of one node: ``(lower context, global node) -> local node``."""
 
@@ -218,6 +225,7 @@ class RuleInput:
         self._specs = specs
         self._free = free
         self.node: Optional[fx.Node] = None
+        self.interleave_aware = False  # see ``interleave_aware``
 
     # ------------------------------------------------------------------ specs
     def degree(self, mesh_dim: int) -> int:
@@ -234,6 +242,9 @@ class RuleInput:
         spec = self._specs.get(node)
         if spec is None or (spec and isinstance(spec[0], tuple)):
             raise self.error(f"input {node.name} has no single tensor spec ({spec_str(spec)})")
+        if not self.interleave_aware and any(isinstance(p, InterleavedShard) for p in spec):
+            # a rule that does not know interleaved shards sees the value whole (localize gathers it)
+            return tuple(R if isinstance(p, InterleavedShard) else p for p in spec)  # type: ignore[return-value]
         return spec
 
     def specs_of(self, node: fx.Node) -> Any:

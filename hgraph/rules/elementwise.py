@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.layout import Partial, Shard
-from hgraph.rules.base import CP, TP, P, R, Decision, RuleInput, Spec
+from hgraph.rules.base import CP, TP, P, R, Decision, RuleInput, Spec, interleave_aware
 from hgraph.rules.registry import register
 
 aten = torch.ops.aten
@@ -117,6 +117,8 @@ FACTORIES = ("arange", "zeros", "ones", "full", "empty", "scalar_tensor", "new_z
              "new_full", "new_empty")
 LIKE = ("zeros_like", "ones_like", "empty_like", "full_like")
 
+for _rule in (pointwise_rule, copy_rule, dropout_rule, like_rule, factory_rule, no_tensor_output_rule):
+    interleave_aware(_rule)
 for _name in POINTWISE:
     register(getattr(aten, _name), pointwise_rule)
 for _name in COPIES:

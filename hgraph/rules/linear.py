@@ -2,7 +2,10 @@
 
 On tp, a linear whose input is replicated becomes *column-parallel* (weight cut on its output
 features, output cut on the last dim); one whose input is cut on its last dim becomes *row-parallel*
-(weight cut on its input features, output Partial, bias added after the reduction). A
+(weight cut on its input features, output Partial, bias added after the reduction). A *fused*
+column-parallel projection — its output only split, chunked or sliced on the last dim (GPT-2
+``c_attn``, Phi-3 ``qkv_proj``/``gate_up_proj``) — cuts every block separately
+(``InterleavedShard``): each rank holds its heads' q, k and v, and the split is local. A
 sequence-parallel input (cut on a token dim) is gathered first. On cp the tokens stay split and the
 weights are replicated. ``linear`` weights are ``[out, in]``; ``mm``/``addmm``/``matmul`` weights
 (GPT-2's ``Conv1D``) are ``[in, out]``.
@@ -15,11 +18,55 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Partial, Shard
+from hgraph.layout import InterleavedShard, Partial, Shard
 from hgraph.rules.base import CP, TP, P, R, Decision, LowerContext, RuleInput, Spec, with_placement
 from hgraph.rules.registry import register
+from hgraph.rules.shape import split_sizes
 
 aten = torch.ops.aten
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
+def fused_blocks(node: fx.Node, rin: RuleInput) -> Optional[tuple[int, ...]]:
+    """Block sizes of a fused projection: every use of ``node``'s last dim (through views that keep
+    it) is a split/chunk/slice of that dim, cut at the block boundaries; ``None`` otherwise or when a
+    block does not divide over tp."""
+    n = rin.shape(node)[-1]
+    cuts: set[int] = set()
+    frontier = [node]
+    while frontier:
+        value = frontier.pop()
+        nd = rin.ndim(value)
+        for user in value.users:
+            target, args = user.target, user.args
+            if target in _VIEWS and args[0] is value and rin.shape(user)[-1] == n:
+                frontier.append(user)
+            elif target in (aten.sym_size.int,):
+                continue
+            elif target in _SPLITS and args[0] is value and (args[2] if len(args) > 2 else 0) % nd == nd - 1:
+                sizes = split_sizes(target, args[1], n)
+                if sizes is None:
+                    return None
+                offset = 0
+                for size in sizes[:-1]:
+                    offset += size
+                    cuts.add(offset)
+            elif target is aten.slice.Tensor and args[0] is value and (args[1] if len(args) > 1 else 0) % nd == nd - 1:
+                start, end = (args[2] if len(args) > 2 else 0), (args[3] if len(args) > 3 else None)
+                step = args[4] if len(args) > 4 else 1
+                if step != 1 or not isinstance(start or 0, int) or not isinstance(end if end is not None else 0, int):
+                    return None
+                cuts.update(min(max(b + n if b < 0 else b, 0), n) for b in (start or 0, n if end is None else end))
+            else:
+                return None
+    bounds = sorted(cuts | {0, n})
+    blocks = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if len(blocks) < 2 or any(b % rin.degree(TP) for b in blocks):
+        return None
+    return blocks
 
 
 def _weight_decision(
@@ -47,8 +94,18 @@ def _weight_decision(
         if isinstance(px, Shard) or (isinstance(pw, Shard) and pw.dim % 2 == k_dim):
             req_x[m], req_w[m], out[m] = Shard(x_nd - 1), Shard(k_dim), P
             row_parallel = True
+        elif isinstance(pw, InterleavedShard) and pw.dim % 2 == n_dim:
+            req_w[m], out[m], req_b[m] = pw, InterleavedShard(out_nd - 1, pw.blocks), InterleavedShard(0, pw.blocks)
+        elif pw is None and rin.shape(w)[n_dim] % rin.degree(m):
+            continue  # too few output features to cut (a 1-wide gate): computed whole on every rank
         elif pw is None or (isinstance(pw, Shard) and pw.dim % 2 == n_dim):
-            req_w[m], out[m], req_b[m] = Shard(n_dim), Shard(out_nd - 1), Shard(0)
+            blocks = fused_blocks(node, rin) if pw is None else None
+            if blocks:
+                req_w[m], out[m], req_b[m] = (
+                    InterleavedShard(n_dim, blocks), InterleavedShard(out_nd - 1, blocks), InterleavedShard(0, blocks)
+                )
+            else:
+                req_w[m], out[m], req_b[m] = Shard(n_dim), Shard(out_nd - 1), Shard(0)
     inputs: dict[fx.Node, Spec] = {x: (req_x[0], req_x[1]), w: (req_w[0], req_w[1])}
     note = "row-parallel" if row_parallel else "column-parallel" if isinstance(out[TP], Shard) and out[TP].dim == out_nd - 1 else ""
     if bias is None:

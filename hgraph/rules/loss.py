@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Partial
+from hgraph.layout import Partial, Shard
 from hgraph.rules.base import TP, P, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
 from hgraph.runtime import ops
@@ -34,8 +34,8 @@ def cross_entropy_rule(node: fx.Node, rin: RuleInput) -> Decision:
     req_l, req_t, out = [R, R], [R, R], [R, R]
     vocab = False
     for m, p in enumerate(spec):
-        if rin.degree(m) == 1 or isinstance(p, Partial):
-            continue
+        if rin.degree(m) == 1 or not isinstance(p, Shard):
+            continue  # Partial logits are reduced first, replicated ones stay
         d = p.dim % nd
         if d == class_dim and m == TP and nd == 2:
             req_l[m], vocab = p, True

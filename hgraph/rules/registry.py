@@ -17,6 +17,7 @@ from hgraph.errors import ShardingRuleError
 Rule = Callable[..., Any]
 
 _RULES: dict[Any, Rule] = {}
+_BY_NAME: dict[str, Rule] = {}  # ops of libraries that register them on import (``transformers::...``)
 
 
 def register(op: Any, rule: Rule, *, replace: bool = False) -> None:
@@ -31,6 +32,16 @@ def register(op: Any, rule: Rule, *, replace: bool = False) -> None:
     if op in _RULES and not replace:
         raise ShardingRuleError(f"{op} already has a sharding rule; pass replace=True to override it")
     _RULES[op] = rule
+
+
+def register_by_name(name: str, rule: Rule) -> None:
+    """Register ``rule`` for the op named ``"namespace::op"`` (every overload), for custom ops that
+    exist only once their library is imported (transformers' ``grouped_mm_fallback``)."""
+    if "::" not in name:
+        raise ShardingRuleError(f"op name {name!r} must be 'namespace::op'")
+    if name in _BY_NAME:
+        raise ShardingRuleError(f"{name} already has a sharding rule")
+    _BY_NAME[name] = rule
 
 
 def unregister(op: Any) -> None:
@@ -48,7 +59,7 @@ def lookup(op: Any) -> Rule | None:
     except TypeError:  # unhashable target
         return None
     if rule is None and isinstance(op, torch._ops.OpOverload):
-        rule = _RULES.get(op.overloadpacket)
+        rule = _RULES.get(op.overloadpacket) or _BY_NAME.get(op.name().split(".")[0])
     return rule
 
 
@@ -58,4 +69,5 @@ def registered_ops() -> list[str]:
     from hgraph.rules.base import op_name
 
     _load_builtin_rules()
-    return sorted(str(op) if isinstance(op, torch._ops.OpOverloadPacket) else op_name(op) for op in _RULES)
+    names = [str(op) if isinstance(op, torch._ops.OpOverloadPacket) else op_name(op) for op in _RULES]
+    return sorted(names + [name.replace("::", ".") for name in _BY_NAME])

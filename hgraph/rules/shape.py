@@ -12,6 +12,7 @@ replicated on that mesh dim, so ``localize`` gathers it first.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
 from typing import Callable, Optional, Sequence
@@ -19,15 +20,17 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Partial, Placement, Shard
+from hgraph.layout import InterleavedShard, Partial, Placement, Shard
 from hgraph.rules.base import (
     CP,
     MESH_DIMS,
     P,
     R,
+    TP,
     Decision,
     RuleInput,
     StridedShard,
+    interleave_aware,
     shard_degrees,
 )
 from hgraph.rules.registry import register
@@ -81,6 +84,8 @@ def _view_placement(
     targets = [j for j in gj if dst[j] != 1]
     if not targets:
         return None
+    if isinstance(p, InterleavedShard):  # blocks survive a view only where the dim stays whole
+        return dataclasses.replace(p, dim=targets[0]) if len(gi) == 1 and targets == list(gj) == [targets[0]] else None
     if isinstance(p, StridedShard):
         if len(gi) != 1:
             return None
@@ -95,6 +100,8 @@ def _view_placement(
     leading = [i for i in gi if i < d and src[i] != 1]
     if not leading:
         e = targets[0]
+        if m == CP and len(targets) > 1 and dst[e] % (2 * degree):
+            return None  # cp tokens are in 2·cp load-balanced chunks: the leading dim must hold them
         if dst[e] % degree:
             if len(targets) > 1:
                 raise rin.error(
@@ -141,7 +148,10 @@ def reshape_rule(node: fx.Node, rin: RuleInput) -> Decision:
     elif target is aten.unflatten.int:
         dim = args[1] % len(src)
         args[2] = _rewrite_sizes(args[2], dim, cuts, rin)
-    return Decision(output=(out[0], out[1]), inputs={x: (req[0], req[1])}, args=tuple(args))
+    inputs = {x: (req[0], req[1])}
+    if target is aten.view_as.default:
+        inputs[args[1]] = (out[0], out[1])  # the local shape reference must be cut like the output
+    return Decision(output=(out[0], out[1]), inputs=inputs, args=tuple(args))
 
 
 def expand_rule(node: fx.Node, rin: RuleInput) -> Decision:
@@ -211,7 +221,20 @@ def slice_rule(node: fx.Node, rin: RuleInput) -> Decision:
     start = node.args[2] if len(node.args) > 2 else None
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    full = start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= rin.shape(x)[dim]))
+    size = rin.shape(x)[dim]
+    full = start in (None, 0) and step == 1 and (end is None or (isinstance(end, int) and end >= size))
+    p = rin.spec(x)[TP]
+    if isinstance(p, InterleavedShard) and p.dim % ndim == dim and not full and step == 1:
+        ints = [b for b in (start or 0, size if end is None else end) if isinstance(b, int)]
+        lo, hi = (min(max(b + size if b < 0 else b, 0), size) for b in ints) if len(ints) == 2 else (0, 0)
+        pieces = interleaved_pieces(p, [(lo, hi)]) if len(ints) == 2 else None
+        if pieces is not None:
+            out = _dim_map_rule(node, rin, lambda d: d).output
+            degree = rin.degree(TP)
+            return Decision(
+                output=(out[0], pieces[0]), inputs={x: rin.spec(x)},
+                args=(x, dim, lo // degree, hi // degree), note="fused projection sliced locally",
+            )
     return _dim_map_rule(node, rin, lambda d: d if (d != dim or full) else None)
 
 
@@ -220,15 +243,57 @@ def select_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return _dim_map_rule(node, rin, lambda d: None if d == dim else d - (d > dim))
 
 
+def split_sizes(target: object, arg: object, n: int) -> Optional[list[int]]:
+    """Piece sizes of ``split``/``chunk``/``split_with_sizes`` of ``n`` elements (``None``: symbolic)."""
+    if target is aten.split_with_sizes.default:
+        return list(arg) if all(isinstance(a, int) for a in arg) else None  # type: ignore[union-attr]
+    if not isinstance(arg, int):
+        return None
+    size = -(-n // arg) if target is aten.chunk.default else arg
+    return [min(size, n - o) for o in range(0, n, size)]
+
+
+def interleaved_pieces(p: InterleavedShard, bounds: Sequence[tuple[int, int]]) -> Optional[list[Placement]]:
+    """Placements of the ``[start, stop)`` pieces of an interleaved dim; ``None`` unless each piece
+    is whole blocks (then a single block is a plain ``Shard``, several an ``InterleavedShard``)."""
+    edges = [0]
+    for b in p.blocks:
+        edges.append(edges[-1] + b)
+    out: list[Placement] = []
+    for start, stop in bounds:
+        if start not in edges or stop not in edges or stop <= start:
+            return None
+        inner = p.blocks[edges.index(start) : edges.index(stop)]
+        out.append(Shard(p.dim) if len(inner) == 1 else InterleavedShard(p.dim, inner))
+    return out
+
+
 def split_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """split / split_with_sizes / chunk / unbind: local when the split dim is not sharded."""
+    """split / split_with_sizes / chunk / unbind: local when the split dim is not sharded, or when it
+    is an interleaved dim split at block boundaries (a fused projection: q, k, v stay on the rank)."""
     x = node.args[0]
     ndim = rin.ndim(x)
     removes = node.target is aten.unbind.int
     position = 1 if removes else 2
     dim = (node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)) % ndim
-    single = _dim_map_rule(node, rin, lambda d: None if d == dim else d - (removes and d > dim))
     count = len(node.meta["val"])
+    p = rin.spec(x)[TP]
+    if isinstance(p, InterleavedShard) and p.dim % ndim == dim and not removes:
+        sizes = split_sizes(node.target, node.args[1], rin.shape(x)[dim])
+        bounds = list(itertools.accumulate([0] + (sizes or [])))
+        pieces = interleaved_pieces(p, list(zip(bounds, bounds[1:]))) if sizes else None
+        if pieces is not None:
+            others = _dim_map_rule(node, rin, lambda d: d).output
+            degree = rin.degree(TP)
+            return Decision(
+                output=tuple((others[0], q) for q in pieces),
+                inputs={x: rin.spec(x)},
+                target=aten.split_with_sizes.default,
+                args=(x, [size // degree for size in sizes], dim),  # type: ignore[union-attr]
+                kwargs={},
+                note="fused projection split locally",
+            )
+    single = _dim_map_rule(node, rin, lambda d: None if d == dim else d - (removes and d > dim))
     return Decision(output=tuple(single.output for _ in range(count)), inputs=single.inputs)
 
 
@@ -269,6 +334,9 @@ def cat_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return Decision(output=(out[0], out[1]), inputs={t: (r[0], r[1]) for t, r in req.items()})
 
 
+for _rule in (reshape_rule, expand_rule, transpose_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
+              select_rule, split_rule, getitem_rule, cat_rule):
+    interleave_aware(_rule)
 for _op in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.view_as):
     register(_op, reshape_rule)
 register(aten.expand, expand_rule)

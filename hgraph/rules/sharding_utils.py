@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import torch
 
 from hgraph.errors import ShardingRuleError
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import CP, MESH_DIMS, TP, Spec, spec_str
 from hgraph.runtime.ops import load_balance_indices
 
@@ -53,6 +53,9 @@ def shard_for_rank(
         if m == CP and token_order:
             out = out.index_select(dim, load_balance_indices(size, mesh[m], coord[m]).to(out.device))
             continue
+        if isinstance(placement, InterleavedShard):
+            out = torch.cat([block.chunk(mesh[m], dim)[coord[m]] for block in out.split(list(placement.blocks), dim)], dim)
+            continue
         if size % mesh[m]:
             raise ShardingRuleError(
                 f"dim {dim} of size {size} cannot be cut evenly over {MESH_DIMS[m]}={mesh[m]}"
@@ -85,6 +88,10 @@ def _combine(
         return parts[0]
     assert isinstance(placement, Shard)
     dim = placement.dim % parts[0].dim()
+    if isinstance(placement, InterleavedShard):
+        local = [b // len(parts) for b in placement.blocks]
+        by_rank = [part.split(local, dim) for part in parts]
+        return torch.cat([by_rank[r][b] for b in range(len(local)) for r in range(len(parts))], dim)
     whole = torch.cat(parts, dim)
     if m == CP and token_order:
         order = torch.cat([load_balance_indices(whole.shape[dim], mesh[m], c) for c in range(mesh[m])])

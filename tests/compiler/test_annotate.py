@@ -11,7 +11,7 @@ from torch import nn
 from hgraph import models
 from hgraph.errors import ShardingRuleError
 from hgraph.frontend import trace
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.rules import Decision, register, unregister
@@ -69,8 +69,9 @@ def test_gradient_specs_under_sequence_parallelism_and_cp():
 
 def test_gpt2_conv1d_weights_and_bias_after_reduction():
     nodes = _annotated("gpt2", tp=2)
-    assert _param(nodes, "transformer.h.0.attn.c_attn.weight") == ((R, Shard(1)), (R, Shard(1)))
-    assert _param(nodes, "transformer.h.0.attn.c_attn.bias") == ((R, Shard(0)), (R, Shard(0)))
+    qkv = InterleavedShard(1, (64, 64, 64))  # fused q, k, v: each block cut, so the split stays local
+    assert _param(nodes, "transformer.h.0.attn.c_attn.weight") == ((R, qkv), (R, qkv))
+    assert _param(nodes, "transformer.h.0.attn.c_attn.bias") == ((R, InterleavedShard(0, qkv.blocks)),) * 2
     assert _param(nodes, "transformer.h.0.mlp.c_proj.weight") == ((R, Shard(0)), (R, Shard(0)))
     # the row-parallel bias is added once, after the all-reduce: its gradient is complete on every rank
     assert _param(nodes, "transformer.h.0.mlp.c_proj.bias") == ((R, R), (R, R))
@@ -93,18 +94,18 @@ def test_bad_degrees_raise():
         _annotated("llama", tp=4)  # 2 key/value heads
 
 
-class _Cumulative(nn.Module):
+class _Flipped(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).cumsum(1).sum()
+        return self.proj(x).flip(1).sum()
 
 
 def test_op_without_rule_is_named():
-    gm = torch.export.export(_Cumulative(), (torch.randn(2, 4, 8),)).graph_module
-    with pytest.raises(ShardingRuleError, match=r"aten\.cumsum\.default at node 'cumsum'.*no sharding rule"):
+    gm = torch.export.export(_Flipped(), (torch.randn(2, 4, 8),)).graph_module
+    with pytest.raises(ShardingRuleError, match=r"aten\.flip\.default at node 'flip'.*no sharding rule"):
         annotate(gm, ShardingOptions(tp=2))
 
 

@@ -1,0 +1,129 @@
+"""Rules for mixture-of-experts layers (Mixtral, Qwen2-MoE as HuggingFace traces them).
+
+Routing stays replicated on tp: ``topk``, ``sort``, ``cumsum`` need their whole dim, ``histc`` the
+whole tensor, and ``index``/``index_put_`` permute tokens. The experts are sharded like dense FFNs:
+``transformers::grouped_mm_fallback(tokens, weight [E, in, out], offsets)`` is column-parallel when its
+tokens are replicated (the gate/up projection, each block cut when its output is chunked into gate
+and up) and row-parallel when they are cut on features (the down projection, output Partial). On cp
+the routed tokens would be split, and sorting them needs them all: those specs are refused by
+``localize`` with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from hgraph.layout import InterleavedShard, Partial, Shard
+from hgraph.rules.base import CP, REPLICATED, TP, P, R, Decision, RuleInput, Spec
+from hgraph.rules.elementwise import pointwise_decision
+from hgraph.rules.linear import fused_blocks
+from hgraph.rules.registry import register, register_by_name
+
+aten = torch.ops.aten
+
+
+def _whole_dim(spec: Spec, dim: int, ndim: int) -> Spec:
+    """``spec`` with Partial and any shard of ``dim`` replaced by R."""
+    out = [R if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim % ndim == dim) else p for p in spec]
+    return (out[0], out[1])
+
+
+def topk_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """topk / sort (values, indices) and cumsum: the op's dim whole on every rank, other dims kept."""
+    x = node.args[0]
+    nd = rin.ndim(x)
+    if node.target is aten.topk.default:
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    elif node.target is aten.cumsum.default:
+        dim = node.args[1]
+    else:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    spec = _whole_dim(rin.spec(x), dim % nd, nd)
+    out = (spec, spec) if isinstance(node.meta.get("val"), (list, tuple)) else spec
+    return Decision(output=out, inputs={x: spec})
+
+
+def whole_tensor_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """histc and other reductions of every element: the whole tensor on every rank."""
+    return Decision(output=REPLICATED, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
+
+
+def index_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``x[idx]`` (one index tensor, on dim 0): rows are gathered, so x's dim 0 is whole; x's other
+    shards move behind the index dims, the index's shards lead the output."""
+    x, indices = node.args[0], node.args[1]
+    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
+        raise rin.error(f"indexing with {len(indices)} index entries; only x[idx] on dim 0 is supported")
+    idx = indices[0]
+    xs, ids = rin.spec(x), rin.spec(idx)
+    nd_x, nd_i = rin.ndim(x), rin.ndim(idx)
+    req_x, req_i, out = list(_whole_dim(xs, 0, nd_x)), list(ids), [R, R]
+    for m in (CP, TP):
+        px, pi = req_x[m], ids[m]
+        if isinstance(pi, Shard) and isinstance(px, (Shard, Partial)):
+            req_i[m] = pi = R
+        if isinstance(pi, Shard):
+            out[m] = pi
+        elif isinstance(px, Shard):
+            out[m] = dataclasses.replace(px, dim=px.dim % nd_x - 1 + nd_i)
+        elif isinstance(px, Partial):
+            out[m] = P
+    return Decision(output=(out[0], out[1]), inputs={x: (req_x[0], req_x[1]), idx: (req_i[0], req_i[1])})
+
+
+def index_put_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """In-place ``x[idx] = values``: only on replicated tensors (a conversion would write a copy)."""
+    x = node.args[0]
+    if rin.spec(x) != REPLICATED:
+        raise rin.error(f"in-place index_put_ on {x.name}, which is not replicated ({rin.spec(x)}); not supported")
+    return Decision(output=REPLICATED, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
+
+
+def inplace_pointwise_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``div_``/``mul_``/...: the pointwise rule, as long as the mutated tensor keeps its spec."""
+    x = node.args[0]
+    decision = pointwise_decision(node, rin, rin.tensor_inputs(node))
+    if decision.inputs.get(x) != rin.spec(x):
+        raise rin.error(
+            f"in-place {node.target} would have to convert {x.name} first ({rin.spec(x)} -> "
+            f"{decision.inputs.get(x)}), which would write a copy; not supported"
+        )
+    return decision
+
+
+def grouped_mm_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """Per-expert matmul of expert-sorted tokens ``[S, in]`` with ``[E, in, out]`` (see module doc)."""
+    x, w, offs = node.args[:3]
+    xs = rin.spec(x)
+    pw = None if rin.is_free(w) else rin.spec(w)[TP]
+    px = xs[TP]
+    req_x, req_w, out = [R, R], [R, R], [R, R]
+    if rin.degree(TP) > 1:
+        if isinstance(px, Shard) and not isinstance(px, InterleavedShard) and px.dim % 2 == 1 and (pw is None or pw == Shard(1)):
+            req_x[TP], req_w[TP], out[TP] = Shard(1), Shard(1), P  # row-parallel: the down projection
+        elif pw is None or (isinstance(pw, Shard) and pw.dim % 3 == 2):
+            blocks = pw.blocks if isinstance(pw, InterleavedShard) else fused_blocks(node, rin) if pw is None else None
+            if blocks:
+                req_w[TP], out[TP] = InterleavedShard(2, blocks), InterleavedShard(1, blocks)
+            else:
+                req_w[TP], out[TP] = Shard(2), Shard(1)
+    return Decision(
+        output=(out[0], out[1]),
+        inputs={x: (req_x[0], req_x[1]), w: (req_w[0], req_w[1]), offs: REPLICATED},
+        note="experts row-parallel" if out[TP] == P else "experts column-parallel" if isinstance(out[TP], Shard) else "",
+    )
+
+
+for _op in (aten.topk, aten.sort, aten.cumsum):
+    register(_op, topk_rule)
+register(aten.histc, whole_tensor_rule)
+register(aten.index, index_rule)
+register(aten.index_put_, index_put_rule)
+for _name in ("div_", "mul_", "add_", "sub_"):
+    register(getattr(aten, _name), inplace_pointwise_rule)
+
+
+register_by_name("transformers::grouped_mm_fallback", grouped_mm_rule)

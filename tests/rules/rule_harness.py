@@ -1,0 +1,379 @@
+"""Check one sharding rule the OpInfo way: localize one op for given input specs on a ``(cp, tp)``
+mesh, run it on simulated ranks and compare forward and vjp with the single-device op.
+
+For a sample (full fp64 inputs) and one spec per non-parameter input, the harness builds the global
+graph ``placeholders -> op [-> getitem...] -> output``, asks the op's registered rule for its
+decision (parameters are free: the rule places them, as in ``annotate``), records the partial-
+gradient uses exactly as ``annotate`` does, localizes with ``hgraph.passes.localize`` and runs the
+local program on 4 ranks (threads, real collectives of ``hgraph.runtime.ops``):
+
+* inputs: Shard pieces (cp token dims in the load-balanced order), Replicate copies, Partial terms
+  that differ per rank and sum to the value;
+* forward: every output is reassembled from the ranks by its output spec (Partial summed, Shard
+  concatenated, Replicate checked equal on all ranks) and compared with the op on full inputs;
+* backward: a random cotangent, cut by the output spec, is back-propagated on every rank; each
+  input's gradient is reassembled by the input's spec (a Replicate/Partial input must receive the
+  whole, exact gradient on every rank, a replicated parameter may receive a Partial one that Push
+  Gradient sums) and compared with ``torch.autograd.grad`` of the op.
+
+A rule that refuses a spec with an ``HGraphError`` (localize refusing a cp gather included) is not
+a failure: the spec is counted as refused. Any other exception is.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from hgraph.errors import HGraphError
+from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.passes.annotate import _decide, _partial_uses
+from hgraph.passes.localize import localize
+from hgraph.rules import lookup
+from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedShard, spec_str
+from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
+from hgraph.runtime.comm import run_threads
+from hgraph.runtime.context import RankContext, rank_context
+from hgraph.runtime.ops import load_balance_indices
+
+MESH = (2, 2)
+WORLD = MESH[CP] * MESH[TP]
+COORDS = [mesh_coord(r, MESH) for r in range(WORLD)]
+
+
+def _set_mesh(mesh: tuple[int, int]) -> None:
+    """The mesh of the case being checked (2x2, or 1x2 for ops refused on any cp)."""
+    global MESH, WORLD, COORDS
+    MESH, WORLD = mesh, mesh[CP] * mesh[TP]
+    COORDS = [mesh_coord(r, MESH) for r in range(WORLD)]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One call of the op: ``args``/``kwargs`` with full tensors; ``params``: names of the tensor
+    arguments that are model parameters (placed by the rule), ``names``: placeholder name per tensor
+    argument in order (default ``x0, x1, ...``; ``position_ids`` matters to some rules)."""
+
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    names: tuple[str, ...] = ()
+    params: frozenset[str] = frozenset()
+    values: bool = True  # False: only shapes and dtypes are defined (``empty``)
+    inplace: bool = False  # mutates its first input: forward only (autograd refuses in-place on leaves)
+
+
+@dataclass
+class Outcome:
+    accepted: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- cutting and assembling
+def _token_cut(t: torch.Tensor, dim: int, index: int, degree: int) -> torch.Tensor:
+    return t.index_select(dim, load_balance_indices(t.shape[dim], degree, index))
+
+
+def cut(full: torch.Tensor, spec: Spec, coord: tuple[int, int], token_order: bool) -> torch.Tensor:
+    """The piece of ``full`` at ``coord`` (Partial dims ignored: every rank sees the whole)."""
+    out = full
+    for m, p in enumerate(spec):
+        if not isinstance(p, Shard):
+            continue
+        dim = p.dim % out.dim()
+        if isinstance(p, InterleavedShard):
+            blocks = out.split(list(p.blocks), dim)
+            out = torch.cat([b.chunk(MESH[m], dim)[coord[m]] for b in blocks], dim)
+        elif isinstance(p, StridedShard):
+            shape = list(out.shape)
+            out = out.unflatten(dim, (p.split_factor, shape[dim] // p.split_factor))
+            out = (_token_cut(out, dim + 1, coord[m], MESH[m]) if m == CP and token_order else out.chunk(MESH[m], dim + 1)[coord[m]])
+            out = out.flatten(dim, dim + 1)
+        elif m == CP and token_order:
+            out = _token_cut(out, dim, coord[m], MESH[m])
+        else:
+            out = out.chunk(MESH[m], dim)[coord[m]]
+    return out
+
+
+def assemble(pieces: Sequence[torch.Tensor], shape: Sequence[int], spec: Spec, token_order: bool,
+             sum_dims: Sequence[int] = (), what: str = "") -> torch.Tensor:
+    """The full tensor from every rank's piece. Mesh dims in ``sum_dims`` are summed (Partial), other
+    non-Shard mesh dims must hold equal pieces."""
+    index = torch.arange(int(torch.tensor(shape).prod())).reshape(tuple(shape))
+    full = None
+    counts = None
+    for rank, coord in enumerate(COORDS):
+        piece = pieces[rank]
+        where = cut(index, spec, coord, token_order)
+        assert tuple(piece.shape) == tuple(where.shape), f"{what}: rank {rank} holds {tuple(piece.shape)}, spec {spec_str(spec)} gives {tuple(where.shape)}"
+        if full is None:
+            full = torch.zeros(index.numel(), dtype=piece.dtype)
+            counts = torch.zeros(index.numel(), dtype=torch.long)
+        summed = all(c == 0 for m, c in enumerate(coord) if m not in sum_dims and not isinstance(spec[m], Shard))
+        if summed:
+            full.index_add_(0, where.flatten(), piece.flatten().to(full.dtype)) if full.is_floating_point() else full.index_put_((where.flatten(),), piece.flatten(), accumulate=True)
+            counts.index_add_(0, where.flatten(), torch.ones(where.numel(), dtype=torch.long))
+    for a, b in itertools.combinations(range(WORLD), 2):
+        ca, cb = COORDS[a], COORDS[b]
+        differ = [m for m in range(2) if ca[m] != cb[m]]
+        if all(not isinstance(spec[m], Shard) and m not in sum_dims for m in differ):
+            torch.testing.assert_close(pieces[a], pieces[b], msg=lambda s, a=a, b=b: f"{what}: ranks {a} and {b} should hold the same value under {spec_str(spec)}: {s}")
+    assert counts is not None and full is not None
+    expected = 1
+    for m in sum_dims:
+        expected *= MESH[m]
+    assert bool((counts == expected).all()), f"{what}: spec {spec_str(spec)} does not cover every element exactly once"
+    return full.reshape(tuple(shape))
+
+
+def partial_terms(full: torch.Tensor, spec: Spec, token_order: bool, rng: torch.Generator) -> list[torch.Tensor]:
+    """Every rank's local value: its cut, split into per-rank terms along the Partial mesh dims."""
+    pdims = [m for m, p in enumerate(spec) if isinstance(p, Partial)]
+    base = [cut(full, spec, c, token_order) for c in COORDS]
+    if not pdims or not full.is_floating_point():
+        return [b.clone() for b in base]
+    k = 1
+    for m in pdims:
+        k *= MESH[m]
+    # a replicated mesh dim must see equal terms: the noise depends on the Shard and Partial coords only
+    key = [tuple(c[m] if not isinstance(spec[m], Replicate) else 0 for m in range(2)) for c in COORDS]
+    table = {kk: torch.randn(base[key.index(kk)].shape, generator=rng, dtype=full.dtype) for kk in sorted(set(key))}
+    out = []
+    for rank, coord in enumerate(COORDS):
+        group = [r for r, c in enumerate(COORDS) if all(c[m] == coord[m] for m in range(2) if m not in pdims)]
+        mean = sum(table[key[r]] for r in group) / len(group)
+        out.append(base[rank] / k + table[key[rank]] - mean)
+    return out
+
+
+# --------------------------------------------------------------------------- graph building
+def _tensors(sample: Sample) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate((sample.args, sample.kwargs), lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
+
+
+def tensor_names(sample: Sample) -> list[str]:
+    n = len(_tensors(sample))
+    return list(sample.names) if sample.names else [f"x{i}" for i in range(n)]
+
+
+def build_graph(target: Any, sample: Sample) -> tuple[fx.Graph, list[fx.Node], fx.Node, list[fx.Node]]:
+    """``placeholders -> op -> output`` with real values in ``meta['val']`` (static shapes)."""
+    graph = fx.Graph()
+    names = iter(tensor_names(sample))
+    placeholders: list[fx.Node] = []
+
+    def place(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            node = graph.placeholder(next(names))
+            node.meta["val"] = v
+            placeholders.append(node)
+            return node
+        return v
+
+    args = fx.node.map_aggregate(sample.args, place)
+    kwargs = fx.node.map_aggregate(sample.kwargs, place)
+    node = graph.call_function(target, tuple(args), dict(kwargs))
+    fresh = fx.node.map_aggregate(sample.args, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
+    node.meta["val"] = target(*fresh, **sample.kwargs)  # on copies: in-place ops keep the inputs
+    outputs = [node]
+    if isinstance(node.meta["val"], (list, tuple)):
+        outputs = []
+        import operator
+
+        for i, v in enumerate(node.meta["val"]):
+            item = graph.call_function(operator.getitem, (node, i))
+            item.meta["val"] = v
+            outputs.append(item)
+    graph.output(tuple(outputs))
+    return graph, placeholders, node, outputs
+
+
+# --------------------------------------------------------------------------- one spec combination
+def input_specs(t: torch.Tensor) -> list[Spec]:
+    """Every spec of a data input on the 2x2 mesh: R, P (floating only), S(d) per mesh dim."""
+    dims = [d for d in range(t.dim()) if t.shape[d] % (2 * MESH[CP]) == 0]  # cp token order: 2·cp chunks
+    options = [Replicate()] + ([Partial()] if t.is_floating_point() else []) + [Shard(d) for d in dims]
+    on_cp = options if MESH[CP] > 1 else [Replicate()]
+    # a fused projection's blocks on tp (q, k, v of unequal sizes where the dim allows)
+    on_tp = options + [
+        InterleavedShard(d, (t.shape[d] // 2, t.shape[d] // 4, t.shape[d] // 4) if t.shape[d] % (4 * MESH[TP]) == 0
+                         else (t.shape[d] // 2, t.shape[d] // 2))
+        for d in dims if t.is_floating_point() and t.shape[d] % (2 * MESH[TP]) == 0
+    ]
+    return [(a, b) for a in on_cp for b in on_tp if not (isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim)] + [
+        (Shard(d), Shard(d)) for d in dims if MESH[CP] > 1 and t.shape[d] % (2 * MESH[CP] * MESH[TP]) == 0
+    ]
+
+
+def check(target: Any, sample: Sample, specs: dict[str, Spec], seed: int = 0) -> bool:
+    """Localize and run one combination; ``False`` when refused with an ``HGraphError``."""
+    graph, placeholders, op_node, outputs = build_graph(target, sample)
+    params = frozenset(sample.params)
+    options = ShardingOptions(cp=MESH[CP], tp=MESH[TP], params=params, buffers=frozenset())
+    free = {p for p in placeholders if p.name in params}
+    all_specs: dict[fx.Node, Any] = {p: specs[p.name] for p in placeholders if p.name not in params}
+    rin = RuleInput(options, all_specs, free)
+    assert lookup(target) is not None, f"{target} has no rule"
+    try:
+        for node in [op_node, *([] if outputs == [op_node] else outputs)]:
+            rin.node = node
+            decision = _decide(node, rin)
+            for inp, req in decision.inputs.items():
+                if inp in free:
+                    free.discard(inp)
+                    all_specs[inp] = req
+            all_specs[node] = decision.output
+            node.meta["hgraph_decision"] = decision
+        out_node = next(n for n in graph.nodes if n.op == "output")
+        from hgraph.rules.base import Decision
+
+        out_node.meta["hgraph_decision"] = Decision(output=None, inputs={})
+        for p in free:
+            all_specs[p] = (Replicate(), Replicate())
+        for node in graph.nodes:
+            node.meta["hgraph_spec"] = all_specs.get(node)
+        grad_inputs = {p for p in placeholders if p.meta["val"].is_floating_point()}
+        partial = _partial_uses(op_node, op_node.meta["hgraph_decision"], grad_inputs)
+        op_node.meta["hgraph_grad_reduce"] = {i: d for i, d in partial.items() if i.name not in params}
+        for item in outputs:
+            if item is not op_node:
+                item.meta["hgraph_grad_reduce"] = {}
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        local = localize(gm, options)
+    except HGraphError:
+        return False
+    _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, params, local, seed)
+    return True
+
+
+def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, params, local, seed) -> None:
+    rng = torch.Generator().manual_seed(seed)
+    fulls = [p.meta["val"] for p in placeholders]
+    local_inputs = []
+    for p, full in zip(placeholders, fulls):
+        token = p.name not in params
+        local_inputs.append(partial_terms(full, all_specs[p], token, rng))
+    out_vals = [o.meta["val"] for o in outputs]
+    cots = [
+        torch.randn(v.shape, generator=rng, dtype=v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and sample.values else None
+        for v in out_vals
+    ]
+
+    def body(comm):
+        rank = comm.rank
+        groups = mesh_groups(rank, MESH)
+        xs = [li[rank].clone().requires_grad_(li[rank].is_floating_point() and not sample.inplace) for li in local_inputs]
+        with rank_context(RankContext(rank, comm, groups)):
+            result = local(*xs)
+            pairs = []
+            for o, v, c in zip(outputs, result, cots):
+                if c is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                    pairs.append((v, cut(c, all_specs[o], COORDS[rank], True)))
+            if pairs:
+                torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
+        return [v.detach() if isinstance(v, torch.Tensor) else v for v in result], [x.grad for x in xs]
+
+    results = run_threads(body, WORLD, timeout=30.0)
+    label = f"{target} with {', '.join(f'{p.name}={spec_str(all_specs[p])}' for p in placeholders)}"
+    for i, (o, v) in enumerate(zip(outputs, out_vals)):
+        spec = all_specs[o]
+        if not isinstance(v, torch.Tensor) or spec is None:
+            # size queries and assertions read the rank's local tensor
+            for rank, r in enumerate(results):
+                assert r[0][i] == target(*_substitute(sample, [li[rank] for li in local_inputs])[0]), label
+            continue
+        if not sample.values:
+            assert all(r[0][i].dtype == v.dtype for r in results), label
+            assemble([torch.zeros_like(r[0][i]) for r in results], v.shape, spec, True, (), label)
+            continue
+        sums = [m for m, q in enumerate(spec) if isinstance(q, Partial)]
+        got = assemble([r[0][i] for r in results], v.shape, spec, True, sums, f"{label}: output {i}")
+        torch.testing.assert_close(got, v, msg=lambda s, i=i: f"{label}: forward output {i} ({spec_str(spec)}): {s}")
+    diff_outs = [(v, c) for v, c in zip(out_vals, cots) if c is not None and not sample.inplace]
+    wanted = [j for j, f in enumerate(fulls) if f.is_floating_point()]
+    if not diff_outs or not wanted:
+        return
+    leaves = [f.clone().requires_grad_(f.is_floating_point()) for f in fulls]
+    args, kwargs = _substitute(sample, leaves)
+    ref_out = target(*args, **kwargs)
+    ref_out = list(ref_out) if isinstance(ref_out, (list, tuple)) else [ref_out]
+    pairs = [(a, c) for a, c in zip(ref_out, cots) if c is not None and a.requires_grad]
+    ref_grads = torch.autograd.grad([a for a, _ in pairs], [leaves[j] for j in wanted], [c for _, c in pairs], allow_unused=True)
+    for j, ref in zip(wanted, ref_grads):
+        p = placeholders[j]
+        pieces = [r[1][j] for r in results]
+        if ref is None:
+            ref = torch.zeros_like(fulls[j])
+        pieces = [torch.zeros_like(li) if g is None else g for g, li in zip(pieces, local_inputs[j])]
+        spec = all_specs[p]
+        sums = [m for m in partial.get(p, ()) if p.name in params and isinstance(spec[m], Replicate)]
+        got = assemble(pieces, fulls[j].shape, spec, p.name not in params, sums, f"{label}: grad of {p.name}")
+        torch.testing.assert_close(got, ref, msg=lambda s, p=p: f"{label}: gradient of {p.name}: {s}")
+
+
+def _substitute(sample: Sample, leaves: list[torch.Tensor]) -> tuple[tuple, dict]:
+    it = iter(leaves)
+    swap = lambda v: next(it) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return fx.node.map_aggregate(sample.args, swap), fx.node.map_aggregate(sample.kwargs, swap)
+
+
+def preferred_specs(target: Any, sample: Sample) -> dict[str, Spec]:
+    """The specs the rule asks of its data inputs when they all arrive replicated."""
+    graph, placeholders, op_node, _ = build_graph(target, sample)
+    params = frozenset(sample.params)
+    options = ShardingOptions(cp=MESH[CP], tp=MESH[TP], params=params, buffers=frozenset())
+    rr = (Replicate(), Replicate())
+    rin = RuleInput(options, {p: rr for p in placeholders if p.name not in params}, {p for p in placeholders if p.name in params})
+    rin.node = op_node
+    try:
+        decision = _decide(op_node, rin)
+    except HGraphError:
+        return {}
+    return {p.name: decision.inputs.get(p, rr) for p in placeholders if p.name not in params}
+
+
+def combinations(sample: Sample, limit: Optional[int], seed: int, preferred: dict[str, Spec]) -> list[dict[str, Spec]]:
+    """Spec combinations of the data inputs: all of them, or ``limit`` drawn after the ones always
+    tried (one input alone non-replicated, all inputs alike, the rule's preferred specs with one
+    input changed)."""
+    names = [n for n in tensor_names(sample) if n not in sample.params]
+    tensors = dict(zip(tensor_names(sample), _tensors(sample)))
+    per_input = [input_specs(tensors[n]) for n in names]
+    everything = [dict(zip(names, combo)) for combo in itertools.product(*per_input)]
+    if limit is None or len(everything) <= limit:
+        return everything
+    rr = (Replicate(), Replicate())
+    first = [c for c in everything if sum(s != rr for s in c.values()) <= 1 or len(set(c.values())) == 1]
+    if preferred:
+        for i, n in enumerate(names):
+            for spec in per_input[i]:
+                combo = {**preferred, n: spec}
+                if combo not in first:
+                    first.append(combo)
+    rest = [c for c in everything if c not in first]
+    random.Random(seed).shuffle(rest)
+    return first + rest[: max(0, limit - len(first))]
+
+
+def run_case(
+    target: Any, make: Callable[[torch.Generator], Sample], limit: Optional[int], seed: int = 0,
+    mesh: tuple[int, int] = (2, 2),
+) -> Outcome:
+    sample = make(torch.Generator().manual_seed(seed))
+    outcome = Outcome()
+    _set_mesh(mesh)
+    try:
+        for combo in combinations(sample, limit, seed, preferred_specs(target, sample)):
+            key = ", ".join(f"{k}={spec_str(v)}" for k, v in combo.items())
+            (outcome.accepted if check(target, copy.copy(sample), combo, seed) else outcome.refused).append(key)
+    finally:
+        _set_mesh((2, 2))
+    return outcome

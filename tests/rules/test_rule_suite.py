@@ -1,0 +1,50 @@
+"""Every registered sharding rule, every input spec it accepts on a 2x2 (cp, tp) mesh, fp64: the
+localized forward and vjp equal the single-device op (OpInfo-style, see ``rule_harness``)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from rule_cases import CASES
+from rule_harness import run_case
+
+from hgraph.rules import lookup, registered_ops
+from hgraph.rules.base import op_name
+
+DEFAULT_LIMIT = 48  # spec combinations per case in the default run (all single-input ones always)
+ALL = [(key, c) for key, cases in CASES.items() for c in cases]
+
+
+def registered_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket)
+    return op_name(target)
+
+
+def test_every_registered_rule_has_a_case():
+    missing = sorted(set(registered_ops()) - set(CASES))
+    assert not missing, f"sharding rules with no case in tests/rules/rule_cases.py: {missing}"
+    assert not sorted(set(CASES) - set(registered_ops())), "cases for ops that have no rule"
+
+
+@pytest.mark.parametrize("key, c", ALL, ids=[c.name for _, c in ALL])
+def test_case_exercises_its_rule(key, c):
+    if key == "_operator.getitem":
+        assert lookup(operator.getitem) is not None and isinstance(c.make(torch.Generator()).args[0], torch.Tensor)
+        return
+    assert registered_name(c.target) == key
+
+
+@pytest.mark.parametrize("key, c", ALL, ids=[c.name for _, c in ALL])
+def test_rule_equals_single_device(key, c):
+    outcome = run_case(c.target, c.make, DEFAULT_LIMIT, mesh=c.mesh)
+    assert outcome.accepted, f"{c.name}: every input spec was refused ({len(outcome.refused)})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, c", ALL, ids=[c.name for _, c in ALL])
+def test_rule_equals_single_device_every_spec(key, c):
+    outcome = run_case(c.target, c.make, 512, mesh=c.mesh)
+    assert outcome.accepted
