@@ -66,15 +66,18 @@ class _LossModule(nn.Module):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
-        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in parameters
+        # Training never reads a KV cache: ask for none, or the cache's in-place updates are traced.
+        self.call_options = {"use_cache": False} if "use_cache" in parameters else {}
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
         if self.takes_positions:
-            outputs = self.model(input_ids=input_ids, position_ids=position_ids)
+            outputs = self.model(input_ids=input_ids, position_ids=position_ids, **self.call_options)
         else:
-            outputs = self.model(input_ids)
+            outputs = self.model(input_ids, **self.call_options)
         return self.loss_fn(outputs, targets)
 
 

@@ -279,16 +279,20 @@ def _vocab_range(rows: int, mesh_dim: str) -> tuple[int, int]:
     return start, start + rows
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, mesh_dim: str) -> torch.Tensor:
+def vocab_parallel_embedding(
+    ids: torch.Tensor, weight_shard: torch.Tensor, mesh_dim: str, padding_idx: int | None = None
+) -> torch.Tensor:
     """Lookup in rows ``[index·rows, (index+1)·rows)`` of the vocabulary held here; zero elsewhere.
 
     Returns the *partial* embedding (the caller all-reduces or reduce-scatters it); the gradient flows
-    to the rows of ``weight_shard`` that were looked up.
+    to the rows of ``weight_shard`` that were looked up. ``padding_idx`` (a global row, as in
+    ``nn.Embedding``) gets no gradient: only the rank holding that row masks it.
     """
     start, end = _vocab_range(weight_shard.shape[0], mesh_dim)
     inside = (ids >= start) & (ids < end)
     local = torch.where(inside, ids - start, torch.zeros_like(ids))
-    return F.embedding(local, weight_shard).masked_fill(~inside.unsqueeze(-1), 0.0)
+    local_padding = padding_idx - start if padding_idx is not None and start <= padding_idx < end else None
+    return F.embedding(local, weight_shard, padding_idx=local_padding).masked_fill(~inside.unsqueeze(-1), 0.0)
 
 
 def vocab_parallel_cross_entropy(
