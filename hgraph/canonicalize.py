@@ -10,7 +10,10 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
   ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
   ``position_ids`` alone (HuggingFace builds one to detect packed sequences) once the mask is checked
-  to be exactly that block-causal mask on probe inputs; the dense mask computation then disappears.
+  to be exactly that block-causal mask — or its sliding window, ``window=w`` — on probe inputs longer
+  than every length constant of the mask computation (a probe no longer than the window would see
+  plain causality); the dense mask computation then disappears. A mask whose constants would need a
+  probe longer than 8192 tokens keeps its computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
   ``enable_gqa=True``.
 
@@ -124,10 +127,11 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         elif a["attn_mask"] is not None and not a["is_causal"]:
             if _data_inputs(a["attn_mask"]) <= {positions}:
                 masked.append(node)
-    if masked:
-        masked = _block_causal(gm, masked, positions, example_args)
-    for node in causal + masked:
-        _replace(gm.graph, node, positions)
+    windows = _block_causal(gm, masked, positions, example_args) if masked else {}
+    for node in causal:
+        _replace(gm.graph, node, positions, None)
+    for node, window in windows.items():
+        _replace(gm.graph, node, positions, window)
 
 
 def _data_inputs(node: fx.Node) -> set[fx.Node]:
@@ -145,10 +149,19 @@ def _data_inputs(node: fx.Node) -> set[fx.Node]:
     return found
 
 
+_MAX_PROBE = 8192  # longest probe sequence; a mask whose constants need more keeps its computation
+
+
 def _block_causal(
     gm: fx.GraphModule, nodes: list[fx.Node], positions: fx.Node, example_args: Sequence[Any]
-) -> list[fx.Node]:
-    """Those attention nodes whose mask equals the packed block-causal mask on probe inputs."""
+) -> dict[fx.Node, int | None]:
+    """Attention nodes whose mask is the packed block-causal mask (or its sliding window) -> window.
+
+    A probe no longer than a length constant of the mask cannot tell a window of that many tokens
+    from plain causality, so the mask is probed on sequences longer than every constant in its
+    computation (and on the example's length); only a mask equal to one block-causal mask, with one
+    window, on every probe is replaced.
+    """
     masks = [_sdpa_arguments(n)["attn_mask"] for n in nodes]
     needed: set[fx.Node] = set()
     stack = list(masks)
@@ -165,39 +178,103 @@ def _block_causal(
     probe_graph.output(tuple(env[m] for m in masks))
     probe = fx.GraphModule(gm, probe_graph)
     slot = [n for n in gm.graph.nodes if n.op == "placeholder"].index(positions)
-    shape = tuple(example_args[slot].shape)
-    ok = [True] * len(nodes)
-    for position_ids in _probe_positions(shape):
-        args = list(example_args)
-        args[slot] = position_ids
+    batch, seq = _val(positions).shape
+    example_batch, example_seq = tuple(example_args[slot].shape)
+    lengths = [example_seq]
+    if not isinstance(seq, int):  # one graph serves every length: probe past the mask's constants
+        longest = max([example_seq, *(_length_constants(gm, needed))]) + 3
+        if longest > _MAX_PROBE:
+            return {}
+        lengths = sorted({example_seq, longest})
+    rows = example_batch if isinstance(batch, int) else 2
+
+    def masks_for(position_ids: torch.Tensor) -> Any:
+        args = _resized_inputs(gm, list(example_args), slot, position_ids)
         with torch.no_grad():
-            values = probe(*args)
-        expected = _expected_mask(position_ids)
-        for i, value in enumerate(values):
-            ok[i] = ok[i] and _allows_exactly(value, expected)
-    return [n for n, good in zip(nodes, ok) if good]
+            return probe(*args)
+
+    probes = {length: _probe_positions((rows, length)) for length in lengths}
+    # The window is read where it must show (the longest probe, unpacked), then checked everywhere.
+    windows = [_window_of(mask, lengths[-1]) for mask in masks_for(probes[lengths[-1]][0])]
+    ok = [True] * len(nodes)
+    for length in lengths:
+        for position_ids in probes[length]:
+            for i, value in enumerate(masks_for(position_ids)):
+                ok[i] = ok[i] and _allows_exactly(value, _expected_mask(position_ids, windows[i]))
+    return {node: window for node, window, good in zip(nodes, windows, ok) if good}
+
+
+def _length_constants(gm: fx.GraphModule, nodes: set[fx.Node]) -> list[int]:
+    """Magnitudes of the numbers a mask computation uses (args and small tensor constants)."""
+    found: list[int] = []
+
+    def visit(value: Any) -> None:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, (int, float)) and abs(value) < 2**31:
+            found.append(int(abs(value)) + 1)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    for node in nodes:
+        if node.op == "get_attr":
+            constant = getattr(gm, node.target)
+            if isinstance(constant, torch.Tensor) and constant.numel() <= 4096:
+                found.extend(int(abs(x)) + 1 for x in constant.flatten().tolist())
+                found.extend(constant.shape)
+        elif node.op == "call_function":
+            visit(node.args)
+            visit(list(node.kwargs.values()))
+    return found
+
+
+def _resized_inputs(gm: fx.GraphModule, args: list[Any], slot: int, position_ids: torch.Tensor) -> list[Any]:
+    """Example inputs with ``position_ids`` in ``slot`` and the other data inputs resized to match."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = list(args)
+    out[slot] = position_ids
+    for i, node in enumerate(placeholders):
+        if node.name in ("input_ids", "targets") and isinstance(args[i], torch.Tensor):
+            out[i] = torch.zeros(position_ids.shape, dtype=args[i].dtype)
+    return out
+
+
+def _window_of(mask: Any, length: int) -> int | None:
+    """How many keys the last query of an unpacked first row may see, if fewer than all (a window)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    count = int(allowed[0, 0, -1].sum()) if allowed.shape[-1] == length else length
+    return count if count < length else None
 
 
 def _probe_positions(shape: tuple[int, int]) -> list[torch.Tensor]:
-    """One unpacked and one packed (sequences of 1-4 tokens, different per row) position tensor."""
+    """Unpacked rows, and packed rows: short sequences of 1-4 tokens, and one long sequence then short ones."""
     batch, seq = shape
     unpacked = torch.arange(seq).expand(batch, seq).contiguous()
     rows = []
     for row in range(batch):
-        lengths, total, k = [], 0, row
-        while total < seq:
-            lengths.append(min((1, 3, 2, 4)[k % 4], seq - total))
-            total += lengths[-1]
-            k += 1
+        if row % 2 and seq >= 5:
+            lengths = [seq - 3, 2, 1]
+        else:
+            lengths, total, k = [], 0, row
+            while total < seq:
+                lengths.append(min((1, 3, 2, 4)[k % 4], seq - total))
+                total += lengths[-1]
+                k += 1
         rows.append(torch.cat([torch.arange(n) for n in lengths]))
     return [unpacked, torch.stack(rows)]
 
 
-def _expected_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s, s] bool: query i may see key j iff same sequence and j <= i."""
+def _expected_mask(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[b, s, s] bool: query i may see key j iff same sequence, j <= i (and i - j < window)."""
     index = torch.arange(position_ids.shape[1])
     starts = torch.where(position_ids == 0, index, torch.zeros_like(index)).cummax(dim=1).values
-    return (starts[:, :, None] == starts[:, None, :]) & (index[None, :] <= index[:, None])
+    allowed = (starts[:, :, None] == starts[:, None, :]) & (index[None, :] <= index[:, None])
+    if window is not None:
+        allowed = allowed & (index[None, None, :] > index[None, :, None] - window)
+    return allowed
 
 
 def _allows_exactly(mask: Any, expected: torch.Tensor) -> bool:
@@ -240,7 +317,7 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
     return kv, repeat
 
 
-def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node) -> None:
+def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node, window: int | None) -> None:
     a = _sdpa_arguments(node)
     key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
     folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
@@ -251,6 +328,8 @@ def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node) -> None:
         kwargs["scale"] = a["scale"]
     if enable_gqa:
         kwargs["enable_gqa"] = True
+    if window is not None:
+        kwargs["window"] = window
     with graph.inserting_before(node):
         new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
     new.meta = dict(node.meta)

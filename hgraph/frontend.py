@@ -253,7 +253,9 @@ def _example_tensors(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...
                 f"example {name} has shape {tuple(value.shape)}, input_ids {tuple(input_ids.shape)}; "
                 "they must match"
             )
-    return input_ids, position_ids.contiguous(), targets
+    # Fresh contiguous copies: a view's strides (``ids[:, :8]`` keeps the parent's row stride) are
+    # not expressible in the symbolic sizes, and export would pin the example's shape into the graph.
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids, position_ids, targets))
 
 
 def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
