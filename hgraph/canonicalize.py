@@ -6,6 +6,9 @@ Models spell the same computation in different ways; the frontend rewrites a fre
 * metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
 * no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
   ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
+* an in-place op on a fresh tensor used nowhere else (``out += attn``) is its functional form, and
+  ``x @ W.T`` of a 2-d parameter is ``linear(x, W)``; batch and sequence sizes are read from
+  ``input_ids`` (so every pipeline stage can compute them);
 * every causal self-attention is ``hgraph.runtime.ops.packed_attention(q, k, v, position_ids)``:
   causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
   ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
@@ -48,6 +51,10 @@ def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         if source is not None:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
+    _sizes_from_inputs(graph)
+    for node in list(graph.nodes):
+        _functional_in_place(node)
+        _weight_matmul_as_linear(graph, node)
     _packed_attention(gm, example_args)
     graph.eliminate_dead_code()
     graph.lint()
@@ -94,6 +101,83 @@ def _identity_source(node: fx.Node) -> fx.Node | None:
     if target == aten.add.Tensor and isinstance(args[1], (int, float)) and args[1] == 0:
         return source
     return None
+
+
+def _sizes_from_inputs(graph: fx.Graph) -> None:
+    """Read the batch and sequence sizes from the first data input wherever a model reads them from
+    an activation (Bloom's ``batch_size, seq_length, _ = hidden_states.shape`` inside each block): the
+    same symbol, but a size read from an input is available to every pipeline stage."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and n.name == "input_ids"]
+    if not inputs or not isinstance(_val(inputs[0]), torch.Tensor):
+        return
+    source = inputs[0]
+    symbols = {}
+    for d, size in enumerate(_val(source).shape):
+        if isinstance(size, torch.SymInt):
+            symbols.setdefault(size.node.expr, d)
+    if not symbols:
+        return
+    replacements: dict[int, fx.Node] = {}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.sym_size.int or node.args[0] is source:
+            continue
+        size = _val(node)
+        d = symbols.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+        if d is None:
+            continue
+        if d not in replacements:
+            with graph.inserting_after(last_placeholder):
+                replacements[d] = graph.call_function(aten.sym_size.int, (source, d))
+            replacements[d].meta = dict(node.meta)
+        node.replace_all_uses_with(replacements[d])
+        graph.erase_node(node)
+
+
+def _fresh(node: Any) -> bool:
+    """A computed tensor that aliases nothing (not an input, not a view)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and all(r.alias_info is None for r in schema.returns)
+
+
+def _functional_in_place(node: fx.Node) -> None:
+    """``a.add_(b)`` on a fresh ``a`` used only here (Falcon's ``mlp_out += attn_out``) -> ``a + b``."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") or not node.args:
+        return
+    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    self_arg = node.args[0]
+    if functional is None or not _fresh(self_arg) or len(self_arg.users) != 1:
+        return
+    node.target = functional
+
+
+def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
+    """``x @ W.T`` with ``W`` a 2-d parameter (Falcon's ``FalconLinear``) -> ``linear(x, W)``, so the
+    rules see a linear layer (column/row parallel) rather than a product with a transposed tensor."""
+    if node.op != "call_function" or node.target != aten.matmul.default:
+        return
+    x, transposed = node.args[:2]
+    if not (isinstance(transposed, fx.Node) and transposed.op == "call_function"):
+        return
+    weight = transposed.args[0] if transposed.args else None
+    if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and weight.name.startswith("p_")):
+        return
+    value = _val(weight)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or _val(x) is None or _val(x).dim() < 2:
+        return
+    target, args = transposed.target, transposed.args
+    is_transpose = target in (aten.numpy_T.default, aten.t.default) or (
+        target == aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]
+    ) or (target == aten.permute.default and [a % 2 for a in args[1]] == [1, 0])
+    if not is_transpose:
+        return
+    node.target, node.args, node.kwargs = aten.linear.default, (x, weight), {}
 
 
 # ----------------------------------------------------------------------------- attention

@@ -279,14 +279,19 @@ def _capture(
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
     """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes."""
     if dynamic:
-        batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-        spec = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
-        try:
-            program = _export(wrapper, _tracing_examples(inputs), spec)
-        except TraceError as exc:
-            if not exc.shape_specialised:  # type: ignore[attr-defined]
-                raise
-            dynamic = False
+        program = None
+        # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
+        # table, which only specialises at the limit itself).
+        for limit in dict.fromkeys([None, _position_limit(wrapper.model)]):
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=limit)
+            spec = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
+            try:
+                program = _export(wrapper, _tracing_examples(inputs), spec)
+                break
+            except TraceError as exc:
+                if not exc.shape_specialised:  # type: ignore[attr-defined]
+                    raise
+        dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
     graph, param_names, buffer_names, tied = _lift(wrapper, program)
@@ -295,6 +300,16 @@ def _capture(
     example_args = [params[f] for f in param_names.values()] + [buffers[f] for f in buffer_names.values()]
     canonicalize(graph, example_args + list(inputs))
     return graph, param_names, buffer_names, tied, dynamic
+
+
+def _position_limit(model: nn.Module) -> int | None:
+    """One less than the longest sequence the model's config allows, if it names one."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 2:
+            return value - 1
+    return None
 
 
 @contextlib.contextmanager

@@ -130,7 +130,8 @@ def _requires_grad(gm: fx.GraphModule, options: ShardingOptions) -> set[fx.Node]
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         val = node.meta.get("val")
-        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        values = val if isinstance(val, (tuple, list)) else (val,)  # split/chunk return several tensors
+        floating = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in values)
         if node.op == "placeholder":
             if options.is_param(node):
                 out.add(node)

@@ -320,6 +320,18 @@ def vocab_parallel_cross_entropy(
     return per_token.masked_fill(targets == ignore_index, 0.0).sum()
 
 
+def own_kv_heads(kv: Tensor, mesh_dim: str) -> Tensor:
+    """The key/value head (dim 1) the query heads of this rank read, when tp exceeds the kv heads.
+
+    Query heads are split contiguously over ``mesh_dim``; with ``kv`` heads and ``tp`` ranks
+    (``tp % kv == 0``) rank ``r`` reads head ``r·kv // tp``. ``kv`` is replicated, so the gradient
+    of each rank is partial and summed by the caller's adjoint.
+    """
+    rc = current()
+    size, index = rc.size(mesh_dim), rc.index(mesh_dim)
+    return kv.narrow(1, index * kv.shape[1] // size, 1)
+
+
 # ----------------------------------------------------------------------------- packed attention
 def load_balance_indices(seq_len: int, cp: int, index: int) -> torch.Tensor:
     """Stream positions held by CP rank ``index``: chunks ``index`` and ``2·cp−1−index`` of ``2·cp``.

@@ -99,12 +99,12 @@ class _Cumulative(nn.Module):
         self.proj = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).cumsum(1).sum()
+        return self.proj(x).cumprod(1).sum()  # cumprod has no sharding rule
 
 
 def test_op_without_rule_is_named():
     gm = torch.export.export(_Cumulative(), (torch.randn(2, 4, 8),)).graph_module
-    with pytest.raises(ShardingRuleError, match=r"aten\.cumsum\.default at node 'cumsum'.*no sharding rule"):
+    with pytest.raises(ShardingRuleError, match=r"aten\.cumprod\.default at node 'cumprod'.*no sharding rule"):
         annotate(gm, ShardingOptions(tp=2))
 
 
