@@ -18,7 +18,8 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   plain causality); the dense mask computation then disappears. A mask whose constants would need a
   probe longer than 8192 tokens keeps its computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
-  ``enable_gqa=True``.
+  ``enable_gqa=True``. Attention written out by hand (``hgraph.eager_attention``: HuggingFace's eager
+  attention, Gemma 2's logit soft-capping) is treated the same way, its soft-cap kept.
 
 Attention with dropout, a mask of another kind (padding, ALiBi) or no causality stays as it is.
 """
@@ -32,6 +33,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from hgraph.eager_attention import match_eager_attention
 from hgraph.runtime.ops import packed_attention
 
 aten = torch.ops.aten
@@ -199,23 +201,26 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         return
     causal, masked = [], []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target != _SDPA:
+        if node.op != "call_function":
             continue
-        a = _sdpa_arguments(node)
+        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node)
+        if a is None:
+            continue
         q_len, k_len = _val(a["query"]).shape[-2], _val(a["key"]).shape[-2]
         self_attention = _same_shape([q_len, k_len], [_val(positions).shape[1]] * 2)
         if a["dropout_p"] != 0 or not self_attention:
             continue
         if a["is_causal"] and a["attn_mask"] is None:
-            causal.append(node)
+            causal.append((node, a))
         elif a["attn_mask"] is not None and not a["is_causal"]:
             if _data_inputs(a["attn_mask"]) <= {positions}:
-                masked.append(node)
-    windows = _block_causal(gm, masked, positions, example_args) if masked else {}
-    for node in causal:
-        _replace(gm.graph, node, positions, None)
-    for node, window in windows.items():
-        _replace(gm.graph, node, positions, window)
+                masked.append((node, a))
+    windows = _block_causal(gm, [a["attn_mask"] for _, a in masked], positions, example_args) if masked else []
+    for node, a in causal:
+        _replace(gm.graph, node, a, positions, None)
+    for (node, a), window in zip(masked, windows):
+        if window is not _NOT_CAUSAL:
+            _replace(gm.graph, node, a, positions, window)
 
 
 def _data_inputs(node: fx.Node) -> set[fx.Node]:
@@ -236,17 +241,19 @@ def _data_inputs(node: fx.Node) -> set[fx.Node]:
 _MAX_PROBE = 8192  # longest probe sequence; a mask whose constants need more keeps its computation
 
 
+_NOT_CAUSAL = object()
+
+
 def _block_causal(
-    gm: fx.GraphModule, nodes: list[fx.Node], positions: fx.Node, example_args: Sequence[Any]
-) -> dict[fx.Node, int | None]:
-    """Attention nodes whose mask is the packed block-causal mask (or its sliding window) -> window.
+    gm: fx.GraphModule, masks: list[fx.Node], positions: fx.Node, example_args: Sequence[Any]
+) -> list[Any]:
+    """Per mask: its window (``None``: plain block-causal) or ``_NOT_CAUSAL``.
 
     A probe no longer than a length constant of the mask cannot tell a window of that many tokens
     from plain causality, so the mask is probed on sequences longer than every constant in its
     computation (and on the example's length); only a mask equal to one block-causal mask, with one
     window, on every probe is replaced.
     """
-    masks = [_sdpa_arguments(n)["attn_mask"] for n in nodes]
     needed: set[fx.Node] = set()
     stack = list(masks)
     while stack:
@@ -268,7 +275,7 @@ def _block_causal(
     if not isinstance(seq, int):  # one graph serves every length: probe past the mask's constants
         longest = max([example_seq, *(_length_constants(gm, needed))]) + 3
         if longest > _MAX_PROBE:
-            return {}
+            return [_NOT_CAUSAL] * len(masks)
         lengths = sorted({example_seq, longest})
     rows = example_batch if isinstance(batch, int) else 2
 
@@ -280,12 +287,12 @@ def _block_causal(
     probes = {length: _probe_positions((rows, length)) for length in lengths}
     # The window is read where it must show (the longest probe, unpacked), then checked everywhere.
     windows = [_window_of(mask, lengths[-1]) for mask in masks_for(probes[lengths[-1]][0])]
-    ok = [True] * len(nodes)
+    ok = [True] * len(masks)
     for length in lengths:
         for position_ids in probes[length]:
             for i, value in enumerate(masks_for(position_ids)):
                 ok[i] = ok[i] and _allows_exactly(value, _expected_mask(position_ids, windows[i]))
-    return {node: window for node, window, good in zip(nodes, windows, ok) if good}
+    return [window if good else _NOT_CAUSAL for window, good in zip(windows, ok)]
 
 
 def _length_constants(gm: fx.GraphModule, nodes: set[fx.Node]) -> list[int]:
@@ -401,8 +408,7 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
     return kv, repeat
 
 
-def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node, window: int | None) -> None:
-    a = _sdpa_arguments(node)
+def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, window: int | None) -> None:
     key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
     folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
     if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
@@ -414,6 +420,8 @@ def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node, window: int | N
         kwargs["enable_gqa"] = True
     if window is not None:
         kwargs["window"] = window
+    if a.get("softcap") is not None:
+        kwargs["softcap"] = a["softcap"]
     with graph.inserting_before(node):
         new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
     new.meta = dict(node.meta)

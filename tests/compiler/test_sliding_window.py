@@ -71,3 +71,43 @@ def test_hf_mistral_window_shorter_than_the_sequence_equals_the_model():
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-6)
         for name, param in model.named_parameters():
             torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class EagerSoftcapAttention(nn.Module):
+    """Attention written out by hand as HuggingFace's eager path does, with Gemma 2's soft-capping."""
+
+    def __init__(self, window: int | None, softcap: float | None):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.qkv = nn.Linear(16, 48)
+        self.window, self.softcap = window, softcap
+
+    def forward(self, input_ids, position_ids):
+        b, s = input_ids.shape
+        q, k, v = self.qkv(self.embed(input_ids)).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        sequence = torch.cumsum(position_ids.diff(dim=-1, prepend=position_ids[:, :1] - 1) != 1, dim=-1)
+        index = torch.arange(s)
+        allowed = (index[None, :] <= index[:, None]) & (sequence[:, :, None] == sequence[:, None, :])
+        if self.window is not None:
+            allowed = allowed & (index[None, :] > index[:, None] - self.window)
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
+        scores = q @ k.transpose(2, 3) * 8**-0.5
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        out = torch.softmax(scores + mask, dim=-1, dtype=torch.float32) @ v
+        return out.transpose(1, 2).reshape(b, s, 16) @ self.embed.weight.T
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, 2.0), (None, 2.0)])
+def test_eager_attention_becomes_packed_attention_with_its_softcap(window, softcap):
+    torch.manual_seed(0)
+    model = EagerSoftcapAttention(window, softcap)
+    traced = trace(model, torch.randint(0, 32, (2, 4)))
+    (node,) = packed_nodes(traced)
+    assert node.kwargs.get("window") == window and node.kwargs.get("softcap") == softcap
+    assert torch.ops.aten.softmax.int not in {n.target for n in traced.graph_module.graph.nodes}
+    ids = torch.randint(0, 32, (2, 20))
+    positions = torch.cat([torch.arange(13), torch.arange(7)]).expand(2, 20).contiguous()
+    targets = next_token_targets(ids)
+    expected = default_loss(model(ids, positions), targets)
+    torch.testing.assert_close(traced.run(ids, positions, targets), expected, rtol=1e-5, atol=1e-6)

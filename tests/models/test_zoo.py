@@ -22,8 +22,9 @@ EQUAL = "equal"
 # Mixture of experts: top-k routing has no sharding rule in this branch (issue 11 item 4, engineer
 # i11-rules). Flip these to EQUAL once the MoE rules are merged.
 MOE = r"aten\.topk\.default .* module 'model\.layers\.0\.mlp\.gate' .*no sharding rule"
-# Eager attention (Gemma 2's soft-capping, ALiBi in Bloom/MPT, OPT) keeps its dense mask, which is
-# computed across the whole sequence: context parallelism is refused, naming the op and the module.
+# ALiBi attention (Bloom, MPT) keeps its dense bias and mask, computed across the whole sequence, and
+# OPT derives positions from a cumulative sum over the sequence: context parallelism is refused,
+# naming the op and the module.
 EAGER_CP = r"(context parallelism|sharded tokens|cp-split tokens)"
 
 EXPECTED: dict[str, dict[str, str]] = {
@@ -32,7 +33,7 @@ EXPECTED: dict[str, dict[str, str]] = {
     "qwen2": {},
     "qwen3": {},
     "gemma": {},
-    "gemma2": {CP: EAGER_CP},
+    "gemma2": {},
     "phi3": {},
     "phi": {},
     "gpt2": {},
