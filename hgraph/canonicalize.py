@@ -6,13 +6,20 @@ Models spell the same computation in different ways; the frontend rewrites a fre
 * metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
 * no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
   ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
+* an in-place op on a fresh tensor used nowhere else (``out += attn``) is its functional form, and
+  ``x @ W.T`` of a 2-d parameter is ``linear(x, W)``; batch and sequence sizes are read from
+  ``input_ids`` (so every pipeline stage can compute them);
 * every causal self-attention is ``hgraph.runtime.ops.packed_attention(q, k, v, position_ids)``:
   causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
   ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
   ``position_ids`` alone (HuggingFace builds one to detect packed sequences) once the mask is checked
-  to be exactly that block-causal mask on probe inputs; the dense mask computation then disappears.
+  to be exactly that block-causal mask — or its sliding window, ``window=w`` — on probe inputs longer
+  than every length constant of the mask computation (a probe no longer than the window would see
+  plain causality); the dense mask computation then disappears. A mask whose constants would need a
+  probe longer than 8192 tokens keeps its computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
-  ``enable_gqa=True``.
+  ``enable_gqa=True``. Attention written out by hand (``hgraph.eager_attention``: HuggingFace's eager
+  attention, Gemma 2's logit soft-capping) is treated the same way, its soft-cap kept.
 
 Attention with dropout, a mask of another kind (padding, ALiBi) or no causality stays as it is.
 """
@@ -26,6 +33,8 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from hgraph.eager_attention import match_eager_attention
+from hgraph.mask_probe import NOT_CAUSAL, block_causal
 from hgraph.runtime.ops import packed_attention
 
 aten = torch.ops.aten
@@ -45,6 +54,10 @@ def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         if source is not None:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
+    _sizes_from_inputs(graph)
+    for node in list(graph.nodes):
+        _functional_in_place(node)
+        _weight_matmul_as_linear(graph, node)
     _packed_attention(gm, example_args)
     graph.eliminate_dead_code()
     graph.lint()
@@ -93,6 +106,83 @@ def _identity_source(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _sizes_from_inputs(graph: fx.Graph) -> None:
+    """Read the batch and sequence sizes from the first data input wherever a model reads them from
+    an activation (Bloom's ``batch_size, seq_length, _ = hidden_states.shape`` inside each block): the
+    same symbol, but a size read from an input is available to every pipeline stage."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and n.name == "input_ids"]
+    if not inputs or not isinstance(_val(inputs[0]), torch.Tensor):
+        return
+    source = inputs[0]
+    symbols = {}
+    for d, size in enumerate(_val(source).shape):
+        if isinstance(size, torch.SymInt):
+            symbols.setdefault(size.node.expr, d)
+    if not symbols:
+        return
+    replacements: dict[int, fx.Node] = {}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.sym_size.int or node.args[0] is source:
+            continue
+        size = _val(node)
+        d = symbols.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+        if d is None:
+            continue
+        if d not in replacements:
+            with graph.inserting_after(last_placeholder):
+                replacements[d] = graph.call_function(aten.sym_size.int, (source, d))
+            replacements[d].meta = dict(node.meta)
+        node.replace_all_uses_with(replacements[d])
+        graph.erase_node(node)
+
+
+def _fresh(node: Any) -> bool:
+    """A computed tensor that aliases nothing (not an input, not a view)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and all(r.alias_info is None for r in schema.returns)
+
+
+def _functional_in_place(node: fx.Node) -> None:
+    """``a.add_(b)`` on a fresh ``a`` used only here (Falcon's ``mlp_out += attn_out``) -> ``a + b``."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") or not node.args:
+        return
+    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    self_arg = node.args[0]
+    if functional is None or not _fresh(self_arg) or len(self_arg.users) != 1:
+        return
+    node.target = functional
+
+
+def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
+    """``x @ W.T`` with ``W`` a 2-d parameter (Falcon's ``FalconLinear``) -> ``linear(x, W)``, so the
+    rules see a linear layer (column/row parallel) rather than a product with a transposed tensor."""
+    if node.op != "call_function" or node.target != aten.matmul.default:
+        return
+    x, transposed = node.args[:2]
+    if not (isinstance(transposed, fx.Node) and transposed.op == "call_function"):
+        return
+    weight = transposed.args[0] if transposed.args else None
+    if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and weight.name.startswith("p_")):
+        return
+    value = _val(weight)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or _val(x) is None or _val(x).dim() < 2:
+        return
+    target, args = transposed.target, transposed.args
+    is_transpose = target in (aten.numpy_T.default, aten.t.default) or (
+        target == aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]
+    ) or (target == aten.permute.default and [a % 2 for a in args[1]] == [1, 0])
+    if not is_transpose:
+        return
+    node.target, node.args, node.kwargs = aten.linear.default, (x, weight), {}
+
+
 # ----------------------------------------------------------------------------- attention
 def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -112,22 +202,26 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         return
     causal, masked = [], []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target != _SDPA:
+        if node.op != "call_function":
             continue
-        a = _sdpa_arguments(node)
+        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node)
+        if a is None:
+            continue
         q_len, k_len = _val(a["query"]).shape[-2], _val(a["key"]).shape[-2]
         self_attention = _same_shape([q_len, k_len], [_val(positions).shape[1]] * 2)
         if a["dropout_p"] != 0 or not self_attention:
             continue
         if a["is_causal"] and a["attn_mask"] is None:
-            causal.append(node)
+            causal.append((node, a))
         elif a["attn_mask"] is not None and not a["is_causal"]:
             if _data_inputs(a["attn_mask"]) <= {positions}:
-                masked.append(node)
-    if masked:
-        masked = _block_causal(gm, masked, positions, example_args)
-    for node in causal + masked:
-        _replace(gm.graph, node, positions)
+                masked.append((node, a))
+    windows = block_causal(gm, [a["attn_mask"] for _, a in masked], positions, example_args) if masked else []
+    for node, a in causal:
+        _replace(gm.graph, node, a, positions, None)
+    for (node, a), window in zip(masked, windows):
+        if window is not NOT_CAUSAL:
+            _replace(gm.graph, node, a, positions, window)
 
 
 def _data_inputs(node: fx.Node) -> set[fx.Node]:
@@ -143,79 +237,6 @@ def _data_inputs(node: fx.Node) -> set[fx.Node]:
         elif not (current.op == "call_function" and current.target == aten.sym_size.int):
             stack.extend(current.all_input_nodes)
     return found
-
-
-def _block_causal(
-    gm: fx.GraphModule, nodes: list[fx.Node], positions: fx.Node, example_args: Sequence[Any]
-) -> list[fx.Node]:
-    """Those attention nodes whose mask equals the packed block-causal mask on probe inputs."""
-    masks = [_sdpa_arguments(n)["attn_mask"] for n in nodes]
-    needed: set[fx.Node] = set()
-    stack = list(masks)
-    while stack:
-        current = stack.pop()
-        if current not in needed:
-            needed.add(current)
-            stack.extend(current.all_input_nodes)
-    probe_graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" or node in needed:
-            env[node] = probe_graph.node_copy(node, lambda n: env[n])
-    probe_graph.output(tuple(env[m] for m in masks))
-    probe = fx.GraphModule(gm, probe_graph)
-    slot = [n for n in gm.graph.nodes if n.op == "placeholder"].index(positions)
-    shape = tuple(example_args[slot].shape)
-    ok = [True] * len(nodes)
-    for position_ids in _probe_positions(shape):
-        args = list(example_args)
-        args[slot] = position_ids
-        with torch.no_grad():
-            values = probe(*args)
-        expected = _expected_mask(position_ids)
-        for i, value in enumerate(values):
-            ok[i] = ok[i] and _allows_exactly(value, expected)
-    return [n for n, good in zip(nodes, ok) if good]
-
-
-def _probe_positions(shape: tuple[int, int]) -> list[torch.Tensor]:
-    """One unpacked and one packed (sequences of 1-4 tokens, different per row) position tensor."""
-    batch, seq = shape
-    unpacked = torch.arange(seq).expand(batch, seq).contiguous()
-    rows = []
-    for row in range(batch):
-        lengths, total, k = [], 0, row
-        while total < seq:
-            lengths.append(min((1, 3, 2, 4)[k % 4], seq - total))
-            total += lengths[-1]
-            k += 1
-        rows.append(torch.cat([torch.arange(n) for n in lengths]))
-    return [unpacked, torch.stack(rows)]
-
-
-def _expected_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[b, s, s] bool: query i may see key j iff same sequence and j <= i."""
-    index = torch.arange(position_ids.shape[1])
-    starts = torch.where(position_ids == 0, index, torch.zeros_like(index)).cummax(dim=1).values
-    return (starts[:, :, None] == starts[:, None, :]) & (index[None, :] <= index[:, None])
-
-
-def _allows_exactly(mask: Any, expected: torch.Tensor) -> bool:
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
-        return False
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.is_floating_point():
-        allowed = mask == 0
-        if not bool((mask[~allowed] <= -1e4).all()):
-            return False
-    else:
-        return False
-    try:
-        full = torch.broadcast_shapes(allowed.shape, (expected.shape[0], 1, *expected.shape[1:]))
-    except RuntimeError:
-        return False
-    return torch.equal(allowed.expand(full), expected[:, None].expand(full))
 
 
 def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
@@ -240,8 +261,7 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
     return kv, repeat
 
 
-def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node) -> None:
-    a = _sdpa_arguments(node)
+def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, window: int | None) -> None:
     key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
     folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
     if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
@@ -251,6 +271,10 @@ def _replace(graph: fx.Graph, node: fx.Node, positions: fx.Node) -> None:
         kwargs["scale"] = a["scale"]
     if enable_gqa:
         kwargs["enable_gqa"] = True
+    if window is not None:
+        kwargs["window"] = window
+    if a.get("softcap") is not None:
+        kwargs["softcap"] = a["softcap"]
     with graph.inserting_before(node):
         new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
     new.meta = dict(node.meta)

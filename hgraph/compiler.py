@@ -139,6 +139,8 @@ def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: d
         s.check_world_size(world_size)
         for p in s.pipelines:
             for key, label in (("heads", "attention heads"), ("kv_heads", "key/value heads"), ("hidden", "hidden size"), ("vocab", "vocabulary")):
+                if key == "kv_heads" and key in dims and p.tp % dims[key] == 0:
+                    continue  # fewer key/value heads than tp ranks: each is replicated (Megatron)
                 if key in dims and dims[key] % p.tp:
                     raise StrategyError(
                         f"strategy {s}: tp={p.tp} does not divide the {label} ({dims[key]}); "

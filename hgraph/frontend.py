@@ -66,15 +66,18 @@ class _LossModule(nn.Module):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
-        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in parameters
+        # Training never reads a KV cache: ask for none, or the cache's in-place updates are traced.
+        self.call_options = {"use_cache": False} if "use_cache" in parameters else {}
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
         if self.takes_positions:
-            outputs = self.model(input_ids=input_ids, position_ids=position_ids)
+            outputs = self.model(input_ids=input_ids, position_ids=position_ids, **self.call_options)
         else:
-            outputs = self.model(input_ids)
+            outputs = self.model(input_ids, **self.call_options)
         return self.loss_fn(outputs, targets)
 
 
@@ -250,7 +253,9 @@ def _example_tensors(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...
                 f"example {name} has shape {tuple(value.shape)}, input_ids {tuple(input_ids.shape)}; "
                 "they must match"
             )
-    return input_ids, position_ids.contiguous(), targets
+    # Fresh contiguous copies: a view's strides (``ids[:, :8]`` keeps the parent's row stride) are
+    # not expressible in the symbolic sizes, and export would pin the example's shape into the graph.
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids, position_ids, targets))
 
 
 def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -274,14 +279,19 @@ def _capture(
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
     """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes."""
     if dynamic:
-        batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
-        spec = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
-        try:
-            program = _export(wrapper, _tracing_examples(inputs), spec)
-        except TraceError as exc:
-            if not exc.shape_specialised:  # type: ignore[attr-defined]
-                raise
-            dynamic = False
+        program = None
+        # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
+        # table, which only specialises at the limit itself).
+        for limit in dict.fromkeys([None, _position_limit(wrapper.model)]):
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=limit)
+            spec = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
+            try:
+                program = _export(wrapper, _tracing_examples(inputs), spec)
+                break
+            except TraceError as exc:
+                if not exc.shape_specialised:  # type: ignore[attr-defined]
+                    raise
+        dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
     graph, param_names, buffer_names, tied = _lift(wrapper, program)
@@ -290,6 +300,16 @@ def _capture(
     example_args = [params[f] for f in param_names.values()] + [buffers[f] for f in buffer_names.values()]
     canonicalize(graph, example_args + list(inputs))
     return graph, param_names, buffer_names, tied, dynamic
+
+
+def _position_limit(model: nn.Module) -> int | None:
+    """One less than the longest sequence the model's config allows, if it names one."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 2:
+            return value - 1
+    return None
 
 
 @contextlib.contextmanager

@@ -196,14 +196,15 @@ def _transformers() -> Any:
 def tiny_hf_llama(seed: int = 0, **overrides: Any) -> nn.Module:
     """A randomly initialised HuggingFace ``LlamaForCausalLM`` of the default ``LlamaConfig`` sizes.
 
-    ``overrides`` go to ``transformers.LlamaConfig`` (e.g. ``tie_word_embeddings=True``). The model is
+    ``overrides`` go to ``transformers.LlamaConfig`` (e.g. ``tie_word_embeddings=True``); everything
+    else (KV cache, attention implementation, token ids) is the family's default. The model is
     returned in eval mode (no dropout ops in traced graphs); the global RNG is left untouched.
     """
     transformers = _transformers()
     options: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa",
+        tie_word_embeddings=False,
     )
     options.update(overrides)
     with torch.random.fork_rng(devices=[]):
@@ -213,15 +214,13 @@ def tiny_hf_llama(seed: int = 0, **overrides: Any) -> nn.Module:
 
 
 def tiny_hf_gpt2(seed: int = 0, **overrides: Any) -> nn.Module:
-    """A randomly initialised HuggingFace ``GPT2LMHeadModel`` (tied embeddings, no dropout)."""
+    """A randomly initialised HuggingFace ``GPT2LMHeadModel`` in its default config, sizes shrunk.
+
+    Returned in eval mode, so GPT-2's default dropout (0.1) is off; tied embeddings.
+    """
     transformers = _transformers()
-    options: dict[str, Any] = dict(
-        vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024, use_cache=False,
-        attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
+    options: dict[str, Any] = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024)
     options.update(overrides)
-    options.setdefault("bos_token_id", options["vocab_size"] - 1)  # GPT-2's 50256 is outside the vocab
-    options.setdefault("eos_token_id", options["vocab_size"] - 1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**options))

@@ -113,6 +113,15 @@ class StageGraph:
         return names
 
 
+def _size_op(target: object) -> bool:
+    """Arithmetic on sizes: ``sym_size``, Python operators, ``torch.sym_max``..."""
+    if target is torch.ops.aten.sym_size.int:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return False
+    return getattr(target, "__module__", "") == "_operator" or getattr(target, "__name__", "").startswith("sym_")
+
+
 def assign_stages(
     gm: fx.GraphModule,
     pp: int,
@@ -155,8 +164,11 @@ def assign_stages(
         inputs = [a for a in n.all_input_nodes]
         from_params[n] = any(from_params.get(a, False) for a in inputs)
         stages = [fixed[a] for a in inputs if a in fixed]
-        size_only = not isinstance(n.meta.get("val"), torch.Tensor) and not from_params[n] and not stages
-        if layer.get(n) is not None and not size_only:  # sizes of the inputs go wherever they are used
+        # Size arithmetic (``batch * heads``) belongs to no layer: it is recomputed where it is used.
+        val = n.meta.get("val")
+        size_only = (isinstance(val, (int, torch.SymInt)) or _size_op(n.target)
+                     or (not isinstance(val, torch.Tensor) and not from_params[n] and not stages))
+        if layer.get(n) is not None and not size_only:
             fixed[n] = max([stage_of_layer[layer[n]]] + stages)
         elif stages:
             fixed[n] = max(stages)

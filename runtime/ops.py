@@ -281,16 +281,20 @@ def _vocab_range(rows: int, mesh_dim: str) -> tuple[int, int]:
     return start, start + rows
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor, mesh_dim: str) -> torch.Tensor:
+def vocab_parallel_embedding(
+    ids: torch.Tensor, weight_shard: torch.Tensor, mesh_dim: str, padding_idx: int | None = None
+) -> torch.Tensor:
     """Lookup in rows ``[index·rows, (index+1)·rows)`` of the vocabulary held here; zero elsewhere.
 
     Returns the *partial* embedding (the caller all-reduces or reduce-scatters it); the gradient flows
-    to the rows of ``weight_shard`` that were looked up.
+    to the rows of ``weight_shard`` that were looked up. ``padding_idx`` (a global row, as in
+    ``nn.Embedding``) gets no gradient: only the rank holding that row masks it.
     """
     start, end = _vocab_range(weight_shard.shape[0], mesh_dim)
     inside = (ids >= start) & (ids < end)
     local = torch.where(inside, ids - start, torch.zeros_like(ids))
-    return F.embedding(local, weight_shard).masked_fill(~inside.unsqueeze(-1), 0.0)
+    local_padding = padding_idx - start if padding_idx is not None and start <= padding_idx < end else None
+    return F.embedding(local, weight_shard, padding_idx=local_padding).masked_fill(~inside.unsqueeze(-1), 0.0)
 
 
 def vocab_parallel_cross_entropy(
@@ -316,6 +320,18 @@ def vocab_parallel_cross_entropy(
     target_logit = all_reduce(picked, mesh_dim)
     per_token = sum_exp.log() + peak - target_logit
     return per_token.masked_fill(targets == ignore_index, 0.0).sum()
+
+
+def own_kv_heads(kv: Tensor, mesh_dim: str) -> Tensor:
+    """The key/value head (dim 1) the query heads of this rank read, when tp exceeds the kv heads.
+
+    Query heads are split contiguously over ``mesh_dim``; with ``kv`` heads and ``tp`` ranks
+    (``tp % kv == 0``) rank ``r`` reads head ``r·kv // tp``. ``kv`` is replicated, so the gradient
+    of each rank is partial and summed by the caller's adjoint.
+    """
+    rc = current()
+    size, index = rc.size(mesh_dim), rc.index(mesh_dim)
+    return kv.narrow(1, index * kv.shape[1] // size, 1)
 
 
 # ----------------------------------------------------------------------------- packed attention
@@ -350,26 +366,51 @@ def _runs(stream: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int,
 
 
 def _attend_row(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list, scale: float | None, enable_gqa: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list, scale: float | None, enable_gqa: bool,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """q ``[b, hq, s_local, d]`` against the stream's k/v ``[b, hkv, S, d]``, run by run."""
+    """q ``[b, hq, s_local, d]`` against the stream's k/v ``[b, hkv, S, d]``, run by run.
+
+    A run's queries are the last ``hi - lo`` of its keys; with ``window`` a query at stream index i
+    sees keys j with ``i - window < j <= i`` only, so keys before the first query's window are cut.
+    """
     outputs = []
     for lo, hi, key_lo, key_hi in runs:
+        queries = hi - lo
+        if window is not None:
+            key_lo = max(key_lo, key_hi - queries - window + 1)
         q_run, k_run, v_run = q[:, :, lo:hi], k[:, :, key_lo:key_hi], v[:, :, key_lo:key_hi]
-        keys, queries = key_hi - key_lo, hi - lo
-        if keys == queries:  # the run starts its sequence: plain causal attention
-            mask, causal = None, True
-        else:  # the queries are the last `queries` of the keys: bottom-right aligned causal mask
-            index = torch.arange(keys, device=q.device)
-            mask, causal = index <= index[keys - queries :, None], False
+        keys = key_hi - key_lo
+        key_index = torch.arange(keys, device=q.device)
+        query_index = key_index[keys - queries :, None]  # bottom-right aligned: the queries end the keys
+        mask = key_index <= query_index
+        if window is not None:
+            mask = mask & (key_index > query_index - window)
+        if softcap is not None:
+            outputs.append(_softcapped_attention(q_run, k_run, v_run, mask, scale, softcap))
+            continue
+        plain_causal = keys == queries and (window is None or window >= keys)
         outputs.append(F.scaled_dot_product_attention(
-            q_run, k_run, v_run, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+            q_run, k_run, v_run, attn_mask=None if plain_causal else mask, is_causal=plain_causal,
+            scale=scale, enable_gqa=enable_gqa,
         ))
     return torch.cat(outputs, dim=2)
 
 
+def _softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None, softcap: float
+) -> Tensor:
+    """Attention with Gemma-2 logit soft-capping: ``scores = softcap · tanh(q·kᵀ·scale / softcap)``."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 def _packed_attention_local(
-    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
+    window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> Tensor:
     """Attention of the local queries; with ``cp`` k, v and positions are the cp-gathered ones."""
     if cp:
@@ -390,11 +431,11 @@ def _packed_attention_local(
         return attention_kernels.flex(q, k, v, stream_positions, local_stream, scale, enable_gqa)
     rows = range(q.shape[0])
     if all(torch.equal(stream_positions[0], stream_positions[b]) for b in rows):
-        return _attend_row(q, k, v, _runs(local_stream, stream_positions[0]), scale, enable_gqa)
+        return _attend_row(q, k, v, _runs(local_stream, stream_positions[0]), scale, enable_gqa, window, softcap)
     return torch.cat(
         [
             _attend_row(q[b : b + 1], k[b : b + 1], v[b : b + 1], _runs(local_stream, stream_positions[b]),
-                        scale, enable_gqa)
+                        scale, enable_gqa, window, softcap)
             for b in rows
         ],
         dim=0,
@@ -413,32 +454,35 @@ def _autograd_inside_op() -> Iterator[None]:
 
 @torch.library.custom_op("hgraph::packed_attention", mutates_args=())
 def _packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
+    window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> Tensor:
     with torch.no_grad():
-        return _packed_attention_local(q, k, v, position_ids, scale, cp, enable_gqa).contiguous()
+        return _packed_attention_local(q, k, v, position_ids, scale, cp, enable_gqa, window, softcap).contiguous()
 
 
 @torch.library.custom_op("hgraph::packed_attention_backward", mutates_args=())
 def _packed_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
-    enable_gqa: bool,
+    enable_gqa: bool, window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     with _autograd_inside_op():
-        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa)
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, window, softcap)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_packed_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
+      window: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @_packed_attention_backward.register_fake
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
-      enable_gqa: bool) -> tuple[Tensor, Tensor, Tensor]:
+      enable_gqa: bool, window: Optional[int] = None, softcap: Optional[float] = None
+      ) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -451,7 +495,7 @@ def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
 def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
     with _entered(ctx.rc):
         dq, dk, dv = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _packed_attention.register_autograd(_attention_backward, setup_context=_save_attention)
@@ -466,8 +510,14 @@ def packed_attention(
     scale: float | None = None,
     cp: bool = False,
     enable_gqa: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention inside each packed sequence; a sequence starts where ``position_ids == 0``.
+
+    ``window``: sliding-window attention (a query sees itself and the ``window - 1`` keys before it,
+    Mistral's ``sliding_window``); ``softcap``: logits capped as ``softcap · tanh(logits / softcap)``
+    (Gemma 2).
 
     q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]``, position_ids ``[b, s]``. Attention never crosses a
     sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
@@ -486,4 +536,6 @@ def packed_attention(
         k = all_gather(k, "cp", 2, grad_partial=True)
         v = all_gather(v, "cp", 2, grad_partial=True)
         position_ids = torch.ops.hgraph.all_gather(position_ids.detach(), "cp", 1, False)
-    return torch.ops.hgraph.packed_attention(q, k, v, position_ids, scale, cp and not shape_only, enable_gqa)
+    return torch.ops.hgraph.packed_attention(
+        q, k, v, position_ids, scale, cp and not shape_only, enable_gqa, window, softcap
+    )

@@ -37,7 +37,7 @@ __all__ = [
     "unregister",
 ]
 
-_BUILTIN_MODULES = ("elementwise", "shape", "linear", "embedding", "attention", "norm", "loss", "moe")
+_BUILTIN_MODULES = ("elementwise", "shape", "linear", "embedding", "attention", "norm", "loss", "indexing", "moe")
 _loaded = False
 
 

@@ -335,7 +335,20 @@ class RuleInput:
     def error(self, message: str) -> ShardingRuleError:
         node = self.node
         where = f"{op_name(node.target)} at node '{node.name}'" if node is not None else "rule"
-        return ShardingRuleError(f"{where}: {message}")
+        return ShardingRuleError(f"{where}{module_of(node)}: {message}")
+
+
+def module_of(node: Optional[fx.Node]) -> str:
+    """`` in LlamaForCausalLM module 'model.layers.0.mlp' (LlamaMLP)`` from the node's module stack."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values()) if node is not None else []
+    if stack and stack[0][1].endswith("_LossModule"):  # the frontend's wrapper: its 'model' is the user's
+        stack = [(path.removeprefix("model").lstrip("."), kind) for path, kind in stack[1:]]
+    if not stack:
+        return ""
+    model = stack[0][1].rsplit(".", 1)[-1]
+    path, kind = stack[-1]
+    inside = f" module '{path}' ({kind.rsplit('.', 1)[-1]})" if path else ""
+    return f" in {model}{inside}"
 
 
 def op_name(target: Any) -> str:

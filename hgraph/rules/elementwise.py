@@ -72,7 +72,8 @@ def dropout_rule(node: fx.Node, rin: RuleInput) -> Decision:
     if train and p != 0:
         raise rin.error(
             f"dropout with p={p} in training mode: ranks holding replicated activations would draw "
-            "different masks; set dropout to 0 (or eval mode) for hgraph programs"
+            "different masks; call model.eval() before hgraph.compile (dropout off, the model's "
+            "config unchanged) or set the dropout probability to 0"
         )
     return copy_rule(node, rin)
 
@@ -110,7 +111,7 @@ POINTWISE = (
     "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
     "masked_fill", "clamp", "clamp_min", "clamp_max", "remainder", "floor_divide", "neg", "rsqrt",
     "sqrt", "exp", "log", "sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "abs", "reciprocal",
-    "erf", "square", "log1p", "expm1", "sign", "softplus", "fill", "addcmul",
+    "erf", "square", "log1p", "expm1", "sign", "softplus", "fill", "addcmul", "__and__", "__or__",
 )
 COPIES = ("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to", "type_as")
 FACTORIES = ("arange", "zeros", "ones", "full", "empty", "scalar_tensor", "new_zeros", "new_ones",

@@ -4,7 +4,8 @@ With ``vocab_parallel`` (the default) the table is cut on its rows over tp and e
 the ids that fall in its rows (``hgraph.runtime.ops.vocab_parallel_embedding``): the output is
 Partial and is reduced by its first consumer (all-reduce, or reduce-scatter to the sequence dim
 under sequence parallelism). Tables indexed by the position ids (GPT-2's ``wpe``) stay replicated:
-their output would need the same reduction for no saving in compute.
+their output would need the same reduction for no saving in compute. A ``padding_idx`` row gets no
+gradient, as in ``nn.Embedding``: the rank holding that row masks it.
 """
 
 from __future__ import annotations
@@ -50,11 +51,6 @@ def embedding_rule(node: fx.Node, rin: RuleInput) -> Decision:
         and (rin.is_free(weight) or rin.spec(weight)[TP] == Shard(0))
     )
     if vocab:
-        if padding_idx is not None and padding_idx >= 0:
-            raise rin.error(
-                f"vocab-parallel embedding with padding_idx={padding_idx} is not supported (its gradient "
-                "row is masked); build the model without padding_idx or compile with vocab_parallel=False"
-            )
         rows = rin.shape(weight)[0]
         if rows % rin.degree(TP):
             raise rin.error(f"vocabulary of {rows} rows cannot be split over tp={rin.degree(TP)}")
@@ -66,7 +62,8 @@ def embedding_rule(node: fx.Node, rin: RuleInput) -> Decision:
         return Decision(output=(out[0], out[1]), inputs=inputs)
 
     def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
-        return lc.call(ops.vocab_parallel_embedding, (lc.local(ids), lc.local(weight), "tp"))
+        padding = (padding_idx,) if padding_idx is not None and padding_idx >= 0 else ()
+        return lc.call(ops.vocab_parallel_embedding, (lc.local(ids), lc.local(weight), "tp", *padding))
 
     return Decision(output=(out[0], out[1]), inputs=inputs, lower=lower, note="vocab-parallel")
 

@@ -174,7 +174,30 @@ def matmul_rule(
     return Decision(output=(out[0], out[1]), inputs={x: (req_x[0], req_x[1]), y: (req_y[0], req_y[1])})
 
 
+def baddbmm_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``beta·input + alpha·(b1 @ b2)`` (Bloom's ALiBi scores): the batched product's split, ``input``
+    brought to the product's spec (a pending sum of the product would add ``input`` tp times, so a
+    split contraction is refused in favour of replicated operands)."""
+    bias, b1, b2 = node.args[:3]
+    product = matmul_rule(node, rin, pair=(b1, b2))
+    out = list(product.output)
+    inputs = dict(product.inputs)
+    if any(isinstance(p, Partial) for p in out):
+        out = [R, R]
+        inputs = {b1: (R, R), b2: (R, R)}
+    req = [R, R]
+    nd, bias_nd = rin.ndim(node), rin.ndim(bias)
+    for m, p in enumerate(out):
+        if isinstance(p, Shard):
+            d = p.dim % nd - (nd - bias_nd)
+            if d >= 0 and rin.shape(bias)[d] != 1:
+                req[m] = Shard(d)
+    inputs[bias] = (req[0], req[1])
+    return Decision(output=(out[0], out[1]), inputs=inputs)
+
+
 register(aten.linear, linear_rule)
+register(aten.baddbmm, baddbmm_rule)
 register(aten.addmm, addmm_rule)
 for _op in (aten.mm, aten.bmm, aten.matmul):
     register(_op, matmul_rule)

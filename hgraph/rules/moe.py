@@ -51,29 +51,6 @@ def whole_tensor_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return Decision(output=REPLICATED, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
 
 
-def index_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """``x[idx]`` (one index tensor, on dim 0): rows are gathered, so x's dim 0 is whole; x's other
-    shards move behind the index dims, the index's shards lead the output."""
-    x, indices = node.args[0], node.args[1]
-    if len(indices) != 1 or not isinstance(indices[0], fx.Node):
-        raise rin.error(f"indexing with {len(indices)} index entries; only x[idx] on dim 0 is supported")
-    idx = indices[0]
-    xs, ids = rin.spec(x), rin.spec(idx)
-    nd_x, nd_i = rin.ndim(x), rin.ndim(idx)
-    req_x, req_i, out = list(_whole_dim(xs, 0, nd_x)), list(ids), [R, R]
-    for m in (CP, TP):
-        px, pi = req_x[m], ids[m]
-        if isinstance(pi, Shard) and isinstance(px, (Shard, Partial)):
-            req_i[m] = pi = R
-        if isinstance(pi, Shard):
-            out[m] = pi
-        elif isinstance(px, Shard):
-            out[m] = dataclasses.replace(px, dim=px.dim % nd_x - 1 + nd_i)
-        elif isinstance(px, Partial):
-            out[m] = P
-    return Decision(output=(out[0], out[1]), inputs={x: (req_x[0], req_x[1]), idx: (req_i[0], req_i[1])})
-
-
 def index_put_rule(node: fx.Node, rin: RuleInput) -> Decision:
     """In-place ``x[idx] = values``: only on replicated tensors (a conversion would write a copy)."""
     x = node.args[0]
@@ -117,10 +94,9 @@ def grouped_mm_rule(node: fx.Node, rin: RuleInput) -> Decision:
     )
 
 
-for _op in (aten.topk, aten.sort, aten.cumsum):
+for _op in (aten.topk, aten.sort):  # cumsum: hgraph.rules.indexing
     register(_op, topk_rule)
 register(aten.histc, whole_tensor_rule)
-register(aten.index, index_rule)
 register(aten.index_put_, index_put_rule)
 for _name in ("div_", "mul_", "add_", "sub_"):
     register(getattr(aten, _name), inplace_pointwise_rule)

@@ -249,3 +249,13 @@ def test_training_mode_dropout_is_kept():
     tm = trace(model, torch.randint(1, 32, (2, 10)))
     targets = [n.target for n in tm.graph_module.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.dropout.default in targets
+
+
+def test_a_sliced_example_does_not_pin_the_shapes():
+    """``ids[:, :8]`` is a view with the parent's row stride; the graph must still serve every length."""
+    model = tiny_hf_llama()
+    ids = torch.randint(0, 256, (2, 24))
+    tm = trace(model, ids[:, :8])
+    assert tm.dynamic
+    _, positions, targets = batch((2, 24))
+    torch.testing.assert_close(tm.run(ids, positions, targets), eager_loss(model, ids, positions, targets))

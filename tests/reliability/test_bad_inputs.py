@@ -54,7 +54,7 @@ def run_cli(capsys, *argv):
 @pytest.mark.parametrize("model, strategy, match", [
     (tiny(heads=6, kv_heads=6, hidden=48), "tp4",
      r"tp=4 does not divide the attention heads \(6\); use a tp that divides 6"),
-    (tiny(), "tp4", r"tp=4 does not divide the key/value heads \(2\)"),
+    (tiny(heads=6, kv_heads=3, hidden=48), "tp2", r"tp=2 does not divide the key/value heads \(3\)"),
     (tiny(vocab_size=255), "tp2", r"tp=2 does not divide the vocabulary \(255\); use a tp that divides 255"),
     (tiny(), "pp3", r"pp=3 exceeds the model's 2 layers; use pp <= 2"),
 ], ids=["heads", "kv-heads", "vocab", "layers"])

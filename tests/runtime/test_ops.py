@@ -341,3 +341,31 @@ def test_ops_give_identical_results_on_gloo_processes_and_threads():
         assert want.keys() == have.keys()
         for name in want:
             torch.testing.assert_close(have[name], want[name], msg=name)
+
+
+@pytest.mark.parametrize("window, softcap", [(3, None), (None, 5.0), (4, 2.0)])
+def test_packed_attention_window_and_softcap_equal_a_dense_mask(window, softcap):
+    """Oracle: one dense masked attention over the whole packed row, written out by hand."""
+    torch.manual_seed(0)
+    lengths = [[7, 2, 5], [14]]
+    q = torch.randn(2, 4, 14, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 14, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 14, 8, dtype=torch.float64, requires_grad=True)
+    positions = packed_positions(lengths)
+    out = ops.packed_attention(q, k, v, positions, enable_gqa=True, window=window, softcap=softcap)
+    index = torch.arange(14)
+    starts = [torch.cat([torch.full((n,), sum(row[:i])) for i, n in enumerate(row)]) for row in lengths]
+    same = torch.stack([s[:, None] == s[None, :] for s in starts])
+    mask = same & (index[None, :] <= index[:, None])
+    if window is not None:
+        mask = mask & (index[:, None] - index[None, :] < window)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / 8**0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    expected = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,196 @@
+"""The HuggingFace model zoo: each causal-LM family in its default config, only the sizes made tiny.
+
+``zoo_model("mistral")`` is ``AutoModelForCausalLM.from_config(MistralConfig(**sizes))`` — the
+family's own defaults (KV cache on, its default ``attn_implementation``, its pad token, its dropout)
+with hidden size, layers, heads, vocabulary, FFN width (and expert count, sliding window) shrunk.
+Nothing else is changed, so the zoo exercises hgraph on models exactly as users load them. The zoo
+test (``tests/models/test_zoo.py``) and ``benchmarks/model_zoo.py`` (the README's supported-models
+table) both build their models here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hgraph.errors import HGraphError, InputError
+
+_DECODER = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+)
+_MHA = {**_DECODER, "num_key_value_heads": 4}
+_WINDOW = 8  # shorter than the zoo's sequences, so the window matters
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its config class in ``transformers`` and the size fields shrunk."""
+
+    name: str
+    config: str
+    sizes: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.config}: {', '.join(f'{k}={v}' for k, v in self.sizes.items())})"
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaConfig", _DECODER),
+        Family("mistral", "MistralConfig", {**_DECODER, "head_dim": 16, "sliding_window": _WINDOW}),
+        Family("qwen2", "Qwen2Config", _DECODER),
+        Family("qwen3", "Qwen3Config", {**_DECODER, "head_dim": 16}),
+        Family("gemma", "GemmaConfig", {**_DECODER, "head_dim": 16}),
+        Family("gemma2", "Gemma2Config", {**_DECODER, "head_dim": 16, "sliding_window": _WINDOW,
+                                          "query_pre_attn_scalar": 16}),
+        Family("gemma3", "Gemma3TextConfig", {**_DECODER, "head_dim": 16, "sliding_window": _WINDOW,
+                                              "query_pre_attn_scalar": 16}),
+        Family("phi3", "Phi3Config", {**_MHA, "pad_token_id": 255, "eos_token_id": 255}),
+        Family("phi", "PhiConfig", _MHA),
+        Family("gpt2", "GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                         bos_token_id=255, eos_token_id=255)),
+        Family("gpt_neox", "GPTNeoXConfig", {**_MHA, "max_position_embeddings": 512}),
+        Family("opt", "OPTConfig", dict(vocab_size=256, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=512,
+                                        word_embed_proj_dim=64)),
+        Family("falcon", "FalconConfig", dict(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                              num_attention_heads=4, ffn_hidden_size=128)),
+        Family("bloom", "BloomConfig", dict(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)),
+        Family("stablelm", "StableLmConfig", _MHA),
+        Family("mixtral", "MixtralConfig", {**_DECODER, "num_local_experts": 4}),
+        Family("qwen2_moe", "Qwen2MoeConfig", {**_DECODER, "moe_intermediate_size": 32,
+                                               "shared_expert_intermediate_size": 64, "num_experts": 4,
+                                               "num_experts_per_tok": 2}),
+        Family("starcoder2", "Starcoder2Config", {**_DECODER, "sliding_window": _WINDOW}),
+        Family("gptj", "GPTJConfig", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                                          rotary_dim=8, bos_token_id=255, eos_token_id=255)),
+        Family("mpt", "MptConfig", dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=512)),
+        Family("gpt_bigcode", "GPTBigCodeConfig", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4,
+                                                       n_positions=512, bos_token_id=255, eos_token_id=255)),
+        Family("cohere", "CohereConfig", {**_MHA, "bos_token_id": 1, "eos_token_id": 2}),
+        Family("olmo2", "Olmo2Config", {**_MHA, "eos_token_id": 255}),
+    )
+}
+
+
+def zoo_config(name: str) -> Any:
+    """The family's default config with only its sizes shrunk (token ids moved inside the vocabulary)."""
+    import transformers
+
+    if name not in FAMILIES:
+        raise InputError(f"unknown zoo family {name!r}; known: {', '.join(FAMILIES)}")
+    family = FAMILIES[name]
+    return getattr(transformers, family.config)(**family.sizes)
+
+
+def zoo_model(name: str, seed: int = 0) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` of ``zoo_config(name)``, seeded; global RNG untouched.
+
+    Returned as ``from_config`` returns it (train mode, so a family whose defaults have dropout keeps it).
+    """
+    import transformers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(zoo_config(name))
+
+
+# ----------------------------------------------------------------------------- checking a family
+STRATEGY_KINDS: dict[str, str] = {
+    "tp + dp": "tp2 + 2x tp1",
+    "tp x pp": "tp2,pp2",
+    "dp x pp": "2x tp1,pp2",
+    "cp": "2x cp2",
+}
+"""Strategy kind -> the world-4 strategy the zoo compiles for it."""
+
+
+@dataclass(frozen=True)
+class ZooResult:
+    """One (family, strategy) outcome: ``equal`` (loss and every gradient within tolerance),
+    ``wrong`` (a silent mismatch: the worst relative error) or ``error`` (the HGraphError raised)."""
+
+    family: str
+    strategy: str
+    status: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.family:12s} {self.strategy:14s} {self.status}" + (f": {self.detail}" if self.detail else "")
+
+
+def reference_gradients(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The unmodified model's token-mean next-token loss and gradients (the oracle; no hgraph code)."""
+    targets = torch.full_like(ids, -100)
+    targets[:, :-1] = ids[:, 1:]
+    model.zero_grad()
+    logits = model(ids).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def _compare(loss, grads, ref_loss, ref_grads, rtol: float, atol: float) -> str:
+    """'' when equal, else the worst mismatch."""
+    if set(grads) != set(ref_grads):
+        return f"gradient names differ: {sorted(set(grads) ^ set(ref_grads))[:3]}"
+    worst, where = 0.0, ""
+    for name, want in [("loss", ref_loss), *ref_grads.items()]:
+        got = loss if name == "loss" else grads[name]
+        excess = ((got - want).abs() - (atol + rtol * want.abs())).max().item()
+        if excess > worst:
+            scale = want.abs().max().clamp_min(1e-12).item()
+            worst, where = excess, f"{name}: max relative error {(got - want).abs().max().item() / scale:.2e}"
+    return where
+
+
+def check_family(
+    name: str,
+    strategies: Sequence[str] = tuple(STRATEGY_KINDS.values()),
+    batch: tuple[int, int] = (4, 24),
+    example: tuple[int, int] = (2, 8),
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> list[ZooResult]:
+    """Compile the family's model (eval mode) for each strategy; ``simulate`` against the model.
+
+    The batch is longer than the example and than the zoo's sliding windows. Strategies without cp
+    are compiled together (one trace), each cp strategy on its own, so one refusal names itself.
+    """
+    import hgraph
+
+    model = zoo_model(name).eval()
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, batch, generator=generator)
+    example_ids = torch.randint(0, vocab, example, generator=generator)
+    ref_loss, ref_grads = reference_gradients(model, ids)
+    groups = [[s for s in strategies if "cp" not in s]] + [[s] for s in strategies if "cp" in s]
+    results = []
+    for group in (g for g in groups if g):
+        try:
+            compiled = hgraph.compile(model, group, example_inputs=example_ids)
+        except HGraphError as exc:
+            results += [ZooResult(name, s, "error", f"{type(exc).__name__}: {exc}") for s in group]
+            continue
+        for index, strategy in enumerate(group):
+            try:
+                loss, grads = compiled.simulate(index, ids)
+            except HGraphError as exc:
+                results.append(ZooResult(name, strategy, "error", f"{type(exc).__name__}: {exc}"))
+                continue
+            mismatch = _compare(loss, grads, ref_loss, ref_grads, rtol, atol)
+            results.append(ZooResult(name, strategy, "wrong" if mismatch else "equal", mismatch))
+    return results
+
+
+__all__ = ["FAMILIES", "STRATEGY_KINDS", "Family", "ZooResult", "check_family", "reference_gradients",
+           "zoo_config", "zoo_model"]
