@@ -11,13 +11,12 @@ the routed tokens would be split, and sorting them needs them all: those specs a
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.fx as fx
 
 from hgraph.layout import InterleavedShard, Partial, Shard
-from hgraph.rules.base import CP, REPLICATED, TP, P, R, Decision, RuleInput, Spec
+from hgraph.rules.base import REPLICATED, TP, P, R, Decision, RuleInput, Spec
 from hgraph.rules.elementwise import pointwise_decision
 from hgraph.rules.linear import fused_blocks
 from hgraph.rules.registry import register, register_by_name
@@ -56,6 +55,11 @@ def index_put_rule(node: fx.Node, rin: RuleInput) -> Decision:
     x = node.args[0]
     if rin.spec(x) != REPLICATED:
         raise rin.error(f"in-place index_put_ on {x.name}, which is not replicated ({rin.spec(x)}); not supported")
+    return Decision(output=REPLICATED, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
+
+
+def index_put_rule_functional(node: fx.Node, rin: RuleInput) -> Decision:
+    """``index_put(x, idx, values)`` (the functional form): scattered rows, computed on whole tensors."""
     return Decision(output=REPLICATED, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
 
 
@@ -98,6 +102,7 @@ for _op in (aten.topk, aten.sort):  # cumsum: hgraph.rules.indexing
     register(_op, topk_rule)
 register(aten.histc, whole_tensor_rule)
 register(aten.index_put_, index_put_rule)
+register(aten.index_put, index_put_rule_functional)
 for _name in ("div_", "mul_", "add_", "sub_"):
     register(getattr(aten, _name), inplace_pointwise_rule)
 

@@ -19,9 +19,9 @@ from hgraph.zoo import STRATEGY_KINDS, check_family, zoo_model
 
 TP_DP, TP_PP, DP_PP, CP = STRATEGY_KINDS.values()
 EQUAL = "equal"
-# Mixture of experts: top-k routing has no sharding rule in this branch (issue 11 item 4, engineer
-# i11-rules). Flip these to EQUAL once the MoE rules are merged.
-MOE = r"aten\.topk\.default .* module 'model\.layers\.0\.mlp\.gate' .*no sharding rule"
+# Mixture of experts: routing (topk, sort, histc) is replicated and needs every routed token, which
+# context parallelism splits: refused, naming the op.
+MOE_CP = r"(context parallelism|sharded tokens|cp-split tokens|cp)"
 # ALiBi attention (Bloom, MPT) keeps its dense bias and mask, computed across the whole sequence, and
 # OPT derives positions from a cumulative sum over the sequence: context parallelism is refused,
 # naming the op and the module.
@@ -42,8 +42,8 @@ EXPECTED: dict[str, dict[str, str]] = {
     "falcon": {},
     "bloom": {CP: EAGER_CP},
     "stablelm": {},
-    "mixtral": {TP_DP: MOE, TP_PP: MOE, DP_PP: MOE, CP: MOE},
-    "qwen2_moe": {TP_DP: MOE, TP_PP: MOE, DP_PP: MOE, CP: MOE},
+    "mixtral": {CP: MOE_CP},
+    "qwen2_moe": {CP: MOE_CP},
     # beyond the issue's sixteen (run with the slow tests)
     "gemma3": {},
     "starcoder2": {},

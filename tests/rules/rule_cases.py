@@ -245,7 +245,26 @@ CASES: dict[str, list[Case]] = {
     "aten.sort": unary(aten.sort.default, rand, -1),
     "aten.cumsum": unary(aten.cumsum.default, rand, 1),
     "aten.histc": unary(aten.histc.default, rand, 4, -2.0, 2.0),
-    "aten.index": [case(aten.index.Tensor, lambda g: Sample((rand(g, 8, 4, 8), [ints(g, 4, 4, high=8)])))],
+    "aten.index.Tensor": [
+        case(aten.index.Tensor, lambda g: Sample((rand(g, 8, 4, 8), [ints(g, 4, 4, high=8)]))),
+        case(aten.index.Tensor, lambda g: Sample((rand(g, 8, 8, 4), [ints(g, 4, high=8), ints(g, 4, high=8)])), "two indices"),
+        case(aten.index.Tensor, lambda g: Sample((rand(g, 4, 8, 4), [None, ints(g, 4, 4, high=8)])), "inner dim"),
+    ],
+    "aten.diff": [case(aten.diff.default, lambda g: Sample((rand(g, *X), 1, 1)))],
+    "aten.repeat": [
+        case(aten.repeat.default, lambda g: Sample((rand(g, *X), [1, 2, 1]))),
+        case(aten.repeat.default, lambda g: Sample((rand(g, *X), [2, 1, 1, 1])), "new leading dim"),
+    ],
+    "aten.repeat_interleave.self_int": [case(aten.repeat_interleave.self_int, lambda g: Sample((rand(g, *X), 2, 2)))],
+    "aten.numpy_T": unary(aten.numpy_T.default),
+    "aten.baddbmm": [
+        case(aten.baddbmm.default, lambda g: Sample((rand(g, 4, 8, 8), rand(g, 4, 8, 4), rand(g, 4, 4, 8)), {"alpha": 0.5}))
+    ],
+    "aten.__and__": binary(aten.__and__.Tensor, mask),
+    "aten.__or__": binary(aten.__or__.Tensor, mask),
+    "aten.index_put": [
+        case(aten.index_put.default, lambda g: Sample((rand(g, 8, 4), [torch.randperm(8, generator=g)[:4]], rand(g, 4, 4))))
+    ],
     "aten.index_put_": [
         case(aten.index_put_.default, lambda g: Sample((rand(g, 8, 4), [torch.randperm(8, generator=g)[:4]], rand(g, 4, 4)),
                                                        inplace=True))

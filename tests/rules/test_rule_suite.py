@@ -18,8 +18,8 @@ ALL = [(key, c) for key, cases in CASES.items() for c in cases]
 
 
 def registered_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target.overloadpacket)
+    if isinstance(target, torch._ops.OpOverload):  # the overload's own rule first, as lookup does
+        return str(target) if str(target) in registered_ops() else str(target.overloadpacket)
     return op_name(target)
 
 
