@@ -27,6 +27,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(TEST_ARGS)
 
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m slow $(TEST_ARGS)
+
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "slow or not slow" $(TEST_ARGS)
 

@@ -70,6 +70,7 @@ def test_bad_data_gets_one_line_errors(tmp_path, capsys):
     assert "decoder.py: byte 6 (0xff) is not valid UTF-8" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow  # make test-all / CI; the default run covers the feature elsewhere
 @pytest.mark.timeout(600)
 def test_train_checkpoint_resume_export(tmp_path, capsys):
     import torch

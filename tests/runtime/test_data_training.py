@@ -139,6 +139,7 @@ def _gpt2_tied(path):
     return trainer.state_dict()
 
 
+@pytest.mark.slow  # make test-all / CI; the default run covers the feature elsewhere
 @pytest.mark.timeout(600)
 def test_export_tied_embeddings(tmp_path):
     import transformers
