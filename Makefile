@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-slow test-all bench clean
 
 setup: $(STAMP)
 
