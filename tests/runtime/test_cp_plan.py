@@ -4,6 +4,7 @@ pipeline) trains exactly what one device trains: simulated ranks and real gloo p
 import pytest
 import torch
 
+from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model
@@ -43,21 +44,8 @@ def make_batches(iterations):
 
 
 def reference_run(batches):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses, params = [], []
-    for batch in batches:
-        tokens = sum(len(s) - 1 for s in batch)
-        opt.zero_grad()
-        total = 0.0
-        for s in batch:
-            loss = torch.nn.functional.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum") / tokens
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        losses.append(total)
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    ref = single_process_adamw(make_model(), batches, **OPT)
+    return ref.losses, ref.params
 
 
 def planned_run(iterations, comm=None):

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.runtime import comm as comm_module
@@ -32,23 +33,8 @@ def make_batches(iterations, vocab=256):
 
 
 def reference_run(kind, batches):
-    model = make_model(kind)
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses, params = [], []
-    for batch in batches:
-        tokens = sum(len(s) - 1 for s in batch)
-        opt.zero_grad()
-        total = 0.0
-        for s in batch:
-            out = model(s[None])
-            logits = out.logits if hasattr(out, "logits") else out
-            loss = torch.nn.functional.cross_entropy(logits[0, :-1], s[1:], reduction="sum") / tokens
-            loss.backward()
-            total += float(loss)
-        opt.step()
-        losses.append(total)
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    ref = single_process_adamw(make_model(kind), batches, **OPT)
+    return ref.losses, ref.params
 
 
 def bf16_run(comm, kind, iterations, reduce_dtype=torch.float32):

@@ -3,6 +3,7 @@ layers) learns exactly what single-process AdamW learns on the same batches."""
 
 import torch
 
+from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.recompute import RecomputeConfig
@@ -24,21 +25,8 @@ def make_batches(iterations):
 
 
 def reference_run(batches):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses, params = [], []
-    for batch in batches:
-        tokens = sum(len(s) - 1 for s in batch)
-        opt.zero_grad()
-        total = 0.0
-        for s in batch:
-            loss = torch.nn.functional.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum") / tokens
-            loss.backward()
-            total += float(loss)
-        opt.step()
-        losses.append(total)
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    ref = single_process_adamw(make_model(), batches, **OPT)
+    return ref.losses, ref.params
 
 
 def recompute_run(configs, iterations):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.comm import run_threads
@@ -35,22 +36,8 @@ def make_batches(iterations, seed=1):
 
 
 def reference_run(batches):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses, params = [], []
-    for batch in batches:
-        tokens = sum(len(s) - 1 for s in batch)
-        opt.zero_grad()
-        total = 0.0
-        for s in batch:
-            logits = model(s[None])[0, :-1]
-            loss = torch.nn.functional.cross_entropy(logits, s[1:], reduction="sum") / tokens
-            loss.backward()
-            total += float(loss)
-        opt.step()
-        losses.append(total)
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    ref = single_process_adamw(make_model(), batches, **OPT)
+    return ref.losses, ref.params
 
 
 def hgraph_run(strategies, iterations, comm=None, micro_batch_tokens=64):

@@ -4,6 +4,7 @@
 
 import torch
 
+from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
@@ -29,23 +30,8 @@ def make_batches(iterations, seed=3):
 
 def reference(batches, grad_clip=None):
     """Single-process AdamW on the unmodified model; returns losses, norms before clipping, params."""
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses, norms, params = [], [], []
-    for batch in batches:
-        tokens = sum(len(s) - 1 for s in batch)
-        opt.zero_grad()
-        total = 0.0
-        for s in batch:
-            loss = torch.nn.functional.cross_entropy(model(s[None])[0, :-1], s[1:], reduction="sum") / tokens
-            loss.backward()
-            total += float(loss)
-        if grad_clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
-        opt.step()
-        losses.append(total)
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, norms, params
+    ref = single_process_adamw(make_model(), batches, grad_clip=grad_clip, **OPT)
+    return ref.losses, ref.norms, ref.params
 
 
 def check_params(got, want):
