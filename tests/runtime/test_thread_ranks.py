@@ -132,3 +132,34 @@ def test_simulate_on_hf_llama_equals_the_unmodified_model_at_several_lengths():
             torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
             for name, p in model.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class LengthSwitch(torch.nn.Module):
+    """Branches on the sequence length, so it is traced again per shape (static fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.head = torch.nn.Linear(8, 32)
+
+    def forward(self, input_ids, position_ids=None):
+        h = self.embed(input_ids)
+        return self.head(h * 2 if input_ids.shape[1] > 8 else h)
+
+
+def test_per_shape_retrace_from_concurrent_rank_threads_traces_once():
+    model = LengthSwitch()
+    traced = hgraph.trace(model, torch.randint(0, 32, (1, 6)))
+    assert not traced.dynamic
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = F.cross_entropy(model(ids)[0], torch.roll(ids, -1, dims=1)[0], reduction="sum")
+    start = threading.Barrier(4)
+
+    def body(comm):
+        start.wait()
+        return traced.graph_for(1, 12), traced.run(ids)
+
+    results = run_threads(body, 4)
+    assert all(graph is results[0][0] for graph, _ in results)  # one trace, shared by every thread
+    for _, loss in results:
+        torch.testing.assert_close(loss, want)
