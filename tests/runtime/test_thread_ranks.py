@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import hgraph
-from hgraph.errors import TrainingError
+from hgraph.errors import CommunicationError, TrainingError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.runtime.comm import run_threads
 from hgraph.runtime.trainer import Trainer
@@ -105,16 +105,25 @@ def test_own_llama_built_on_each_thread_rank_trains_like_adamw():
     check(results, adamw_reference(make(), data))
 
 
-def test_ranks_holding_different_models_raise_instead_of_training():
-    """What an unseeded (or racing) construction gives: rank 1's model differs from rank 0's."""
-    def body(comm):
-        compiled = hgraph.compile(Llama(LlamaConfig(layers=1, kv_heads=4), seed=comm.rank), ["2x tp1"],
-                                  example_inputs=torch.randint(0, 256, (1, 8)))
-        Trainer(compiled, comm=comm, **OPT)
+def trainer_on_a_rank_seeded_model(comm=None):
+    """What an unseeded (or racing) construction gives: every rank's model differs (module level so
+    spawned processes can import it)."""
+    rank = comm.rank if comm is not None else torch.distributed.get_rank()
+    compiled = hgraph.compile(Llama(LlamaConfig(layers=1, kv_heads=4), seed=rank), ["2x tp1"],
+                              example_inputs=torch.randint(0, 256, (1, 8)))
+    Trainer(compiled, comm=comm, **OPT)
 
-    with pytest.raises(TrainingError, match=r"rank 1 .*embed\.weight.*seed") as info:
-        run_threads(body, 2, timeout=120)
-    assert "rank 0" in str(info.value)
+
+def test_ranks_holding_different_models_raise_instead_of_training():
+    with pytest.raises(TrainingError, match=r"rank 1 .*rank 0: 'embed\.weight'.*seed") as info:
+        run_threads(trainer_on_a_rank_seeded_model, 2, timeout=120)
+    assert "run_threads" in str(info.value)  # the fix for simulated ranks is named
+
+
+@pytest.mark.slow  # ~12 s of process start-up; the thread test above covers the check by default
+def test_ranks_holding_different_models_raise_on_gloo_processes():
+    with pytest.raises(CommunicationError, match=r"TrainingError: rank 1 holds a different model than rank 0"):
+        hgraph.launch(trainer_on_a_rank_seeded_model, 2, timeout=120)
 
 
 def test_simulate_on_hf_llama_equals_the_unmodified_model_at_several_lengths():
