@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -27,7 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from hgraph.errors import HGraphError, InputError, StrategyError
-from hgraph.frontend import TracedModel, trace
+from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
 from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import StageGraph, partition
@@ -39,7 +38,7 @@ from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
 
 StrategyLike = Union[int, Strategy]
-_COMPILE_LOCK = threading.RLock()
+_COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ shifted next tokens (prepared outside the graph).
 
 Batch and sequence dims are dynamic (``torch.export.Dim``), so one graph serves every micro-batch
 length. A model that specialises on its input shape is traced again per shape instead (static
-fallback, cached per shape in ``TracedModel.graph_for``).
+fallback, cached per shape in ``TracedModel.graph_for``; rank threads share it, ``CAPTURE_LOCK``).
 
 After capture the graph is canonicalised (``canonicalize``): no-op conversions, eval-mode dropout
 and metadata assertions are removed, tied parameters share one placeholder, and attention is expressed
@@ -35,6 +35,7 @@ import io
 import logging
 import os
 import re
+import threading
 import traceback
 from collections import Counter
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -49,6 +50,9 @@ from hgraph.errors import InputError, TraceError
 INPUT_NAMES = ("input_ids", "position_ids", "targets")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
+# simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
+CAPTURE_LOCK = threading.RLock()
 
 
 def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -120,11 +124,15 @@ class TracedModel:
     def graph_for(self, batch: int, seq: int) -> fx.GraphModule:
         """The graph for inputs of shape ``[batch, seq]`` (traced on first use when shapes are static)."""
         key = None if self.dynamic else (batch, seq)
-        if key not in self._graphs:
-            inputs = _example_tensors({"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
-            graph, *_ = _capture(_LossModule(self.model, self.loss_fn), inputs, dynamic=False)
-            self._graphs[key] = graph
-        return self._graphs[key]
+        graph = self._graphs.get(key)
+        if graph is None:
+            with CAPTURE_LOCK:  # two rank threads may meet a new shape at once: trace it once
+                graph = self._graphs.get(key)
+                if graph is None:
+                    inputs = _example_tensors({"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
+                    graph, *_ = _capture(_LossModule(self.model, self.loss_fn), inputs, dynamic=False)
+                    self._graphs[key] = graph
+        return graph
 
     def params(self) -> dict[str, torch.Tensor]:
         """Canonical FQN -> the model's live parameter tensor."""

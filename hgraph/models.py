@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hgraph.errors import InputError
+from hgraph.seeding import seeded_model
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ def tiny_hf_llama(seed: int = 0, **overrides: Any) -> nn.Module:
 
     ``overrides`` go to ``transformers.LlamaConfig`` (e.g. ``tie_word_embeddings=True``); everything
     else (KV cache, attention implementation, token ids) is the family's default. The model is
-    returned in eval mode (no dropout ops in traced graphs); the global RNG is left untouched.
+    returned in eval mode (no dropout ops in traced graphs); the global RNG is left untouched, and rank
+    threads building it at once get identical models (``hgraph.seeding``).
     """
     transformers = _transformers()
     options: dict[str, Any] = dict(
@@ -207,9 +209,8 @@ def tiny_hf_llama(seed: int = 0, **overrides: Any) -> nn.Module:
         tie_word_embeddings=False,
     )
     options.update(overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**options))
+    key = ("tiny_hf_llama", repr(sorted(options.items())))
+    model = seeded_model(key, seed, lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**options)))
     return model.eval()
 
 
@@ -221,9 +222,8 @@ def tiny_hf_gpt2(seed: int = 0, **overrides: Any) -> nn.Module:
     transformers = _transformers()
     options: dict[str, Any] = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=1024)
     options.update(overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**options))
+    key = ("tiny_hf_gpt2", repr(sorted(options.items())))
+    model = seeded_model(key, seed, lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**options)))
     return model.eval()
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hgraph.errors import HGraphError, InputError
+from hgraph.seeding import seeded_model
 
 _DECODER = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -90,15 +91,15 @@ def zoo_config(name: str) -> Any:
 
 
 def zoo_model(name: str, seed: int = 0) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` of ``zoo_config(name)``, seeded; global RNG untouched.
+    """``AutoModelForCausalLM.from_config`` of ``zoo_config(name)``, seeded; global RNG untouched
+    (``hgraph.seeding``: rank threads building it at once get identical models).
 
     Returned as ``from_config`` returns it (train mode, so a family whose defaults have dropout keeps it).
     """
     import transformers
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(zoo_config(name))
+    config = zoo_config(name)
+    return seeded_model(("zoo_model", name), seed, lambda: transformers.AutoModelForCausalLM.from_config(config))
 
 
 # ----------------------------------------------------------------------------- checking a family

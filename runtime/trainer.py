@@ -22,6 +22,7 @@ import torch
 from hgraph.errors import CheckpointError, InputError, TrainingError
 from hgraph.layout import Layout, Replicate
 from hgraph.lnk import solve
+from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.comm import Communicator
 from hgraph.runtime.context import RankContext, rank_context
 from hgraph.runtime.executor import run_iteration
@@ -165,6 +166,7 @@ class Trainer:
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
         params = compiled.master_parameters()
+        check_same_parameters({**params, **compiled.traced.buffers()}, self.comm, self.world, self.device)
         layouts = compiled.optimizer_layouts
         shards = {
             fqn: layout.local_of(params[fqn].detach().to(torch.float32), self.rank).to(self.device)

@@ -16,6 +16,8 @@ or by hand::
         return Decision(output=spec, inputs={x: spec})
 """
 
+import threading
+
 from hgraph.rules.base import MESH_DIMS, Decision, RuleInput, ShardingOptions, Spec, spec_str
 from hgraph.rules.registry import lookup, register, registered_ops, unregister
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
@@ -39,6 +41,7 @@ __all__ = [
 
 _BUILTIN_MODULES = ("elementwise", "shape", "linear", "embedding", "attention", "norm", "loss", "indexing", "moe")
 _loaded = False
+_LOAD_LOCK = threading.RLock()
 
 
 def _load_builtin_rules() -> None:
@@ -46,8 +49,11 @@ def _load_builtin_rules() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
-    import importlib
+    with _LOAD_LOCK:  # a second thread must not see the flag before every rule is registered
+        if _loaded:
+            return
+        import importlib
 
-    for name in _BUILTIN_MODULES:
-        importlib.import_module(f"hgraph.rules.{name}")
+        for name in _BUILTIN_MODULES:
+            importlib.import_module(f"hgraph.rules.{name}")
+        _loaded = True
