@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional, Union
 
 from hgraph.layout import AnyLayout, Box, box_numel, chunk_bounds
@@ -218,18 +219,22 @@ class ReshardPlan:
         return self._by_rank.get(rank, ())
 
     def messages(self) -> list[Message]:
-        return [m for step in self.steps for m in step.messages()]
+        return list(self._messages)
 
-    @property
+    @cached_property
+    def _messages(self) -> tuple[Message, ...]:
+        return tuple(m for step in self.steps for m in step.messages())
+
+    @cached_property
     def bytes_moved(self) -> int:
         """Bytes crossing between ranks (logical, unpadded)."""
-        return sum(n for _, _, n in self.messages()) * self.itemsize
+        return sum(n for _, _, n in self._messages) * self.itemsize
 
-    @property
+    @cached_property
     def max_rank_bytes(self) -> int:
         """Sent + received bytes of the busiest rank."""
         load: dict[int, int] = defaultdict(int)
-        for a, b, n in self.messages():
+        for a, b, n in self._messages:
             load[a] += n
             load[b] += n
         return max(load.values(), default=0) * self.itemsize
