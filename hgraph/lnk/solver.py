@@ -315,10 +315,13 @@ class _PointToPoint:
         steps: list[Step] = []
         for (rank, accumulate), cells in sorted(self.copies.items()):
             steps += [LocalCopy(rank, box, accumulate) for box in self.grid.merge(cells)]
-        for phase in ("A", "B"):
-            for (ph, src, dst, accumulate), cells in sorted(self.sends.items()):
-                if ph == phase:
-                    steps += [Transfer(src, dst, box, phase, accumulate) for box in self.grid.merge(cells)]
+        spans = self.grid.spans
+        for (phase, src, dst, accumulate), cells in sorted(self.sends.items()):  # phase A sorts before B
+            if len(cells) == 1:
+                box = tuple(s[i] for s, i in zip(spans, next(iter(cells))))
+                steps.append(Transfer(src, dst, box, phase, accumulate))
+            else:
+                steps += [Transfer(src, dst, box, phase, accumulate) for box in self.grid.merge(cells)]
         return tuple(steps)
 
 
