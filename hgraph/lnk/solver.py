@@ -252,7 +252,7 @@ class _PointToPoint:
             return len(have[replica]) - 1 + len(dst) - bool(holders.intersection(dst)), replica
 
         best = min(have, key=cost)
-        self._deliver(cell, dst, [sorted(have[best][t]) for t in sorted(have[best])])
+        self._deliver(cell, dst, [_ascending(have[best][t]) for t in sorted(have[best])])
 
     def _deliver(self, cell: Cell, dst: list[int], contributing: list[list[int]]) -> None:
         if len(contributing) == 1:
@@ -392,3 +392,8 @@ def _cheapest_split(wanted: tuple, rep: tuple) -> tuple[int, tuple]:
     for t in range(k):
         split.setdefault(dst_terms[groups[t][0]], []).append(sorted(holders[t]))
     return k + cost, tuple(sorted(split.items()))
+
+
+def _ascending(ranks: list[int]) -> list[int]:
+    """``ranks`` sorted (a single holder, the common case, as it is)."""
+    return ranks if len(ranks) == 1 else sorted(ranks)
