@@ -19,7 +19,7 @@ without the padding gloo needs for uneven chunks.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Union
 
@@ -198,16 +198,14 @@ class ReshardPlan:
     lower_bound_bytes: int
     topology: Topology = DEFAULT_TOPOLOGY
     noop: bool = False
-    _by_rank: dict = field(  # type: ignore[assignment]
-        default=None, init=False, repr=False, compare=False, hash=False
-    )
 
-    def __post_init__(self) -> None:
+    @cached_property
+    def _by_rank(self) -> dict[int, tuple[Step, ...]]:
         by_rank: dict[int, list[Step]] = defaultdict(list)
         for step in self.steps:
             for rank in dict.fromkeys(step.ranks):
                 by_rank[rank].append(step)
-        object.__setattr__(self, "_by_rank", {r: tuple(s) for r, s in by_rank.items()})
+        return {r: tuple(s) for r, s in by_rank.items()}
 
     @property
     def ranks(self) -> tuple[int, ...]:

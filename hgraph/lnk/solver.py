@@ -52,6 +52,7 @@ import bisect
 import functools
 import itertools
 from collections import defaultdict
+from operator import getitem
 from typing import Iterator, Optional
 
 from hgraph.errors import LayoutError
@@ -148,7 +149,7 @@ class _Grid:
     def merge(self, cells: set[Cell]) -> list[Box]:
         """Cover ``cells`` with few disjoint boxes (grow each box along the last dim first)."""
         if len(cells) == 1:
-            return [tuple(spans[i] for spans, i in zip(self.spans, next(iter(cells))))]
+            return [tuple(map(getitem, self.spans, next(iter(cells))))]
         remaining = set(cells)
         out = []
         for cell in sorted(cells):
@@ -318,7 +319,7 @@ class _PointToPoint:
         spans = self.grid.spans
         for (phase, src, dst, accumulate), cells in sorted(self.sends.items()):  # phase A sorts before B
             if len(cells) == 1:
-                box = tuple(s[i] for s, i in zip(spans, next(iter(cells))))
+                box = tuple(map(getitem, spans, next(iter(cells))))
                 steps.append(Transfer(src, dst, box, phase, accumulate))
             else:
                 steps += [Transfer(src, dst, box, phase, accumulate) for box in self.grid.merge(cells)]
