@@ -200,12 +200,33 @@ class ReshardPlan:
     noop: bool = False
 
     @cached_property
-    def _by_rank(self) -> dict[int, tuple[Step, ...]]:
-        by_rank: dict[int, list[Step]] = defaultdict(list)
-        for step in self.steps:
+    def _by_rank(self) -> dict[int, tuple[tuple[int, Step], ...]]:
+        by_rank: dict[int, list[tuple[int, Step]]] = defaultdict(list)
+        for k, step in enumerate(self.steps):
             for rank in dict.fromkeys(step.ranks):
-                by_rank[rank].append(step)
+                by_rank[rank].append((k, step))
         return {r: tuple(s) for r, s in by_rank.items()}
+
+    @cached_property
+    def first_round(self) -> frozenset[int]:
+        """Indices (in ``steps``) of the communication steps that need no earlier communication:
+        the leading transfers of the first phase, or the leading collectives on disjoint groups."""
+        out: set[int] = set()
+        seen: set[int] = set()
+        kind = None
+        for i, step in enumerate(self.steps):
+            if isinstance(step, LocalCopy):
+                continue
+            this = ("T", step.phase) if isinstance(step, Transfer) else ("C",)
+            if kind is not None and this != kind:
+                break
+            if this == ("C",):
+                if seen & set(step.ranks):
+                    break
+                seen |= set(step.ranks)
+            kind = this
+            out.add(i)
+        return frozenset(out)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -214,6 +235,11 @@ class ReshardPlan:
 
     def steps_for(self, rank: int) -> tuple[Step, ...]:
         """The steps ``rank`` takes part in, in plan order."""
+        return tuple(step for _, step in self._by_rank.get(rank, ()))
+
+    def indexed_steps_for(self, rank: int) -> tuple[tuple[int, Step], ...]:
+        """``(index in steps, step)`` of the steps ``rank`` takes part in, in plan order (built once
+        per plan for all ranks, so each rank's look-up costs its own steps only)."""
         return self._by_rank.get(rank, ())
 
     def messages(self) -> list[Message]:
