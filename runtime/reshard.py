@@ -106,12 +106,19 @@ def start(
     return Handle(finish, ready)
 
 
-def comm_steps(plan: ReshardPlan, rank: int) -> list[tuple]:
+def comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     """The communication calls ``rank`` issues for ``plan``, in order, as the interpreter batches them:
     ``(at_start, ("collective", kind, group))`` or ``(at_start, ("p2p", send peers, receive peers))``;
     ``at_start``: issued by ``start`` rather than by ``wait``. Used by dry runs."""
     if plan.noop:
-        return []
+        return ()
+    key = ("comm_steps", rank)
+    if key not in plan.memo:
+        plan.memo[key] = _comm_steps(plan, rank)
+    return plan.memo[key]
+
+
+def _comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     out: list[tuple] = []
     first = plan.first_round
     steps = plan.indexed_steps_for(rank)
@@ -129,7 +136,7 @@ def comm_steps(plan: ReshardPlan, rank: int) -> list[tuple]:
         elif not isinstance(step, LocalCopy):
             out.append((at_start, ("collective", type(step).__name__, tuple(step.group))))
         i += 1
-    return out
+    return tuple(out)
 
 
 def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Optional[torch.Tensor]]:
