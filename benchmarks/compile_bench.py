@@ -43,16 +43,18 @@ def world_strategies(world: int) -> list[str]:
     return [f"{world}x tp1", f"{world // 2}x tp2", f"{world // 4}x tp4", f"{world // 8}x tp4,pp2"]
 
 
-def timed_world(world: int, layers: int, rank: int = 0) -> dict:
-    """Seconds to compile for ``world`` ranks and build ``rank``'s program of every strategy."""
+def timed_world(world: int, layers: int, rank: int = 0, schedule: str = "none") -> dict:
+    """Seconds to compile for ``world`` ranks and build ``rank``'s program of every strategy
+    (``schedule="overlap"`` includes the compile-time dry run of every rank's schedule)."""
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=layers, hidden=64, heads=8, kv_heads=8, ffn=128))
     ids = torch.randint(0, 256, (1, 16))
     start = time.perf_counter()
-    compiled = hgraph.compile(model, world_strategies(world), example_inputs=ids)
+    compiled = hgraph.compile(model, world_strategies(world), example_inputs=ids, schedule=schedule)
     for i in range(len(compiled.strategies)):
         compiled.program(i, rank)
-    return {"world": world, "layers": layers, "rank": rank, "seconds": round(time.perf_counter() - start, 3)}
+    return {"world": world, "layers": layers, "rank": rank, "schedule": schedule,
+            "seconds": round(time.perf_counter() - start, 3)}
 
 
 def main() -> None:
@@ -61,11 +63,12 @@ def main() -> None:
     parser.add_argument("--worlds", default="", help="comma-separated world sizes (default 8..4096)")
     parser.add_argument("--world-layers", type=int, default=8, help="layers of the world-sweep model")
     parser.add_argument("--only-worlds", action="store_true", help="skip the depth and strategy sweeps")
+    parser.add_argument("--schedule", default="none", choices=["none", "overlap"], help="world sweep's schedule")
     args = parser.parse_args()
     timed_compile(2, STRATEGIES[:1])  # warm-up: first torch.export in a process pays one-off costs
     default_worlds = "8,64,256" if args.quick else "8,16,64,256,1024,4096"
     worlds = [int(w) for w in (args.worlds or default_worlds).split(",")]
-    by_world = [timed_world(w, args.world_layers, 0) for w in worlds]
+    by_world = [timed_world(w, args.world_layers, 0, args.schedule) for w in worlds]
     if args.only_worlds:
         print(json.dumps({"by_world": by_world}, indent=1))
         return

@@ -49,3 +49,14 @@ def test_push_partial_pipelines_to_zero_shard():
     opt = optimizer_layout(SHAPE, WORLD)
     check(LayoutUnion(tuple(pipelines((Replicate(), Partial()))), "partial"), opt)
     check(LayoutUnion(tuple(pipelines((Replicate(), Replicate()))), "partial"), opt)
+
+
+def test_rank_index_equals_a_scan_of_the_plan():
+    opt = optimizer_layout(SHAPE, WORLD)
+    plan = solve(opt, LayoutUnion(tuple(pipelines((Replicate(), Shard(1)))), "duplicate"))
+    for rank in range(WORLD):
+        scan = tuple((k, s) for k, s in enumerate(plan.steps) if rank in s.ranks)
+        assert plan.indexed_steps_for(rank) == scan
+        assert plan.steps_for(rank) == tuple(s for _, s in scan)
+    phase_a = {k for k, s in enumerate(plan.steps) if isinstance(s, Transfer) and s.phase == "A"}
+    assert plan.first_round == frozenset(phase_a)  # one phase of sends: all of them start at once
