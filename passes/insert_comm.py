@@ -20,6 +20,7 @@ a layout pair share the plan.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -60,6 +61,12 @@ class ParameterComm:
     push: CommSubgraph
 
 
+@functools.lru_cache(maxsize=65536)
+def _layout(shape: tuple[int, ...], ranks: tuple[int, ...], mesh: tuple[int, ...], spec: tuple) -> Layout:
+    """One stage's layout of a parameter (shared by the layers of equal shape and placement)."""
+    return Layout(shape, ranks, mesh, spec)
+
+
 def _union(layouts: list[Layout], hetero: str) -> AnyLayout:
     return layouts[0] if len(layouts) == 1 else LayoutUnion(tuple(layouts), hetero)  # type: ignore[arg-type]
 
@@ -89,8 +96,8 @@ def plan_parameters(
             pipeline = strategy.pipelines[pipeline_index]
             mesh = pipeline.stage_mesh
             ranks = pipeline.stage_ranks(stage)
-            compute.append(Layout(shapes[name], ranks, mesh, specs[mesh][name]))
-            grads.append(Layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
+            compute.append(_layout(shapes[name], ranks, mesh, specs[mesh][name]))
+            grads.append(_layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
         opt = optimizer_layouts[name]
         dst = _union(compute, "duplicate")
         src = _union(grads, "partial")

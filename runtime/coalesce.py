@@ -12,7 +12,7 @@ issues exactly that one at its start) is deferred, and the deferred calls are me
 * anything else (all-to-all) is issued as it is, in plan order.
 
 Merging is consistent across ranks because a plan's first call is rank-independent: every member of a
-first-round step has that step as its first call (``reshard.first_round``), and both ends of a transfer
+first-round step has that step as its first call (``ReshardPlan.first_round``), and both ends of a transfer
 see it in the same phase. Steps after the first run plan by plan, in bucket order, as ``execute``
 would run them. Results equal the uncoalesced run; the simulated communicator (``ThreadComm``) sums
 each element in rank order either way, so they are bit-identical there and for point-to-point plans

@@ -77,7 +77,7 @@ def start(
 ) -> Handle:
     """Start ``plan`` on this rank; ``handle.wait()`` returns what ``execute`` returns.
 
-    The start issues this rank's part of the plan's *first round* (``first_round``); later steps
+    The start issues this rank's part of the plan's *first round* (``ReshardPlan.first_round``); later steps
     depend on earlier results and are issued inside ``wait``, in plan order. A step is thus issued at
     the start on all its members or at the wait on all of them, so every rank sees the same order
     on a group as long as all start (and wait) their plans in one order.
@@ -106,36 +106,22 @@ def start(
     return Handle(finish, ready)
 
 
-def first_round(plan: ReshardPlan) -> frozenset[int]:
-    """Indices (in ``plan.steps``) of the communication steps that need no earlier communication:
-    the leading transfers of the first phase, or the leading collectives on disjoint groups."""
-    out: set[int] = set()
-    seen: set[int] = set()
-    kind = None
-    for i, step in enumerate(plan.steps):
-        if isinstance(step, LocalCopy):
-            continue
-        this = ("T", step.phase) if isinstance(step, Transfer) else ("C",)
-        if kind is not None and this != kind:
-            break
-        if this == ("C",):
-            if seen & set(step.ranks):
-                break
-            seen |= set(step.ranks)
-        kind = this
-        out.add(i)
-    return frozenset(out)
-
-
-def comm_steps(plan: ReshardPlan, rank: int) -> list[tuple]:
+def comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     """The communication calls ``rank`` issues for ``plan``, in order, as the interpreter batches them:
     ``(at_start, ("collective", kind, group))`` or ``(at_start, ("p2p", send peers, receive peers))``;
     ``at_start``: issued by ``start`` rather than by ``wait``. Used by dry runs."""
     if plan.noop:
-        return []
+        return ()
+    key = ("comm_steps", rank)
+    if key not in plan.memo:
+        plan.memo[key] = _comm_steps(plan, rank)
+    return plan.memo[key]
+
+
+def _comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     out: list[tuple] = []
-    first = first_round(plan)
-    steps = [(k, s) for k, s in enumerate(plan.steps) if rank in s.ranks]
+    first = plan.first_round
+    steps = plan.indexed_steps_for(rank)
     i = 0
     while i < len(steps):
         k, step = steps[i]
@@ -150,7 +136,7 @@ def comm_steps(plan: ReshardPlan, rank: int) -> list[tuple]:
         elif not isinstance(step, LocalCopy):
             out.append((at_start, ("collective", type(step).__name__, tuple(step.group))))
         i += 1
-    return out
+    return tuple(out)
 
 
 def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Optional[torch.Tensor]]:
@@ -173,8 +159,8 @@ def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Opti
         like = torch.empty(0, dtype=dtype or torch.get_default_dtype(), device=device)
     out = like.new_zeros(plan.dst.local_shape(rank)) if in_dst else None
     src_at = _Local(local, plan.src, rank)
-    first = first_round(plan)
-    indexed = [(k, s) for k, s in enumerate(plan.steps) if rank in s.ranks]  # == plan.steps_for(rank)
+    first = plan.first_round
+    indexed = plan.indexed_steps_for(rank)
     steps = [s for _, s in indexed]
     issued = False
     i = 0

@@ -19,7 +19,8 @@ without the padding gloo needs for uneven chunks.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional, Union
 
 from hgraph.layout import AnyLayout, Box, box_numel, chunk_bounds
@@ -197,16 +198,40 @@ class ReshardPlan:
     lower_bound_bytes: int
     topology: Topology = DEFAULT_TOPOLOGY
     noop: bool = False
-    _by_rank: dict = field(  # type: ignore[assignment]
-        default=None, init=False, repr=False, compare=False, hash=False
-    )
 
-    def __post_init__(self) -> None:
-        by_rank: dict[int, list[Step]] = defaultdict(list)
-        for step in self.steps:
+    @cached_property
+    def _by_rank(self) -> dict[int, tuple[tuple[int, Step], ...]]:
+        by_rank: dict[int, list[tuple[int, Step]]] = defaultdict(list)
+        for k, step in enumerate(self.steps):
             for rank in dict.fromkeys(step.ranks):
-                by_rank[rank].append(step)
-        object.__setattr__(self, "_by_rank", {r: tuple(s) for r, s in by_rank.items()})
+                by_rank[rank].append((k, step))
+        return {r: tuple(s) for r, s in by_rank.items()}
+
+    @cached_property
+    def memo(self) -> dict:
+        """Per-plan cache of data derived from the steps (the runtime's per-rank call lists)."""
+        return {}
+
+    @cached_property
+    def first_round(self) -> frozenset[int]:
+        """Indices (in ``steps``) of the communication steps that need no earlier communication:
+        the leading transfers of the first phase, or the leading collectives on disjoint groups."""
+        out: set[int] = set()
+        seen: set[int] = set()
+        kind = None
+        for i, step in enumerate(self.steps):
+            if isinstance(step, LocalCopy):
+                continue
+            this = ("T", step.phase) if isinstance(step, Transfer) else ("C",)
+            if kind is not None and this != kind:
+                break
+            if this == ("C",):
+                if seen & set(step.ranks):
+                    break
+                seen |= set(step.ranks)
+            kind = this
+            out.add(i)
+        return frozenset(out)
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -215,21 +240,30 @@ class ReshardPlan:
 
     def steps_for(self, rank: int) -> tuple[Step, ...]:
         """The steps ``rank`` takes part in, in plan order."""
+        return tuple(step for _, step in self._by_rank.get(rank, ()))
+
+    def indexed_steps_for(self, rank: int) -> tuple[tuple[int, Step], ...]:
+        """``(index in steps, step)`` of the steps ``rank`` takes part in, in plan order (built once
+        per plan for all ranks, so each rank's look-up costs its own steps only)."""
         return self._by_rank.get(rank, ())
 
     def messages(self) -> list[Message]:
-        return [m for step in self.steps for m in step.messages()]
+        return list(self._messages)
 
-    @property
+    @cached_property
+    def _messages(self) -> tuple[Message, ...]:
+        return tuple(m for step in self.steps for m in step.messages())
+
+    @cached_property
     def bytes_moved(self) -> int:
         """Bytes crossing between ranks (logical, unpadded)."""
-        return sum(n for _, _, n in self.messages()) * self.itemsize
+        return sum(n for _, _, n in self._messages) * self.itemsize
 
-    @property
+    @cached_property
     def max_rank_bytes(self) -> int:
         """Sent + received bytes of the busiest rank."""
         load: dict[int, int] = defaultdict(int)
-        for a, b, n in self.messages():
+        for a, b, n in self._messages:
             load[a] += n
             load[b] += n
         return max(load.values(), default=0) * self.itemsize

@@ -52,6 +52,7 @@ import bisect
 import functools
 import itertools
 from collections import defaultdict
+from operator import getitem
 from typing import Iterator, Optional
 
 from hgraph.errors import LayoutError
@@ -126,6 +127,8 @@ class _Grid:
             sorted({0, n} | {edge for box in boxes for edge in box[d]} | (extra[d] if extra else set()))
             for d, n in enumerate(shape)
         ]
+        self.spans = [list(zip(cuts, cuts[1:])) for cuts in self.cuts]
+        self.widths = [[b - a for a, b in spans] for spans in self.spans]
 
     def cells(self, box: Box) -> Iterator[Cell]:
         ranges = [
@@ -136,8 +139,8 @@ class _Grid:
 
     def numel(self, cell: Cell) -> int:
         n = 1
-        for cuts, i in zip(self.cuts, cell):
-            n *= cuts[i + 1] - cuts[i]
+        for widths, i in zip(self.widths, cell):
+            n *= widths[i]
         return n
 
     def box(self, lo: Cell, hi: Cell) -> Box:
@@ -145,6 +148,8 @@ class _Grid:
 
     def merge(self, cells: set[Cell]) -> list[Box]:
         """Cover ``cells`` with few disjoint boxes (grow each box along the last dim first)."""
+        if len(cells) == 1:
+            return [tuple(map(getitem, self.spans, next(iter(cells))))]
         remaining = set(cells)
         out = []
         for cell in sorted(cells):
@@ -182,6 +187,7 @@ class _PointToPoint:
         self.copies: dict[tuple[int, bool], set[Cell]] = defaultdict(set)
         self.sends: dict[tuple[str, int, int, bool], set[Cell]] = defaultdict(set)
         self.cost = 0
+        self.node = functools.lru_cache(maxsize=None)(topology.node)
 
     @staticmethod
     def _index(pieces: list[Piece], grid: _Grid) -> dict[Cell, dict[int, dict[tuple, list[int]]]]:
@@ -247,7 +253,7 @@ class _PointToPoint:
             return len(have[replica]) - 1 + len(dst) - bool(holders.intersection(dst)), replica
 
         best = min(have, key=cost)
-        self._deliver(cell, dst, [sorted(have[best][t]) for t in sorted(have[best])])
+        self._deliver(cell, dst, [_ascending(have[best][t]) for t in sorted(have[best])])
 
     def _deliver(self, cell: Cell, dst: list[int], contributing: list[list[int]]) -> None:
         if len(contributing) == 1:
@@ -256,8 +262,11 @@ class _PointToPoint:
             self._reduce(cell, dst, contributing)
 
     def _pick(self, holders: list[int], target: int) -> int:
-        same = self.topology.same_node
-        return min(holders, key=lambda s: (not same(s, target), self.load[s], s))
+        if len(holders) == 1:
+            return holders[0]
+        node, load = self.node, self.load
+        here = node(target)
+        return min(holders, key=lambda s: (node(s) != here, load[s], s))
 
     def _send(self, phase: str, src: int, dst: int, cell: Cell, accumulate: bool) -> None:
         n = self.grid.numel(cell)
@@ -267,18 +276,26 @@ class _PointToPoint:
 
     def _copy(self, cell: Cell, dst: list[int], holders: list[int]) -> None:
         held = set(holders)
-        self.cost += sum(d not in held for d in dst) * self.grid.numel(cell)
+        n = self.grid.numel(cell)
+        load, sends, pick = self.load, self.sends, self._pick
         for d in dst:
             if d in held:
                 self.copies[(d, False)].add(cell)
             else:
-                self._send("A", self._pick(holders, d), d, cell, False)
+                src = pick(holders, d)
+                self.cost += n
+                load[src] += n
+                load[d] += n
+                sends[("A", src, d, False)].add(cell)
 
     def _reduce(self, cell: Cell, dst: list[int], terms: list[list[int]]) -> None:
         holding = {r for holders in terms for r in holders}
         candidates = [d for d in dst if d in holding] or dst
         self.cost += (len(terms) - 1 + len(dst) - bool(holding.intersection(dst))) * self.grid.numel(cell)
-        same = self.topology.same_node
+        node = self.node
+
+        def same(a: int, b: int) -> bool:
+            return node(a) == node(b)
 
         def reducer_key(rho: int) -> tuple[int, int, int]:
             far_terms = sum(1 for hs in terms if not any(same(h, rho) for h in hs))
@@ -299,10 +316,13 @@ class _PointToPoint:
         steps: list[Step] = []
         for (rank, accumulate), cells in sorted(self.copies.items()):
             steps += [LocalCopy(rank, box, accumulate) for box in self.grid.merge(cells)]
-        for phase in ("A", "B"):
-            for (ph, src, dst, accumulate), cells in sorted(self.sends.items()):
-                if ph == phase:
-                    steps += [Transfer(src, dst, box, phase, accumulate) for box in self.grid.merge(cells)]
+        spans = self.grid.spans
+        for (phase, src, dst, accumulate), cells in sorted(self.sends.items()):  # phase A sorts before B
+            if len(cells) == 1:
+                box = tuple(map(getitem, spans, next(iter(cells))))
+                steps.append(Transfer(src, dst, box, phase, accumulate))
+            else:
+                steps += [Transfer(src, dst, box, phase, accumulate) for box in self.grid.merge(cells)]
         return tuple(steps)
 
 
@@ -373,3 +393,8 @@ def _cheapest_split(wanted: tuple, rep: tuple) -> tuple[int, tuple]:
     for t in range(k):
         split.setdefault(dst_terms[groups[t][0]], []).append(sorted(holders[t]))
     return k + cost, tuple(sorted(split.items()))
+
+
+def _ascending(ranks: list[int]) -> list[int]:
+    """``ranks`` sorted (a single holder, the common case, as it is)."""
+    return ranks if len(ranks) == 1 else sorted(ranks)
