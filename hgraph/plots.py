@@ -13,9 +13,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[dict]] = None,
-               heldout: Optional[Sequence[dict]] = None) -> None:
+               heldout: Optional[Sequence[dict]] = None, label: str = "training, hgraph (planner)") -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="training, hgraph (planner)")
+    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label=label)
     if baseline:
         ax.plot([h["iteration"] for h in baseline], [h["loss"] for h in baseline], "--",
                 label=f"homogeneous {baseline[0]['strategy']}")
@@ -32,17 +32,7 @@ def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[
 
 def train_and_heldout(path: Path, history: Sequence[dict], evals: Sequence[dict]) -> None:
     """Training loss per iteration and held-out loss at each evaluation, on one axis."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["iteration"] for h in history], [h["loss"] for h in history], label="training (batch)")
-    if evals:
-        ax.plot([e["iteration"] for e in evals], [e["loss"] for e in evals], "o-", label="held-out")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("token-mean cross entropy")
-    ax.set_title("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    loss_curve(path, history, heldout=evals, label="training (batch)")
 
 
 def strategy_and_loads(path: Path, history: Sequence[dict]) -> None:

@@ -40,3 +40,13 @@ def single_process_adamw(
         losses.append(total)
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return ReferenceRun(losses, norms, params)
+
+
+def assert_matches_reference(result, reference, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """``(losses, params per iteration)`` of a run equal the reference's, every iteration."""
+    losses, params = result
+    ref_losses, ref_params = reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=atol)
+    for it, (got, want) in enumerate(zip(params, ref_params)):
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=rtol, atol=atol, msg=lambda m: f"iter {it} {name}: {m}")

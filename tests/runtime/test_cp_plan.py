@@ -4,7 +4,7 @@ pipeline) trains exactly what one device trains: simulated ranks and real gloo p
 import pytest
 import torch
 
-from adamw_oracle import single_process_adamw
+from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model
@@ -59,13 +59,7 @@ def planned_run(iterations, comm=None):
     return losses, params
 
 
-def check(result, reference):
-    losses, params = result
-    ref_losses, ref_params = reference
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for it, (got, want) in enumerate(zip(params, ref_params)):
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"iter {it} {name}: {m}")
+check = assert_matches_reference
 
 
 def test_the_plan_uses_every_cp_degree_and_puts_the_long_sequence_on_cp4():

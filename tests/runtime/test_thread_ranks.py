@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.errors import CommunicationError, TrainingError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
@@ -34,22 +35,8 @@ def batches(iterations=2):
 
 
 def adamw_reference(model, data):
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses, params = [], []
-    for batch in data:
-        tokens = sum(len(s) - 1 for s in batch)
-        opt.zero_grad()
-        total = 0.0
-        for s in batch:
-            out = model(s[None])
-            logits = out.logits if hasattr(out, "logits") else out
-            loss = F.cross_entropy(logits[0, :-1], s[1:], reduction="sum") / tokens
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total)
-        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    ref = single_process_adamw(model, data, **OPT)
+    return ref.losses, ref.params
 
 
 def train_on_threads(make_model, world, strategies, data):

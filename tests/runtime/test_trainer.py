@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from adamw_oracle import single_process_adamw
+from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.comm import run_threads
@@ -52,13 +52,7 @@ def hgraph_run(strategies, iterations, comm=None, micro_batch_tokens=64):
     return losses, params
 
 
-def check(result, reference):
-    losses, params = result
-    ref_losses, ref_params = reference
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for it, (got, want) in enumerate(zip(params, ref_params)):
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"iter {it} {name}: {m}")
+check = assert_matches_reference
 
 
 def test_simulated_ranks_switching_every_iteration():
