@@ -12,6 +12,7 @@ own), then what the others reported.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -227,7 +228,10 @@ def _failure_report(procs: list, values: dict[int, Any], errors: dict[int, tuple
 def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) -> tuple[int, int]:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
 
-    Returns ``(rank, world_size)``; does nothing if the group is already initialised.
+    Returns ``(rank, world_size)``; does nothing if the group is already initialised. The group
+    hgraph joins here is left at interpreter exit (``destroy_process_group``), so gloo's worker
+    threads are joined before the process ends instead of aborting it ("terminate called without
+    an active exception").
     """
     import torch.distributed as dist
 
@@ -245,4 +249,16 @@ def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) 
         dist.init_process_group(
             backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
         )
+        atexit.register(_leave_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave_group() -> None:
+    """At exit: destroy the process group ``init_from_env`` created, unless the script did."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer may already be gone; exiting anyway
+            dist.barrier()  # no rank closes its connections while a peer still uses them
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
