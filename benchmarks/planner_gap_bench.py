@@ -40,7 +40,7 @@ def instance(rng: random.Random, model: CostModel) -> tuple[list[tuple], list[in
         longest = max(c.max_len for c in costs)
         lengths = [rng.randint(100, min(longest, 12_000)) for _ in range(n)]
     else:
-        from hgraph.planner.simulate import PipelineCost
+        from hgraph.planner.timing import PipelineCost
 
         costs = [
             PipelineCost(rng.uniform(0, 2e-6), rng.uniform(0.01, 0.1), rng.uniform(5, 60),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import operator
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -28,69 +28,19 @@ from torch import nn
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
-from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
-from hgraph.passes.partition import StageGraph, partition
+from hgraph.model_info import model_dims as model_dims
+from hgraph.model_info import validate_strategies as validate_strategies
+from hgraph.passes.insert_comm import activation_subgraphs, plan_parameters
+from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
 from hgraph.passes.precision import fp32_loss
-from hgraph.passes.recompute import RecomputeConfig, recompute, regions
-from hgraph.runtime.executor import RankProgram
+from hgraph.passes.recompute import recompute, regions
+from hgraph.products import CommSubgraph, CompileContext, CompileOptions, ParameterComm, RankProgram, RecomputeConfig, StageGraph
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
 
 StrategyLike = Union[int, Strategy]
 _COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """Knobs of ``compile`` (all optional)."""
-
-    compute_dtype: Optional[torch.dtype] = None
-    sequence_parallel: bool = False
-    vocab_parallel: bool = True
-    schedule: str = "none"
-    layer_costs: Optional[tuple[float, ...]] = None
-    topology: Any = None
-    overlap: Any = None  # passes.schedule.OverlapConfig when schedule == "overlap"
-    recompute: RecomputeConfig = RecomputeConfig()
-    recompute_by_scheme: tuple[tuple[tuple[int, int, int], RecomputeConfig], ...] = ()  # (cp, tp, pp)
-
-    def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
-        """The recompute config of pipelines with these degrees."""
-        return dict(self.recompute_by_scheme).get((cp, tp, pp), self.recompute)
-    reduce_dtype: Optional[torch.dtype] = torch.float32
-    coalesce: bool = False
-
-
-@dataclass
-class CompileContext:
-    """What passes see besides the graph: the traced model, the stage mesh and the options.
-
-    Passes that produce more than a graph (stage cuts, plans) leave it here for later passes.
-    """
-
-    traced: TracedModel
-    world_size: int
-    options: CompileOptions
-    cp: int = 1
-    tp: int = 1
-    pp: int = 1
-    strategy: Optional[Strategy] = None
-    stages: Optional[list[StageGraph]] = None
-    parameter_comm: dict[str, ParameterComm] = field(default_factory=dict)
-    recompute: Optional[RecomputeConfig] = None  # this pipeline scheme's, for the recompute pass
-
-    @property
-    def mesh(self) -> tuple[int, int]:
-        return (self.cp, self.tp)
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.options.sequence_parallel
-
-    @property
-    def vocab_parallel(self) -> bool:
-        return self.options.vocab_parallel
 
 
 def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -106,49 +56,6 @@ def _localize_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 
 MESH_PASSES = (Pass("annotate", _annotate_pass), Pass("localize", _localize_pass))
-
-
-def model_dims(model: nn.Module) -> dict[str, int]:
-    """Heads, kv heads, hidden size, vocabulary and layers, read from the model's config."""
-    cfg = getattr(model, "config", None)
-    dims: dict[str, int] = {}
-    if cfg is None:
-        return dims
-    names = {
-        "heads": ("heads", "num_attention_heads", "n_head"),
-        "kv_heads": ("kv_heads", "num_key_value_heads"),
-        "hidden": ("hidden", "hidden_size", "n_embd"),
-        "vocab": ("vocab_size",),
-        "layers": ("layers", "num_hidden_layers", "n_layer"),
-    }
-    for key, options in names.items():
-        for attr in options:
-            value = getattr(cfg, attr, None)
-            if isinstance(value, int):
-                dims[key] = value
-                break
-    if "heads" in dims and "kv_heads" not in dims:
-        dims["kv_heads"] = dims["heads"]
-    return dims
-
-
-def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: dict[str, int]) -> None:
-    """Check every strategy against the world and the model; one clear error per problem."""
-    for s in strategies:
-        s.check_world_size(world_size)
-        for p in s.pipelines:
-            for key, label in (("heads", "attention heads"), ("kv_heads", "key/value heads"), ("hidden", "hidden size"), ("vocab", "vocabulary")):
-                if key == "kv_heads" and key in dims and p.tp % dims[key] == 0:
-                    continue  # fewer key/value heads than tp ranks: each is replicated (Megatron)
-                if key in dims and dims[key] % p.tp:
-                    raise StrategyError(
-                        f"strategy {s}: tp={p.tp} does not divide the {label} ({dims[key]}); "
-                        f"use a tp that divides {dims[key]}"
-                    )
-            if "layers" in dims and p.pp > dims["layers"]:
-                raise StrategyError(
-                    f"strategy {s}: pp={p.pp} exceeds the model's {dims['layers']} layers; use pp <= {dims['layers']}"
-                )
 
 
 class CompiledModel:
@@ -463,7 +370,7 @@ class CompiledModel:
         position_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads."""
-        from hgraph.simulate import simulate_strategy
+        from hgraph.thread_oracle import simulate_strategy
 
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
 

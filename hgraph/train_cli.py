@@ -69,7 +69,7 @@ class ModelSpec:
 
 
 def model_vocab(model: torch.nn.Module) -> Optional[int]:
-    from hgraph.compiler import model_dims
+    from hgraph.model_info import model_dims
 
     return model_dims(model).get("vocab")
 
@@ -121,7 +121,7 @@ def precheck(cfg: TrainConfig) -> None:
 def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
-    from hgraph.compiler import model_dims
+    from hgraph.model_info import model_dims
     from hgraph.planner import profile
     from hgraph.planner.cost import Scheme
     from hgraph.planner.proposal import propose

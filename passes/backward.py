@@ -31,7 +31,9 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from hgraph.batch import local_micro_batches
 from hgraph.errors import CommunicationError, TraceError
+from hgraph.products import CompiledPrograms
 from hgraph.runtime.context import RankContext, rank_context
 
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "split", "all_to_all", "all_reduce_max")
@@ -137,15 +139,13 @@ def _tag_forward(joint_gm: fx.GraphModule, num_outputs: int) -> None:
         stack.extend(node.all_input_nodes)
 
 
-def rank_joint(compiled: Any, index: int, rank: int, seq_len: int = 16) -> JointGraphs:
+def rank_joint(compiled: CompiledPrograms, index: int, rank: int, seq_len: int = 16) -> JointGraphs:
     """Forward and backward graphs of the stage program ``rank`` runs in strategy ``index``.
 
     Example local inputs are built as ``compiled.simulate`` builds a micro-batch (batch 1,
     ``seq_len`` tokens, cut for context parallelism, buffers added); parameters are fake tensors of
     their local shapes; boundary activations come from running the earlier stages on fake tensors.
     """
-    from hgraph.simulate import micro_batches_for
-
     program = compiled.program(index, rank)
     pipeline = compiled.strategies[index].pipelines[program.pipeline]
     stages = compiled.stage_graphs(pipeline)
@@ -154,7 +154,8 @@ def rank_joint(compiled: Any, index: int, rank: int, seq_len: int = 16) -> Joint
         "position_ids": torch.arange(seq_len).unsqueeze(0),
         "targets": torch.zeros(1, seq_len, dtype=torch.long),
     }]
-    batch = micro_batches_for(compiled, rank, index, rows)[0]
+    buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
+    batch = local_micro_batches(rows, program.groups, rank, buffers)[0]
     dtype = program.compute_dtype or torch.float32
     mode = FakeTensorMode()
     received: list = []

@@ -21,45 +21,19 @@ a layout pair share the plan.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
 from hgraph.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.products import ACTIVATION as ACTIVATION
+from hgraph.products import PULL as PULL
+from hgraph.products import PUSH as PUSH
+from hgraph.products import CommSubgraph as CommSubgraph
+from hgraph.products import ParameterComm as ParameterComm
 from hgraph.lnk import solve
 from hgraph.strategy import Strategy
-
-PULL, PUSH, ACTIVATION = "pull_parameter", "push_gradient", "communicate_activation"
-
-
-@dataclass(frozen=True)
-class CommSubgraph:
-    """One named communication subgraph: its kind, tensor, layouts, logical bytes and LNK plan."""
-
-    kind: str
-    tensor: str
-    src: Union[AnyLayout, str]
-    dst: Union[AnyLayout, str]
-    bytes: int
-    plan: Any = None
-    direction: str = "forward"
-
-    def __str__(self) -> str:
-        backward = " (backward)" if self.direction == "backward" and self.kind == ACTIVATION else ""
-        return f"{self.kind:<22} {self.tensor:<44} {self.src} -> {self.dst}  {self.bytes} B{backward}"
-
-
-@dataclass(frozen=True)
-class ParameterComm:
-    """Pull and push of one parameter in one strategy, and which (pipeline, stage) pairs use it."""
-
-    name: str
-    holders: tuple[tuple[int, int], ...]
-    pull: CommSubgraph
-    push: CommSubgraph
-
 
 @functools.lru_cache(maxsize=65536)
 def _layout(shape: tuple[int, ...], ranks: tuple[int, ...], mesh: tuple[int, ...], spec: tuple) -> Layout:

@@ -19,13 +19,14 @@ Communicate Activation step, always between neighbouring stages as the 1F1B sche
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from hgraph.errors import StrategyError
+from hgraph.products import Boundary as Boundary
+from hgraph.products import StageGraph as StageGraph
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?:\.|$)")
 
@@ -77,40 +78,6 @@ def balance_layers(costs: Sequence[float], pp: int, head: float = 0.0, tail: flo
             stages[layer] = k - 1
         i = j
     return stages
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """A value produced by stage ``src`` and consumed by stage ``dst``."""
-
-    name: str
-    src: int
-    dst: int
-
-
-@dataclass
-class StageGraph:
-    """One stage's program: placeholders are ``params``, then ``inputs``, then ``recv`` values."""
-
-    stage: int
-    gm: fx.GraphModule
-    params: list[str]
-    inputs: list[str]
-    recv: list[Boundary]
-    send: list[Boundary]
-    returns_loss: bool
-    layers: tuple[int, ...] = field(default=())
-
-    @property
-    def output_names(self) -> list[str]:
-        """Names of the values the stage returns, in order (``"loss"`` first on the last stage)."""
-        names = ["loss"] if self.returns_loss else []
-        seen = set()
-        for b in self.send:
-            if b.name not in seen:
-                seen.add(b.name)
-                names.append(b.name)
-        return names
 
 
 def _size_op(target: object) -> bool:

@@ -18,68 +18,13 @@ the region runs the same ops in the same order, in forward and again in backward
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch.fx as fx
 
-from hgraph.errors import HGraphError
 from hgraph.passes.partition import node_layer
-from hgraph.runtime.recompute import MODES, RecomputedRegion
-
-
-@dataclass(frozen=True)
-class RecomputeConfig:
-    """Recomputation mode and the layers it applies to (all when neither ``layers`` nor ``every``)."""
-
-    mode: str = "none"
-    layers: Optional[frozenset[int]] = None
-    every: Optional[int] = None
-    keep_communication: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise HGraphError(f"recompute={self.mode!r}; expected one of {', '.join(MODES)}")
-        if self.layers is not None and self.every is not None:
-            raise HGraphError("RecomputeConfig: give layers= or every=, not both")
-        if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
-            raise HGraphError(f"RecomputeConfig(every={self.every!r}); expected an integer >= 1")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", frozenset(int(i) for i in self.layers))
-
-    @classmethod
-    def of(cls, value: Union[str, "RecomputeConfig", None]) -> "RecomputeConfig":
-        """A config from ``compile``'s ``recompute=`` argument (a mode name or a config)."""
-        if value is None:
-            return cls()
-        if isinstance(value, RecomputeConfig):
-            return value
-        if isinstance(value, str):
-            return cls(value)
-        raise HGraphError(f"recompute={value!r}; expected 'none', 'selective', 'full' or a RecomputeConfig")
-
-    def applies_to(self, layer: int) -> bool:
-        if self.mode == "none":
-            return False
-        if self.layers is not None:
-            return layer in self.layers
-        return self.every is None or layer % self.every == 0
-
-    def fraction(self, num_layers: int) -> float:
-        """Share of the model's ``num_layers`` layers that are recomputed."""
-        if num_layers < 1:
-            return 0.0
-        return sum(self.applies_to(i) for i in range(num_layers)) / num_layers
-
-    def __str__(self) -> str:
-        if self.mode == "none":
-            return "none"
-        which = (
-            f"layers {sorted(self.layers)}" if self.layers is not None
-            else f"every {self.every} layers" if self.every is not None else "all layers"
-        )
-        reissue = ", collectives reissued" if not self.keep_communication else ""
-        return f"{self.mode} ({which}{reissue})"
+from hgraph.products import RecomputeConfig as RecomputeConfig
+from hgraph.runtime.recompute import RecomputedRegion
 
 
 def region_layer(node: fx.Node) -> Optional[int]:

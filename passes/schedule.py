@@ -28,57 +28,18 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import fx
 
-from hgraph.errors import InputError
+from hgraph.products import Op as Op
+from hgraph.products import OverlapConfig as OverlapConfig
+from hgraph.products import RankSchedule as RankSchedule
 from hgraph.runtime.reshard import comm_steps
 from hgraph.runtime.schedule import ScheduleError
 
-Op = tuple[str, int]  # ("start" | "wait", pull index)
 PULL_TAG, PUSH_TAG = 1, 2  # point-to-point tags of pull and push plans (activations: 0)
-
-
-@dataclass(frozen=True)
-class OverlapConfig:
-    """Knobs of the overlap scheduler (``hgraph.compile(..., schedule=OverlapConfig(...))``)."""
-
-    prefetch_layers: int = 1
-    bucket_bytes: int = 1 << 20
-    max_inflight_bytes: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.prefetch_layers < 0:
-            raise InputError(f"prefetch_layers={self.prefetch_layers}; expected an integer >= 0")
-        if self.bucket_bytes < 0:
-            raise InputError(f"bucket_bytes={self.bucket_bytes}; expected >= 0 (0: one push per bucket)")
-        if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
-            raise InputError(f"max_inflight_bytes={self.max_inflight_bytes}; expected None or > 0")
-
-
-@dataclass(frozen=True)
-class RankSchedule:
-    """One rank's pull/push order. Pull ops index ``program.pulls``; buckets index ``program.pushes``."""
-
-    rank: int
-    prelude: tuple[Op, ...]
-    at_use: tuple[tuple[str, tuple[Op, ...]], ...]  # (parameter, ops run before its first use)
-    after_forward: tuple[Op, ...]
-    at_end: tuple[Op, ...]
-    buckets: tuple[tuple[int, ...], ...]
-    pull_names: tuple[str, ...] = field(default=())
-
-    def __str__(self) -> str:
-        label = lambda i: self.pull_names[i] if i < len(self.pull_names) else str(i)  # noqa: E731
-        fmt = lambda ops: " ".join(f"{k}:{label(i)}" for k, i in ops)  # noqa: E731
-        lines = [f"rank {self.rank}", f"  prelude: {fmt(self.prelude)}"]
-        lines += [f"  before {name}: {fmt(ops)}" for name, ops in self.at_use]
-        lines += [f"  after forward: {fmt(self.after_forward)}", f"  end: {fmt(self.at_end)}"]
-        lines.append("  push buckets: " + " | ".join(",".join(map(str, b)) for b in self.buckets))
-        return "\n".join(lines)
 
 
 def layer_of(names: Sequence[str]) -> list[int]:

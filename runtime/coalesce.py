@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hgraph.runtime.comm import Communicator, Group, Handle
-from hgraph.runtime.reshard import _run
+from hgraph.runtime.reshard import run_steps
 
 _MERGED = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -160,7 +160,7 @@ def execute_coalesced(
     recorder = _Recorder(comm)
     runs, pending, outputs = [], [], [None] * len(plans)
     for i, (plan, local) in enumerate(zip(plans, locals_)):
-        steps = _run(plan, local, recorder, dtype, device, tag)
+        steps = run_steps(plan, local, recorder, dtype, device, tag)
         try:
             pending.append(next(steps))
             runs.append((i, steps))

@@ -17,74 +17,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hgraph.errors import CommunicationError, InputError
+from hgraph.products import RankProgram as RankProgram
 from hgraph.runtime.context import current
 from hgraph.runtime.failures import comm_step
 from hgraph.runtime.reshard import execute
-from hgraph.runtime.schedule import Step, one_f_one_b
+from hgraph.runtime.schedule import Step
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
-
-
-@dataclass
-class RankProgram:
-    """Everything one rank runs in an iteration of one strategy (see ``CompiledModel.program``)."""
-
-    strategy_index: int
-    rank: int
-    pipeline: int
-    stage: int
-    pp: int
-    groups: dict[str, tuple[int, ...]]
-    stage_graph: Any  # passes.partition.StageGraph
-    param_of_placeholder: dict[str, str]
-    pulls: list[Any]  # ParameterComm, layer order
-    pushes: list[Any]  # ParameterComm, reverse layer order
-    activations: list[Any] = field(default_factory=list)
-    compute_dtype: Optional[torch.dtype] = None
-    overlap: Any = None  # passes.schedule.RankSchedule under schedule="overlap"
-    reduce_dtype: Optional[torch.dtype] = torch.float32
-    coalesce: bool = False  # pull/push one layer's parameters together (runtime/coalesce.py)
-
-    @property
-    def push_dtype(self) -> torch.dtype:
-        """The dtype gradients are reduced and moved in: ``reduce_dtype``, else the compute dtype."""
-        return self.reduce_dtype or self.compute_dtype or torch.float32
-
-    def push_source(self, param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """A held parameter's gradient (zeros if autograd left none) in ``push_dtype``."""
-        if param is None:
-            return None
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        return grad.to(self.push_dtype)
-
-    def schedule(self, num_micro_batches: int) -> list[Step]:
-        return one_f_one_b(self.pp, self.stage, num_micro_batches)
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.pp - 1
-
-    @property
-    def reports_loss(self) -> bool:
-        """Whether this rank's loss counts in the iteration's total: on the last stage, one rank per
-        replicated copy (tp index 0; cp index 0 too unless the loss stays partial over cp)."""
-        if not self.is_last_stage or current_index(self.groups, "tp", self.rank) != 0:
-            return False
-        return self.loss_partial_over_cp or current_index(self.groups, "cp", self.rank) == 0
-
-    @property
-    def loss_partial_over_cp(self) -> bool:
-        """True when the stage returns per-cp-rank partial loss sums (their sum is the loss)."""
-        out = next(n for n in self.stage_graph.gm.graph.nodes if n.op == "output")
-        loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
-        spec = loss.meta.get("hgraph_spec")
-        return bool(spec) and type(spec[0]).__name__ == "Partial"
-
-
-def current_index(groups: dict[str, tuple[int, ...]], dim: str, rank: int) -> int:
-    group = groups.get(dim, (rank,))
-    return group.index(rank)
 
 
 @dataclass

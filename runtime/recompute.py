@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hgraph.runtime.ops import _active, _entered
+from hgraph.runtime.collectives import active_context, entered
 
 MODES = ("none", "selective", "full")
 
@@ -61,7 +61,7 @@ def _policy(mode: str, keep: bool, ctx: Any, op: Any, *args: Any, **kwargs: Any)
 
 
 def _run_in(rc: Any, body: nn.Module, *args: Any) -> Any:
-    with _entered(rc):
+    with entered(rc):
         return body(*args)
 
 
@@ -82,7 +82,7 @@ class RecomputedRegion(nn.Module):
         if not torch.is_grad_enabled():
             return self.body(*args)
         return checkpoint(
-            _run_in, _active(), self.body, *args, use_reentrant=False, context_fn=self._contexts
+            _run_in, active_context(), self.body, *args, use_reentrant=False, context_fn=self._contexts
         )
 
     def summary(self) -> str:

@@ -85,7 +85,7 @@ def start(
     flight together with other point-to-point traffic (started in another order) match apart.
     """
     comm = comm or default_comm()
-    steps = _run(plan, local, comm, dtype, device, tag)
+    steps = run_steps(plan, local, comm, dtype, device, tag)
     try:
         pending = next(steps)
     except StopIteration as stop:
@@ -139,7 +139,7 @@ def _comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     return tuple(out)
 
 
-def _run(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Optional[torch.Tensor]]:
+def run_steps(plan, local, comm, dtype, device, tag=0) -> Generator[Handle, Any, Optional[torch.Tensor]]:
     """The interpreter: yields each started communication, receives its result, returns the output."""
     rank = comm.rank
     in_src, in_dst = rank in plan.src.ranks, rank in plan.dst.ranks

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from hgraph.batch import local_micro_batches, micro_batch_align, pack_micro_batch
 from hgraph.errors import CheckpointError, InputError, TrainingError
 from hgraph.layout import Layout, Replicate
 from hgraph.lnk import solve
@@ -106,30 +107,6 @@ def params_without_gradient(traced: Any) -> frozenset[str]:
     )
 
 
-def pack_micro_batch(sequences: Sequence[torch.Tensor], align: int = 1) -> dict[str, torch.Tensor]:
-    """Concatenate sequences into one ``[1, tokens]`` micro-batch: positions restart per sequence
-    and each sequence's last token predicts nothing; padded (as its own ignored segment) to ``align``."""
-    ids, pos, tgt = [], [], []
-    for s in sequences:
-        s = s.reshape(-1).to(torch.long)
-        ids.append(s)
-        pos.append(torch.arange(len(s)))
-        t = torch.full_like(s, -100)
-        t[:-1] = s[1:]
-        tgt.append(t)
-    total = sum(len(s) for s in ids)
-    pad = (-total) % align
-    if pad:
-        ids.append(torch.zeros(pad, dtype=torch.long))
-        pos.append(torch.arange(pad))
-        tgt.append(torch.full((pad,), -100, dtype=torch.long))
-    return {
-        "input_ids": torch.cat(ids)[None],
-        "position_ids": torch.cat(pos)[None],
-        "targets": torch.cat(tgt)[None],
-    }
-
-
 class Trainer:
     """Trains a ``CompiledModel`` with a sharded AdamW; construct and call it on every rank."""
 
@@ -182,7 +159,7 @@ class Trainer:
         self._feed_batch: Optional[Sequence[torch.Tensor]] = None  # rank 0: the batch being fed
         # timeline=True: this rank's intervals of every step (runtime/timeline.py); gather_timeline()
         self.timeline: Optional[Timeline] = Timeline(self.rank) if timeline else None
-        from hgraph.compiler import model_dims
+        from hgraph.model_info import model_dims
 
         self.vocab: Optional[int] = model_dims(compiled.model).get("vocab")
 
@@ -290,25 +267,13 @@ class Trainer:
     def _local_micro_batches(self, d: Dispatch, sequences: Any) -> list[dict[str, torch.Tensor]]:
         """This rank's packed micro-batches of dispatch ``d`` (``sequences[i]`` for its pipeline's i)."""
         program = self.compiled.program(d.strategy_index, self.rank)
-        cp = len(program.groups["cp"])
-        align = 2 * cp if cp > 1 else 1
-        if self.compiled.options.sequence_parallel:
-            align = math.lcm(align, len(program.groups["tp"]))
-        from hgraph.simulate import cp_chunk_indices
-
-        c = program.groups["cp"].index(self.rank)
+        align = micro_batch_align(program.groups, self.compiled.options.sequence_parallel)
         buffers = {
             ph: self.compiled.traced.buffers()[fqn].to(self.device)
             for ph, fqn in self.compiled.traced.buffer_names.items()
         }
-        mbs = []
-        for mb in d.micro_batches[program.pipeline]:
-            packed = pack_micro_batch([sequences[i].cpu() for i in mb], align)
-            idx = cp_chunk_indices(packed["input_ids"].shape[-1], cp, c)
-            local = {k: v[..., idx].to(self.device) for k, v in packed.items()}
-            local.update(buffers)
-            mbs.append(local)
-        return mbs
+        rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in d.micro_batches[program.pipeline]]
+        return local_micro_batches(rows, program.groups, self.rank, buffers, self.device)
 
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""

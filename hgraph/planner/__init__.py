@@ -15,7 +15,7 @@ from hgraph.planner.assign import Planner, plan_iteration
 from hgraph.planner.baselines import HydraulisReference, homogeneous_tuned, hydraulis_reference, megatron
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
 from hgraph.planner.plan import IterationPlan, PipelinePlan
-from hgraph.planner.simulate import AlphaBetaComm, CommModel, PipelineCost, predict
+from hgraph.planner.timing import AlphaBetaComm, CommModel, PipelineCost, predict
 
 __all__ += [
     "AlphaBetaComm", "CommModel", "HydraulisReference", "IterationPlan", "PipelineCost", "PipelinePlan", "Planner",

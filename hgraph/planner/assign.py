@@ -30,7 +30,7 @@ from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.dispatch import Assigner
 from hgraph.planner.exact import solve_joint
 from hgraph.planner.plan import IterationPlan, PipelinePlan
-from hgraph.planner.simulate import CommModel, PipelineCost, comm_model_for, exposed_comm_ms
+from hgraph.planner.timing import CommModel, PipelineCost, comm_model_for, exposed_comm_ms
 from hgraph.strategy import Strategy, as_strategies
 
 EXACT_MAX_VARIABLES = 4000

@@ -31,7 +31,7 @@ from hgraph.planner.assign import Planner, check_lengths
 from hgraph.planner.cost import CostModel
 from hgraph.planner.exact import solve_min_max_packing
 from hgraph.planner.plan import IterationPlan, PipelinePlan
-from hgraph.planner.simulate import PipelineCost
+from hgraph.planner.timing import PipelineCost
 from hgraph.strategy import Strategy, homogeneous
 
 NAMES = ("megatron", "homogeneous-tuned", "hydraulis-reference")

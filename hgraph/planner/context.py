@@ -5,7 +5,7 @@ The published tables were measured for (tp, pp) schemes only. ``with_context_par
 ``T(l)`` (each such entry says ``"source": "analytic-cp"``; a scheme the table lists already, e.g.
 profiled by ``hgraph profile --schemes tp1,cp2``, keeps its own entry). A micro-batch's tokens are
 split over the cp ranks in ``2·cp`` load-balanced chunks (the runtime's zigzag layout,
-``hgraph.simulate.cp_chunk_indices``), so every rank does ``1/cp`` of the causal attention and of
+``hgraph.batch.cp_chunk_indices``), so every rank does ``1/cp`` of the causal attention and of
 every per-token term, and the ranks exchange K and V in a ring::
 
     a_cp = a / cp

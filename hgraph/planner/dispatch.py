@@ -23,7 +23,7 @@ import numpy as np
 
 from hgraph.errors import PlanError
 from hgraph.planner.packing import Packing, pack
-from hgraph.planner.simulate import PipelineCost
+from hgraph.planner.timing import PipelineCost
 
 MAX_RESTARTS = 64
 RESTART_WORK = 2000

@@ -18,7 +18,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from hgraph.errors import PlanError
-from hgraph.planner.simulate import PipelineCost
+from hgraph.planner.timing import PipelineCost
 
 Assignment = list[list[list[int]]]  # per pipeline, micro-batches of positions into lengths
 

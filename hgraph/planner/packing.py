@@ -17,7 +17,7 @@ import math
 from typing import Sequence
 
 from hgraph.errors import PlanError
-from hgraph.planner.simulate import PipelineCost
+from hgraph.planner.timing import PipelineCost
 
 Packing = list[list[int]]  # micro-batches as positions into the packed list
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hgraph.planner.bound import LowerBound
-from hgraph.planner.simulate import PipelineCost
+from hgraph.planner.timing import PipelineCost
 from hgraph.strategy import Pipeline, Strategy
 
 

@@ -29,58 +29,21 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from scipy.optimize import nnls
 
 from hgraph.errors import CostModelError
+from hgraph.model_info import decoder_blocks, embedding_of
 from hgraph.models import load_factory
-from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.planner.cost import CostModel, Scheme
+from hgraph.planner.fit import Fit as Fit
+from hgraph.planner.fit import fit_stage_cost as fit_stage_cost
 from hgraph.planner.memory import MemoryRegression
 
 DEFAULT_MODEL = "hgraph.planner.profile:default_model"
 DEFAULT_LENGTHS = (64, 128, 256, 512, 768, 1024)
 DEFAULT_RANK_LENGTHS = (64, 128, 256, 512)  # --world-size: several schemes on shared cores, keep it short
-
-
-@dataclass(frozen=True)
-class Fit:
-    """Least-squares ``T(l) = a*l^2 + b*l + c`` (a, b, c >= 0) and how well it matches the points."""
-
-    cost: StageCost
-    r2: float
-    max_rel_error: float
-
-    def __str__(self) -> str:
-        return f"{self.cost}  (R² {self.r2:.4f}, max relative error {self.max_rel_error:.1%})"
-
-
-def fit_stage_cost(lengths: Sequence[float], times_ms: Sequence[float]) -> Fit:
-    """Fit ``a, b, c >= 0`` to measured ``(l, ms)`` pairs by non-negative least squares on relative error."""
-    l = np.asarray(lengths, dtype=np.float64)
-    t = np.asarray(times_ms, dtype=np.float64)
-    if l.shape != t.shape or l.ndim != 1:
-        raise CostModelError(f"fit needs as many times as lengths, got {l.shape} and {t.shape}")
-    if np.unique(l).size < 3:
-        raise CostModelError(
-            f"fitting a, b, c needs at least 3 distinct lengths, got {sorted(set(l.tolist()))}"
-        )
-    if np.any(l <= 0) or np.any(t <= 0) or not np.all(np.isfinite(t)):
-        raise CostModelError("fit needs positive lengths and positive, finite times")
-    design = np.stack([l * l, l, np.ones_like(l)], axis=1)
-    # Rows weighted by 1/t: relative errors count alike at short and long lengths (timings are
-    # noisy in proportion to their size); columns equilibrated because l^2 dwarfs 1.
-    weighted = design / t[:, None]
-    scale = np.linalg.norm(weighted, axis=0)
-    coef, _ = nnls(weighted / scale, np.ones_like(t))
-    a, b, c = (coef / scale).tolist()
-    predicted = design @ np.array([a, b, c])
-    total = float(np.sum((t - t.mean()) ** 2))
-    r2 = 1.0 - float(np.sum((t - predicted) ** 2)) / total if total > 0 else 1.0
-    return Fit(StageCost(a, b, c), r2, float(np.max(np.abs(predicted - t) / t)))
 
 
 def default_model() -> Any:
@@ -95,25 +58,6 @@ def default_model() -> Any:
 # -- measuring -------------------------------------------------------------------------------------
 
 
-def _blocks(model: Any) -> Any:
-    """The decoder blocks: the ``nn.ModuleList`` holding the most parameters."""
-    from torch import nn
-
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        raise CostModelError(f"model {type(model).__name__} has no nn.ModuleList of blocks to time per layer")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
-
-
-def _embedding(model: Any) -> Any:
-    from torch import nn
-
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            return m
-    raise CostModelError(f"model {type(model).__name__} has no nn.Embedding; cannot tell its vocabulary")
-
-
 class _Profiler:
     """Times one model's forward+backward and its first block's, and counts the block's saved bytes."""
 
@@ -123,8 +67,8 @@ class _Profiler:
         self.torch = torch
         self.model = model.to(device=device, dtype=dtype)
         self.device, self.repeats = device, repeats
-        self.blocks = _blocks(self.model)
-        embedding = _embedding(self.model)
+        self.blocks = decoder_blocks(self.model)
+        embedding = embedding_of(self.model)
         self.vocab, self.hidden = embedding.num_embeddings, embedding.embedding_dim
         self._captured: tuple[tuple, dict] | None = None
 

@@ -52,7 +52,8 @@ from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.models import load_factory
-from hgraph.planner.profile import Fit, _blocks, _embedding, fit_stage_cost
+from hgraph.model_info import decoder_blocks, embedding_of
+from hgraph.planner.fit import Fit, fit_stage_cost
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -151,7 +152,7 @@ def _rank_main(
 
     import torch
 
-    import hgraph
+    from hgraph.compiler import compile as compile_model
     from hgraph.runtime.context import RankContext, rank_context
     from hgraph.runtime.reshard import default_comm
     from hgraph.strategy import homogeneous
@@ -160,11 +161,11 @@ def _rank_main(
     rank = comm.rank
     torch.manual_seed(0)
     model = _resolve(factory)()
-    vocab = _embedding(model).num_embeddings
+    vocab = embedding_of(model).num_embeddings
     start = time.perf_counter()
     schemes = [tuple(s) + (1,) * (3 - len(s)) for s in schemes]  # (tp, pp, cp)
     strategies = [homogeneous(comm.world_size, tp=tp, pp=pp, cp=cp) for tp, pp, cp in schemes]
-    compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
+    compiled = compile_model(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
     params = compiled.traced.params()
     shards = {
         fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank)
@@ -197,16 +198,10 @@ def _rank_main(
 def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
     """One sequence as this rank's micro-batch: under cp, its load-balanced chunks of the packed
     tokens (padded to ``2·cp``), as ``Trainer`` feeds them."""
-    from hgraph.runtime.trainer import pack_micro_batch
-    from hgraph.simulate import cp_chunk_indices
+    from hgraph.batch import local_micro_batches, micro_batch_align, pack_micro_batch
 
-    cp_group = program.groups["cp"]
-    cp = len(cp_group)
-    packed = pack_micro_batch([sequence], 2 * cp if cp > 1 else 1)
-    if cp > 1:
-        idx = cp_chunk_indices(packed["input_ids"].shape[-1], cp, cp_group.index(rank))
-        packed = {k: v[..., idx] for k, v in packed.items()}
-    return {**packed, **buffers}
+    packed = pack_micro_batch([sequence], micro_batch_align(program.groups))
+    return local_micro_batches([packed], program.groups, rank, buffers)[0]
 
 
 def _compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
@@ -264,7 +259,7 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 
 def _model_facts(model: Any) -> dict[str, int]:
-    embedding, blocks = _embedding(model), _blocks(model)
+    embedding, blocks = embedding_of(model), decoder_blocks(model)
     return {
         "hidden": embedding.embedding_dim,
         "vocab": embedding.num_embeddings,
@@ -276,7 +271,7 @@ def _model_facts(model: Any) -> dict[str, int]:
 def _check(
     world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int], repeats: int, model: Any
 ) -> None:
-    from hgraph.compiler import model_dims, validate_strategies
+    from hgraph.model_info import model_dims, validate_strategies
     from hgraph.strategy import homogeneous
 
     if world_size < 1:

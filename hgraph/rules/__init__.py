@@ -16,8 +16,6 @@ or by hand::
         return Decision(output=spec, inputs={x: spec})
 """
 
-import threading
-
 from hgraph.rules.base import MESH_DIMS, Decision, RuleInput, ShardingOptions, Spec, spec_str
 from hgraph.rules.registry import lookup, register, registered_ops, unregister
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
@@ -38,22 +36,3 @@ __all__ = [
     "spec_str",
     "unregister",
 ]
-
-_BUILTIN_MODULES = ("elementwise", "shape", "linear", "embedding", "attention", "norm", "loss", "indexing", "moe")
-_loaded = False
-_LOAD_LOCK = threading.RLock()
-
-
-def _load_builtin_rules() -> None:
-    """Import the built-in rule modules once (they register themselves)."""
-    global _loaded
-    if _loaded:
-        return
-    with _LOAD_LOCK:  # a second thread must not see the flag before every rule is registered
-        if _loaded:
-            return
-        import importlib
-
-        for name in _BUILTIN_MODULES:
-            importlib.import_module(f"hgraph.rules.{name}")
-        _loaded = True

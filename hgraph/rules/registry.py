@@ -8,6 +8,8 @@ Python callable used as a ``call_function`` target. An op without a rule makes `
 
 from __future__ import annotations
 
+import importlib
+import threading
 from typing import Any, Callable
 
 import torch
@@ -18,6 +20,24 @@ Rule = Callable[..., Any]
 
 _RULES: dict[Any, Rule] = {}
 _BY_NAME: dict[str, Rule] = {}  # ops of libraries that register them on import (``transformers::...``)
+
+_BUILTIN_MODULES = ("elementwise", "shape", "linear", "embedding", "attention", "norm", "loss", "indexing", "moe")
+_loaded = False
+_LOAD_LOCK = threading.RLock()
+
+
+def load_builtin_rules() -> None:
+    """Import the built-in rule modules once (they register themselves here; loaded by name, so the
+    rule modules import the registry and never the other way round)."""
+    global _loaded
+    if _loaded:
+        return
+    with _LOAD_LOCK:  # a second thread must not see the flag before every rule is registered
+        if _loaded:
+            return
+        for name in _BUILTIN_MODULES:
+            importlib.import_module(f"hgraph.rules.{name}")
+        _loaded = True
 
 
 def register(op: Any, rule: Rule, *, replace: bool = False) -> None:
@@ -51,9 +71,7 @@ def unregister(op: Any) -> None:
 
 def lookup(op: Any) -> Rule | None:
     """The rule of ``op``: its exact key first, then its overload packet; ``None`` when absent."""
-    from hgraph.rules import _load_builtin_rules
-
-    _load_builtin_rules()
+    load_builtin_rules()
     try:
         rule = _RULES.get(op)
     except TypeError:  # unhashable target
@@ -65,9 +83,8 @@ def lookup(op: Any) -> Rule | None:
 
 def registered_ops() -> list[str]:
     """Names of every op with a rule (for documentation and the coverage report)."""
-    from hgraph.rules import _load_builtin_rules
     from hgraph.rules.base import op_name
 
-    _load_builtin_rules()
+    load_builtin_rules()
     names = [str(op) if isinstance(op, torch._ops.OpOverloadPacket) else op_name(op) for op in _RULES]
     return sorted(names + [name.replace("::", ".") for name in _BY_NAME])

@@ -17,7 +17,8 @@ from hgraph.runtime import ops
 from hgraph.runtime.comm import run_threads
 from hgraph.runtime.context import RankContext, rank_context
 from hgraph.runtime.executor import pull_parameters
-from hgraph.simulate import micro_batches_for, next_token_targets, shard_parameters
+from hgraph.batch import next_token_targets
+from hgraph.thread_oracle import micro_batches_for, shard_parameters
 
 SEQ = 16
 _COMPILED: dict[tuple[str, bool], hgraph.CompiledModel] = {}

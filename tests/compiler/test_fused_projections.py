@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.simulate import next_token_targets
+from hgraph.batch import next_token_targets
 
 
 def reference(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

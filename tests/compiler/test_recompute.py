@@ -13,7 +13,8 @@ from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.passes.recompute import RecomputeConfig, regions
 from hgraph.runtime import comm as comm_module
 from hgraph.runtime import ops
-from hgraph.simulate import next_token_targets
+from hgraph.runtime import packed_attention as packed_attention_module
+from hgraph.batch import next_token_targets
 
 MODES = ["none", "selective", "full"]
 STRATEGIES = ["tp2", "tp1,pp2", "cp2", "2x tp1"]
@@ -116,13 +117,13 @@ def test_recomputed_layers_do_not_issue_communication_twice(llama, monkeypatch):
     model, ids, _ = llama
     counter = CountingComm(monkeypatch)
     attention_calls = collections.Counter()
-    original = ops._packed_attention_local
+    original = packed_attention_module._packed_attention_local
 
     def counted_attention(*args, **kwargs):
         attention_calls[threading.current_thread().name] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "_packed_attention_local", counted_attention)
+    monkeypatch.setattr(packed_attention_module, "_packed_attention_local", counted_attention)
     per_mode = {}
     for mode in MODES:
         compiled = hgraph.compile(model, ["tp2", "cp2"], example_inputs=ids, recompute=mode)

@@ -11,7 +11,7 @@ from torch import nn
 import hgraph
 from hgraph.frontend import default_loss, trace
 from hgraph.runtime.ops import packed_attention
-from hgraph.simulate import next_token_targets
+from hgraph.batch import next_token_targets
 
 
 class WindowAttention(nn.Module):

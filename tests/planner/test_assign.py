@@ -12,7 +12,7 @@ from hgraph.planner.cost import CostModel
 from hgraph.planner.dispatch import Assigner, lower_bound
 from hgraph.planner.exact import solve_joint
 from hgraph.planner.packing import pack
-from hgraph.planner.simulate import PipelineCost, check_plan, predict
+from hgraph.planner.timing import PipelineCost, check_plan, predict
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from hgraph.planner import baselines
 from hgraph.planner.assign import Planner
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
 from hgraph.planner.cost import CostModel
-from hgraph.planner.simulate import check_plan
+from hgraph.planner.timing import check_plan
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel
 from hgraph.planner.exact import solve_joint
-from hgraph.planner.simulate import check_plan
+from hgraph.planner.timing import check_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from planner_optimum import optimum, set_partitions  # noqa: E402

@@ -40,7 +40,7 @@ from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedS
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
 from hgraph.runtime.comm import run_threads
 from hgraph.runtime.context import RankContext, rank_context
-from hgraph.runtime.ops import load_balance_indices
+from hgraph.batch import load_balance_indices
 
 MESH = (2, 2)
 WORLD = MESH[CP] * MESH[TP]

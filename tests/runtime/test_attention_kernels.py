@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hgraph.errors import HGraphError
 from hgraph.runtime import attention_kernels as kernels
 from hgraph.runtime import ops
+from hgraph.runtime import packed_attention as packed_attention_module
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -67,9 +68,9 @@ def test_flex_document_mask_matches_per_sequence_sdpa_on_cpu(monkeypatch, length
     want = _by_hand(q, k, v, lengths)
     monkeypatch.delenv("HGRAPH_ATTENTION_KERNEL", raising=False)
     with torch.no_grad():
-        sdpa = ops._packed_attention_local(q, k, v, positions, None, False, True)
+        sdpa = packed_attention_module._packed_attention_local(q, k, v, positions, None, False, True)
         monkeypatch.setenv("HGRAPH_ATTENTION_KERNEL", "flex")
-        flex = ops._packed_attention_local(q, k, v, positions, None, False, True)
+        flex = packed_attention_module._packed_attention_local(q, k, v, positions, None, False, True)
     torch.testing.assert_close(sdpa, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(flex, want, rtol=1e-5, atol=1e-5)
 

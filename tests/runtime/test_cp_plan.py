@@ -11,7 +11,7 @@ from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_mod
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import Scheme
 from hgraph.runtime.trainer import Trainer
-from hgraph.simulate import next_token_targets
+from hgraph.batch import next_token_targets
 
 STRATEGY = "cp4 + cp2 + tp1"
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)

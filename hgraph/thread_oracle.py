@@ -1,6 +1,6 @@
 """Single-process execution of a compiled strategy: every rank a thread, collectives in memory.
 
-``compiled.simulate`` is the correctness oracle of the compiler: it runs the very programs the
+``compiled.simulate`` (``CompiledModel.simulate`` calls ``simulate_strategy``) is the correctness oracle of the compiler: it runs the very programs the
 runtime runs (Pull, 1F1B stages, Push) on simulated ranks and returns the token-mean loss and the
 full gradient of every parameter, to compare with the unmodified model.
 
@@ -12,33 +12,19 @@ with context parallelism a row is cut into ``2·cp`` chunks, rank ``c`` taking c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from hgraph.batch import local_micro_batches, next_token_targets
 from hgraph.errors import InputError
+from hgraph.products import CompiledPrograms
 from hgraph.runtime.comm import Communicator, run_threads
 from hgraph.runtime.context import RankContext, rank_context
 from hgraph.runtime.executor import run_iteration
-from hgraph.runtime.ops import load_balance_indices
-
-if TYPE_CHECKING:
-    from hgraph.compiler import CompiledModel
 
 
-def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
-    """Targets of a causal LM: each position predicts the next token; the last predicts nothing."""
-    targets = torch.full_like(input_ids, -100)
-    targets[..., :-1] = input_ids[..., 1:]
-    return targets
-
-
-def cp_chunk_indices(length: int, cp: int, index: int) -> torch.Tensor:
-    """Token positions CP rank ``index`` holds (all of them without context parallelism)."""
-    return torch.arange(length) if cp == 1 else load_balance_indices(length, cp, index)
-
-
-def shard_parameters(compiled: "CompiledModel", rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def shard_parameters(compiled: CompiledPrograms, rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's fp32 optimizer-layout shards of full parameters."""
     return {
         fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank)
@@ -46,7 +32,7 @@ def shard_parameters(compiled: "CompiledModel", rank: int, params: dict[str, tor
     }
 
 
-def assemble(compiled: "CompiledModel", shards: list[dict[str, Optional[torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def assemble(compiled: CompiledPrograms, shards: list[dict[str, Optional[torch.Tensor]]]) -> dict[str, torch.Tensor]:
     """Full tensors from every rank's optimizer-layout shards."""
     out = {}
     for fqn, layout in compiled.optimizer_layouts.items():
@@ -60,24 +46,16 @@ def assemble(compiled: "CompiledModel", shards: list[dict[str, Optional[torch.Te
 
 
 def micro_batches_for(
-    compiled: "CompiledModel", rank: int, strategy_index: int, rows: list[dict[str, torch.Tensor]]
+    compiled: CompiledPrograms, rank: int, strategy_index: int, rows: list[dict[str, torch.Tensor]]
 ) -> list[dict[str, torch.Tensor]]:
     """This rank's local view of its pipeline's micro-batches (cp split; buffers added)."""
     program = compiled.program(strategy_index, rank)
-    cp = len(program.groups["cp"])
-    c = program.groups["cp"].index(rank)
     buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
-    out = []
-    for row in rows:
-        idx = cp_chunk_indices(row["input_ids"].shape[-1], cp, c)
-        mb = {k: v[..., idx] for k, v in row.items()}
-        mb.update(buffers)
-        out.append(mb)
-    return out
+    return local_micro_batches(rows, program.groups, rank, buffers)
 
 
 def simulate_strategy(
-    compiled: "CompiledModel",
+    compiled: CompiledPrograms,
     index: int,
     input_ids: torch.Tensor,
     targets: Optional[torch.Tensor] = None,

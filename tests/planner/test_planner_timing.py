@@ -4,7 +4,7 @@ import pytest
 
 from hgraph.errors import PlanError
 from hgraph.planner.plan import IterationPlan, PipelinePlan
-from hgraph.planner.simulate import AlphaBetaComm, PipelineCost, check_plan, exposed_comm_ms, predict
+from hgraph.planner.timing import AlphaBetaComm, PipelineCost, check_plan, exposed_comm_ms, predict
 from hgraph.strategy import Strategy
 
 

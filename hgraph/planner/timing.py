@@ -26,13 +26,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from hgraph.errors import PlanError
 from hgraph.strategy import Strategy
 
-if TYPE_CHECKING:
-    from hgraph.planner.plan import IterationPlan
+
+
+class PipelineShare(Protocol):
+    """What the formula reads of one pipeline's share of a plan (``plan.PipelinePlan``)."""
+
+    pipeline: Any
+    cost: "PipelineCost"
+    micro_batches: tuple[tuple[int, ...], ...]
+    micro_batch_lengths: tuple[tuple[int, ...], ...]
+
+
+class IterationPlan(Protocol):
+    """What the formula reads of a plan (``hgraph.planner.plan.IterationPlan``, which holds
+    ``PipelineCost`` values and so imports this module, not the other way round)."""
+
+    strategy: Strategy
+    pipelines: Sequence[PipelineShare]
+    lengths: tuple[int, ...]
+    sources: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
