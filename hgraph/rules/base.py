@@ -352,7 +352,7 @@ def module_of(node: Optional[fx.Node]) -> str:
 
 
 def op_name(target: Any) -> str:
-    """Readable name of a call target (``aten.linear.default``, ``hgraph.runtime.ops.all_gather``)."""
+    """Readable name of a call target (``aten.linear.default``, ``hgraph.runtime.collectives.all_gather``)."""
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     module = getattr(target, "__module__", None) or ""

@@ -279,7 +279,7 @@ CASES: dict[str, list[Case]] = {
         case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
-    "hgraph.runtime.ops.packed_attention": [case(ops.packed_attention, _attention_inputs)],
+    "hgraph.runtime.packed_attention.packed_attention": [case(ops.packed_attention, _attention_inputs)],
     "aten.scaled_dot_product_attention": [
         case(aten.scaled_dot_product_attention.default,
              lambda g: Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4)), {"is_causal": True}),
