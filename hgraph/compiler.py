@@ -32,7 +32,7 @@ from hgraph.model_info import model_dims as model_dims
 from hgraph.model_info import validate_strategies as validate_strategies
 from hgraph.passes.insert_comm import activation_subgraphs, plan_parameters
 from hgraph.passes.partition import partition
-from hgraph.passes.pipeline import Pass, PassManager, PassRecord
+from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import recompute, regions
 from hgraph.products import CommSubgraph, CompileContext, CompileOptions, ParameterComm, RankProgram, RecomputeConfig, StageGraph
@@ -55,7 +55,27 @@ def _localize_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return localize(gm, ctx)
 
 
-MESH_PASSES = (Pass("annotate", _annotate_pass), Pass("localize", _localize_pass))
+def _partition_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    params = set(ctx.traced.param_names)
+    ctx.stages = partition(gm, ctx.pp, lambda n: n.name in params, ctx.options.layer_costs)
+    return gm
+
+
+def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    return fp32_loss(gm, ctx) if ctx.stage is not None and ctx.stage.returns_loss else gm
+
+
+def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    return gm if ctx.recompute is None or ctx.recompute.mode == "none" else recompute(gm, ctx)
+
+
+def _schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Lower the rank's schedule: under ``schedule="overlap"`` its pull/push order (``RankSchedule``)."""
+    if ctx.options.schedule == "overlap" and ctx.program is not None:
+        from hgraph.passes.schedule import build
+
+        ctx.program.overlap = build(ctx.program, ctx.options.overlap)
+    return gm
 
 
 class CompiledModel:
@@ -76,8 +96,13 @@ class CompiledModel:
         self.options = options
         self.world_size = strategies[0].world_size
         self.pass_history: list[PassRecord] = []
-        self._user_passes = _check_user_passes(user_passes)
-        self._disabled = _check_disabled(disabled, self._user_passes)
+        user = checked_user_passes(user_passes)
+        builtin = {"annotate": _annotate_pass, "localize": _localize_pass, "partition": _partition_pass,
+                   "precision": _precision_pass, "recompute": _recompute_pass,
+                   "insert_comm": self._insert_comm_pass, "schedule": _schedule_pass}
+        off = checked_disabled(disabled, user)
+        self._passes = {level: PassManager.for_level(level, [Pass(n, builtin[n]) for n in names], user, off)
+                        for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
@@ -118,39 +143,24 @@ class CompiledModel:
         key = (cp, tp)
         if key not in self._local:
             gm = copy.deepcopy(self.traced.graph_module)
-            manager = PassManager.build(MESH_PASSES, self._user_passes_at(MESH_PASSES), self._disabled_at(MESH_PASSES))
-            self._local[key] = manager.run(gm, self._context(cp=cp, tp=tp))
-            self.pass_history += manager.history
+            self._local[key], records = self._passes["mesh"].run(gm, self._context(cp=cp, tp=tp), f"cp{cp},tp{tp}")
+            self.pass_history += records
         return self._local[key]
-
-    def _user_passes_at(self, builtin: Sequence[Pass]) -> list[Pass]:
-        names = {p.name for p in builtin}
-        return [p for p in self._user_passes if p.after in names or p.before in names]
-
-    def _disabled_at(self, builtin: Sequence[Pass]) -> frozenset[str]:
-        names = {p.name for p in builtin} | {p.name for p in self._user_passes_at(builtin)}
-        return frozenset(self._disabled & names)
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         key = (pipeline.cp, pipeline.tp, pipeline.pp)
         if key not in self._stages:
             gm = self.local_program(pipeline.cp, pipeline.tp)
-            start = time.perf_counter()
-            params = set(self.traced.param_names)
-            stages = partition(gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs)
-            self.pass_history.append(
-                PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
-            )
-            ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp)
-            stages = [replace(sg, gm=fp32_loss(sg.gm, ctx)) if sg.returns_loss else sg for sg in stages]
-            config = self.options.recompute_for(*key)
-            if config.mode != "none" and "recompute" not in self._disabled:
-                start = time.perf_counter()
-                ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, recompute=config)
-                before = sum(len(sg.gm.graph.nodes) for sg in stages)
-                stages = [replace(sg, gm=recompute(sg.gm, ctx)) for sg in stages]
-                after = sum(len(sg.gm.graph.nodes) for sg in stages)
-                self.pass_history.append(PassRecord("recompute", time.perf_counter() - start, before, after))
+            scope = f"cp{pipeline.cp},tp{pipeline.tp},pp{pipeline.pp}"
+            ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, recompute=self.options.recompute_for(*key))
+            _, records = self._passes["pipeline"].run(gm, ctx, scope)
+            stages = []
+            for sg in ctx.stages or ():
+                ctx.stage = sg
+                out, more = self._passes["stage"].run(sg.gm, ctx, f"{scope} stage {sg.stage}")
+                stages.append(replace(sg, gm=out))
+                records += more
+            self.pass_history += records
             self._stages[key] = stages
         return self._stages[key]
 
@@ -177,7 +187,16 @@ class CompiledModel:
 
     def _build_strategy(self, index: int) -> None:
         strategy = self.strategies[index]
-        start = time.perf_counter()
+        ctx = self._context(strategy=strategy)
+        gm = self.local_program(*strategy.pipelines[0].stage_mesh)
+        _, records = self._passes["strategy"].run(gm, ctx, f"strategy {strategy}")
+        self.pass_history += records
+        self._param_comm[index] = ctx.parameter_comm
+
+    def _insert_comm_pass(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+        """Plan Pull Parameter / Push Gradient of every parameter of ``ctx.strategy`` (LNK)."""
+        strategy = ctx.strategy
+        assert strategy is not None
         users: dict[str, list[tuple[int, int]]] = {}
         specs, grad_specs = {}, {}
         for i, pipeline in enumerate(strategy.pipelines):
@@ -190,11 +209,11 @@ class CompiledModel:
         compute = self.options.compute_dtype or torch.float32
         itemsize = torch.finfo(compute).bits // 8
         push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
-        self._param_comm[index] = plan_parameters(
+        ctx.parameter_comm = plan_parameters(
             strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, itemsize,
             self.options.topology, push_itemsize,
         )
-        self.pass_history.append(PassRecord(f"insert_comm[{strategy}]", time.perf_counter() - start, 0, 0))
+        return gm
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
@@ -262,10 +281,9 @@ class CompiledModel:
             reduce_dtype=self.options.reduce_dtype,
             coalesce=self.options.coalesce,
         )
-        if self.options.schedule == "overlap":
-            from hgraph.passes.schedule import build
-
-            program.overlap = build(program, self.options.overlap)
+        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, strategy=s, program=program)
+        _, records = self._passes["rank"].run(program.stage_graph.gm, ctx, f"strategy {s} rank {rank}")
+        self.pass_history += records
         return program
 
     def _layer_order(self) -> list[str]:
@@ -375,21 +393,6 @@ class CompiledModel:
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
 
 
-def _check_disabled(disabled: Iterable[str], user_passes: Sequence[Pass]) -> frozenset[str]:
-    """``disable`` names must be passes that exist (built-in or user); anything else is a typo."""
-    if isinstance(disabled, str):
-        disabled = (disabled,)
-    names = frozenset(disabled)
-    known = [p.name for p in MESH_PASSES] + ["recompute"] + [p.name for p in user_passes]
-    unknown = sorted(names - set(known))
-    if unknown:
-        raise InputError(
-            f"disable={unknown} names no pass; the passes that can be switched off are {known} "
-            "(compile with passes=[...] to add your own)"
-        )
-    return names
-
-
 def _recompute_by_scheme(recompute: Any) -> tuple:
     """``compile``'s per-scheme recompute dict as ``((cp, tp, pp), RecomputeConfig)`` pairs."""
     if not isinstance(recompute, dict):
@@ -401,24 +404,6 @@ def _recompute_by_scheme(recompute: Any) -> tuple:
             raise HGraphError(f"recompute key {scheme!r}; expected a scheme like 'tp2,pp2' or a Pipeline")
         out.append(((p.cp, p.tp, p.pp), RecomputeConfig.of(value)))
     return tuple(out)
-
-
-def _check_user_passes(passes: Sequence[Any]) -> list[Pass]:
-    """User passes as ``Pass`` objects anchored at a known point (a bare callable runs after localize)."""
-    known = [p.name for p in MESH_PASSES]
-    out = []
-    for p in passes:
-        if not isinstance(p, Pass):
-            if not callable(p):
-                raise HGraphError(f"{p!r} is not a hgraph.Pass or a callable (gm, ctx) -> gm")
-            p = Pass(getattr(p, "__name__", "user_pass"), p, after=known[-1])
-        anchor = p.after or p.before
-        if anchor is None:
-            p = Pass(p.name, p.fn, after=known[-1])
-        elif anchor not in known:
-            raise HGraphError(f"{p} names an unknown point {anchor!r}; user passes go before or after one of {known}")
-        out.append(p)
-    return out
 
 
 def _activation_record(node: fx.Node, info: Any) -> CommSubgraph:

@@ -239,6 +239,8 @@ class CompileContext:
     stages: Optional[list[StageGraph]] = None
     parameter_comm: dict[str, ParameterComm] = field(default_factory=dict)
     recompute: Optional[RecomputeConfig] = None  # this pipeline scheme's, for the recompute pass
+    stage: Optional[StageGraph] = None  # the stage program the stage-level passes are running on
+    program: Optional["RankProgram"] = None  # the rank program the rank-level passes lower
 
     @property
     def mesh(self) -> tuple[int, int]:
