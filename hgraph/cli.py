@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "lnk-demo": ("hgraph.lnk_demo", "plan and execute layout changes with the LNK solver on 4 local ranks"),
     "plan": ("hgraph.planner.cli", "plan iterations for a length file with a cost model"),
     "profile": ("hgraph.planner.profile", "profile T(l) on this machine and write a cost table"),
-    "show": ("hgraph.show", "compile a model and print a rank's program (dot/SVG too)"),
+    "show": ("hgraph.show_cli", "compile a model and print a rank's program (dot/SVG too)"),
     "train": ("hgraph.train_cli", "train a model from a JSON config on local ranks or under torchrun"),
 }
 

@@ -16,7 +16,6 @@ costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
 from __future__ import annotations
 
 import copy
-import operator
 import time
 from dataclasses import replace
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -30,11 +29,11 @@ from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
 from hgraph.model_info import model_dims as model_dims
 from hgraph.model_info import validate_strategies as validate_strategies
-from hgraph.passes.insert_comm import activation_subgraphs, plan_parameters
+from hgraph.passes.insert_comm import activation_record, activation_subgraphs, plan_parameters
 from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import fp32_loss
-from hgraph.passes.recompute import recompute, regions
+from hgraph.passes.recompute import recompute
 from hgraph.products import CommSubgraph, CompileContext, CompileOptions, ParameterComm, RankProgram, RecomputeConfig, StageGraph
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
@@ -298,7 +297,7 @@ class CompiledModel:
         for n in prog.stage_graph.gm.graph.nodes:
             info = n.meta.get("hgraph_comm")
             if info:
-                records.append(_activation_record(n, info))
+                records.append(activation_record(n, info))
         records += [a for a in prog.activations if f"stage{prog.stage}" in str(a.src) or f"stage{prog.stage}" in str(a.dst)]
         records += [pc.push for pc in prog.pushes if rank in pc.push.plan.ranks]
         return records
@@ -321,56 +320,16 @@ class CompiledModel:
 
     def explain(self, strategy: StrategyLike, rank: int, backward: bool = True) -> str:
         """Readable summary of one rank's program: compute, the three subgraph kinds, layouts, bytes;
-        with ``backward``, the collectives of its traced backward (``backward_program``)."""
-        prog = self.program(strategy, rank)
-        s = self.strategies[prog.strategy_index]
-        sg = prog.stage_graph
-        lines = [
-            f"strategy {s} — rank {rank}: pipeline {prog.pipeline} {s.pipelines[prog.pipeline]}, "
-            f"stage {prog.stage}/{prog.pp} (layers {list(sg.layers)}), groups "
-            + ", ".join(f"{k}={list(v)}" for k, v in prog.groups.items()),
-        ]
-        body = [n for r in regions(sg.gm) for n in r.body.graph.nodes]
-        compute = [n for n in [*sg.gm.graph.nodes, *body]
-                   if n.op == "call_function" and not n.meta.get("hgraph_comm")
-                   and not (n.target is operator.getitem and n.args[0].op == "call_module")]
-        lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
-                     + " ".join(str(x) for x in prog.schedule(4)))
-        pipeline = s.pipelines[prog.pipeline]
-        lines.append(f"recompute: {self.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
-            f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
-        totals: dict[str, int] = {}
-        for rec in self.subgraphs(strategy, rank):
-            lines.append("  " + str(rec))
-            totals[rec.kind] = totals.get(rec.kind, 0) + rec.bytes
-        lines.append("bytes: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
-        if backward:
-            from hgraph.passes.backward import comm_nodes
+        with ``backward``, the collectives of its traced backward (``backward_program``). See ``hgraph.show``."""
+        from hgraph.show import explain
 
-            seq_len = 16 * len(prog.groups["cp"])  # 16 local tokens, in 2·cp load-balanced chunks
-            nodes = comm_nodes(self.backward_program(strategy, rank, seq_len))
-            lines.append(f"backward (1 x {seq_len} tokens): {len(nodes)} communication nodes")
-            lines += [
-                f"  {replace(_activation_record(n, n.meta['hgraph_comm']), direction='backward')}"
-                for n in nodes
-            ]
-        return "\n".join(lines)
+        return explain(self, strategy, rank, backward)
 
     def write_dot(self, strategy: StrategyLike, rank: int, path: str) -> str:
         """Write the rank's stage program as Graphviz dot (communication nodes highlighted)."""
-        sg = self.program(strategy, rank).stage_graph
-        lines = ["digraph hgraph {", "  node [shape=box, fontsize=10];"]
-        for n in sg.gm.graph.nodes:
-            style = ', style=filled, fillcolor="#ffd27f"' if n.meta.get("hgraph_comm") else ""
-            label = f"{n.name}\\n{getattr(n.target, '__name__', n.target)}" if n.op == "call_function" else n.name
-            lines.append(f'  "{n.name}" [label="{label}"{style}];')
-            for a in n.all_input_nodes:
-                lines.append(f'  "{a.name}" -> "{n.name}";')
-        lines.append("}")
-        text = "\n".join(lines) + "\n"
-        with open(path, "w") as fh:
-            fh.write(text)
-        return text
+        from hgraph.show import write_dot
+
+        return write_dot(self, strategy, rank, path)
 
     def __str__(self) -> str:
         return (
@@ -404,23 +363,6 @@ def _recompute_by_scheme(recompute: Any) -> tuple:
             raise HGraphError(f"recompute key {scheme!r}; expected a scheme like 'tp2,pp2' or a Pipeline")
         out.append(((p.cp, p.tp, p.pp), RecomputeConfig.of(value)))
     return tuple(out)
-
-
-def _activation_record(node: fx.Node, info: Any) -> CommSubgraph:
-    if isinstance(info, CommSubgraph):
-        return info
-    if isinstance(info, dict):
-        src = info.get("src")
-        dst = info.get("dst")
-        fmt = lambda spec: ",".join(map(str, spec)) if isinstance(spec, (tuple, list)) else str(spec)  # noqa: E731
-        return CommSubgraph(
-            info.get("kind", "communicate_activation"),
-            f"{info.get('tensor', node.name)} ({info.get('op', node.target)}/{info.get('mesh_dim', '')})",
-            fmt(src),
-            fmt(dst),
-            int(info.get("bytes", 0) or 0),
-        )
-    return CommSubgraph("communicate_activation", node.name, "?", "?", 0)
 
 
 def compile(

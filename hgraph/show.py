@@ -1,53 +1,82 @@
-"""``hgraph show``: compile a model and print one rank's program (and write it as dot / SVG).
+"""Printing a compiled model: ``explain`` (one rank's program as text) and ``write_dot`` (Graphviz).
 
-    hgraph show --model hgraph.demo:tiny_model --strategy "tp2,pp2" --strategy "4x tp1" --rank 1
+``CompiledModel.explain`` and ``CompiledModel.write_dot`` call these; the ``hgraph show`` command is
+``hgraph.show_cli``. Everything printed is read from the compile products (``hgraph.products``).
 """
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import subprocess
+import operator
+from dataclasses import replace
+from typing import Protocol, Union
 
-import torch
+import torch.fx as fx
 
-from hgraph.errors import InputError
-from hgraph.models import load_factory
+from hgraph.passes.backward import comm_nodes
+from hgraph.passes.insert_comm import activation_record
+from hgraph.passes.recompute import regions
+from hgraph.products import CommSubgraph, CompiledPrograms
+from hgraph.strategy import Strategy
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="hgraph.demo:tiny_model", help="module:factory returning an nn.Module")
-    parser.add_argument("--strategy", action="append", help="a strategy, e.g. 'tp2 + 2x tp1' (repeatable)")
-    parser.add_argument("--index", type=int, default=0, help="which of the strategies to show (default 0)")
-    parser.add_argument("--rank", type=int, default=0, help="which rank's program to show")
-    parser.add_argument("--seq-len", type=int, default=16, help="example sequence length for tracing")
-    parser.add_argument("--code", action="store_true", help="also print the stage program as Python code")
-    parser.add_argument("--dot", help="write the stage program as Graphviz dot to this file")
-    parser.add_argument("--svg", help="write the stage program as SVG (needs Graphviz 'dot' on PATH)")
+StrategyLike = Union[int, Strategy]
 
 
-def run(args: argparse.Namespace) -> int:
-    import hgraph
+class Inspectable(CompiledPrograms, Protocol):
+    """What printing reads of a compiled model (``hgraph.compiler.CompiledModel`` is one)."""
 
-    model = load_factory(args.model)()
-    if not isinstance(model, torch.nn.Module):
-        raise InputError(f"--model {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", 256)
-    strategies = args.strategy or ["tp1"]
-    compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, vocab, (1, args.seq_len)))
-    print(compiled)
-    print(compiled.explain(args.index, args.rank))
-    program = compiled.program(args.index, args.rank)
-    if args.code:
-        print(program.stage_graph.gm.code)
-    if args.dot or args.svg:
-        dot_path = args.dot or (args.svg + ".dot")
-        compiled.write_dot(args.index, args.rank, dot_path)
-        print(f"wrote {dot_path}")
-        if args.svg:
-            exe = shutil.which("dot")
-            if exe is None:
-                raise InputError("--svg needs Graphviz's 'dot' program (apt-get install graphviz); the .dot file was written")
-            subprocess.run([exe, "-Tsvg", dot_path, "-o", args.svg], check=True)
-            print(f"wrote {args.svg}")
-    return 0
+    def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]: ...
+
+    def backward_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> fx.GraphModule: ...
+
+
+def explain(compiled: Inspectable, strategy: StrategyLike, rank: int, backward: bool = True) -> str:
+    """Readable summary of one rank's program: compute, the three subgraph kinds, layouts, bytes;
+    with ``backward``, the collectives of its traced backward (``backward_program``)."""
+    prog = compiled.program(strategy, rank)
+    s = compiled.strategies[prog.strategy_index]
+    sg = prog.stage_graph
+    lines = [
+        f"strategy {s} — rank {rank}: pipeline {prog.pipeline} {s.pipelines[prog.pipeline]}, "
+        f"stage {prog.stage}/{prog.pp} (layers {list(sg.layers)}), groups "
+        + ", ".join(f"{k}={list(v)}" for k, v in prog.groups.items()),
+    ]
+    body = [n for r in regions(sg.gm) for n in r.body.graph.nodes]
+    compute = [n for n in [*sg.gm.graph.nodes, *body]
+               if n.op == "call_function" and not n.meta.get("hgraph_comm")
+               and not (n.target is operator.getitem and n.args[0].op == "call_module")]
+    lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
+                 + " ".join(str(x) for x in prog.schedule(4)))
+    pipeline = s.pipelines[prog.pipeline]
+    lines.append(f"recompute: {compiled.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
+        f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
+    totals: dict[str, int] = {}
+    for rec in compiled.subgraphs(strategy, rank):
+        lines.append("  " + str(rec))
+        totals[rec.kind] = totals.get(rec.kind, 0) + rec.bytes
+    lines.append("bytes: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
+    if backward:
+        seq_len = 16 * len(prog.groups["cp"])  # 16 local tokens, in 2·cp load-balanced chunks
+        nodes = comm_nodes(compiled.backward_program(strategy, rank, seq_len))
+        lines.append(f"backward (1 x {seq_len} tokens): {len(nodes)} communication nodes")
+        lines += [
+            f"  {replace(activation_record(n, n.meta['hgraph_comm']), direction='backward')}"
+            for n in nodes
+        ]
+    return "\n".join(lines)
+
+
+def write_dot(compiled: Inspectable, strategy: StrategyLike, rank: int, path: str) -> str:
+    """Write the rank's stage program as Graphviz dot (communication nodes highlighted)."""
+    sg = compiled.program(strategy, rank).stage_graph
+    lines = ["digraph hgraph {", "  node [shape=box, fontsize=10];"]
+    for n in sg.gm.graph.nodes:
+        style = ', style=filled, fillcolor="#ffd27f"' if n.meta.get("hgraph_comm") else ""
+        label = f"{n.name}\\n{getattr(n.target, '__name__', n.target)}" if n.op == "call_function" else n.name
+        lines.append(f'  "{n.name}" [label="{label}"{style}];')
+        for a in n.all_input_nodes:
+            lines.append(f'  "{a.name}" -> "{n.name}";')
+    lines.append("}")
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as fh:
+        fh.write(text)
+    return text

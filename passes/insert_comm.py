@@ -119,3 +119,21 @@ def _bytes(node: fx.Node) -> int:
         except (TypeError, ValueError):
             return 0
     return total
+
+
+def activation_record(node: fx.Node, info: Any) -> CommSubgraph:
+    """The ``CommSubgraph`` of a communication node ``localize`` inserted (its ``meta["hgraph_comm"]``)."""
+    if isinstance(info, CommSubgraph):
+        return info
+    if isinstance(info, dict):
+        src = info.get("src")
+        dst = info.get("dst")
+        fmt = lambda spec: ",".join(map(str, spec)) if isinstance(spec, (tuple, list)) else str(spec)  # noqa: E731
+        return CommSubgraph(
+            info.get("kind", "communicate_activation"),
+            f"{info.get('tensor', node.name)} ({info.get('op', node.target)}/{info.get('mesh_dim', '')})",
+            fmt(src),
+            fmt(dst),
+            int(info.get("bytes", 0) or 0),
+        )
+    return CommSubgraph("communicate_activation", node.name, "?", "?", 0)

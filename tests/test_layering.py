@@ -46,9 +46,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.runtime.feed", "hgraph.runtime.optimizer", "hgraph.runtime.checkpoint",
                  "hgraph.runtime.agreement", "hgraph.runtime.timeline", "hgraph.runtime.launch",
                  "hgraph.runtime", "hgraph.thread_oracle")),
+    ("show", ("hgraph.show",)),
     ("compiler", ("hgraph.compiler",)),
     ("app", ("hgraph.runtime.trainer", "hgraph.planner", "hgraph.planner.profile", "hgraph.planner.profile_ranks",
-             "hgraph.planner.cli", "hgraph.cli", "hgraph.show", "hgraph.train_cli", "hgraph.demo", "hgraph.plots",
+             "hgraph.planner.cli", "hgraph.cli", "hgraph.show_cli", "hgraph.train_cli", "hgraph.demo", "hgraph.plots",
              "hgraph.lnk_demo", "hgraph.zoo", "hgraph.export", "hgraph", "hgraph.__main__")),
 )
 

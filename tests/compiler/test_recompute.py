@@ -12,7 +12,6 @@ from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.passes.recompute import RecomputeConfig, regions
 from hgraph.runtime import comm as comm_module
-from hgraph.runtime import ops
 from hgraph.runtime import packed_attention as packed_attention_module
 from hgraph.batch import next_token_targets
 
