@@ -10,11 +10,9 @@ same gradients as one device.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -23,6 +21,8 @@ from hgraph.batch import local_micro_batches, micro_batch_align, pack_micro_batc
 from hgraph.errors import CheckpointError, InputError, TrainingError
 from hgraph.layout import Layout, Replicate
 from hgraph.lnk import solve
+from hgraph.planner.dispatch import default_dispatch
+from hgraph.planner.plan import Dispatch
 from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.comm import Communicator
 from hgraph.runtime.context import RankContext, rank_context
@@ -32,57 +32,6 @@ from hgraph.runtime.reshard import default_comm, execute
 from hgraph.runtime.timeline import Timeline, gather_events
 
 log = logging.getLogger("hgraph.trainer")
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """Which sequences each pipeline of ``strategy_index`` runs, as micro-batches of sequence indices."""
-
-    strategy_index: int
-    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
-    predicted_ms: Optional[float] = None
-
-    def __str__(self) -> str:
-        parts = [
-            f"p{i}: " + " ".join("[" + ",".join(map(str, mb)) + "]" for mb in mbs)
-            for i, mbs in enumerate(self.micro_batches)
-        ]
-        return f"strategy {self.strategy_index}: " + "; ".join(parts)
-
-
-def default_dispatch(
-    pipelines: Sequence[Any], lengths: Sequence[int], micro_batch_tokens: int
-) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Longest sequence first to the pipeline with the least tokens per rank; then pack each
-    pipeline's sequences first-fit-decreasing into micro-batches of at most ``micro_batch_tokens``
-    (a longer sequence gets a micro-batch of its own), at least ``pp`` of them when there are enough
-    sequences so the pipeline fills."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    load = [0.0] * len(pipelines)
-    assigned: list[list[int]] = [[] for _ in pipelines]
-    for i in order:
-        p = min(range(len(pipelines)), key=lambda j: (load[j] + lengths[i]) / pipelines[j].size)
-        assigned[p].append(i)
-        load[p] += lengths[i]
-    out = []
-    for p, seqs in zip(pipelines, assigned):
-        total = sum(lengths[i] for i in seqs)
-        budget = micro_batch_tokens
-        if p.pp > 1 and len(seqs) >= p.pp:
-            budget = min(budget, max(max((lengths[i] for i in seqs), default=1), math.ceil(total / p.pp)))
-        bins: list[list[int]] = []
-        room: list[int] = []
-        for i in seqs:
-            for b in range(len(bins)):
-                if room[b] >= lengths[i]:
-                    bins[b].append(i)
-                    room[b] -= lengths[i]
-                    break
-            else:
-                bins.append([i])
-                room.append(budget - lengths[i])
-        out.append(tuple(tuple(b) for b in bins))
-    return tuple(out)
 
 
 def params_without_gradient(traced: Any) -> frozenset[str]:
@@ -172,16 +121,8 @@ class Trainer:
             payload = b""
             if self.rank == 0:
                 plan = self.planner.plan(list(lengths))
-                if any(src[1] != 0 for src in plan.sources) or len(plan.sources) != len(lengths):
-                    raise TrainingError("the planner split sequences; the trainer needs whole sequences (split_long=False)")
-                mbs = [[[plan.sources[i][0] for i in mb] for mb in p.micro_batches] for p in plan.pipelines]
-                payload = json.dumps(
-                    {"strategy": self.compiled.strategy_index(plan.strategy), "micro_batches": mbs,
-                     "predicted_ms": plan.predicted_ms}
-                ).encode()
-            decided = json.loads(self._broadcast_bytes(payload))
-            mbs_t = tuple(tuple(tuple(mb) for mb in p) for p in decided["micro_batches"])
-            return Dispatch(decided["strategy"], mbs_t, decided["predicted_ms"])
+                payload = plan.dispatch(self.compiled.strategy_index(plan.strategy)).encode()
+            return Dispatch.decode(self._broadcast_bytes(payload))
         index = self.compiled.strategy_index(0 if strategy is None else strategy)
         pipelines = self.compiled.strategies[index].pipelines
         return Dispatch(index, default_dispatch(pipelines, lengths, self.micro_batch_tokens))

@@ -17,12 +17,12 @@ import heapq
 import math
 import random
 import time
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
 from hgraph.errors import PlanError
-from hgraph.planner.packing import Packing, pack
+from hgraph.planner.packing import Packing, first_fit_decreasing, pack
 from hgraph.planner.timing import PipelineCost
 
 MAX_RESTARTS = 64
@@ -234,3 +234,34 @@ class Assigner:
         members = self.search(time.perf_counter() + budget_ms / 1e3)
         packs = [self.packed(p, m) for p, m in enumerate(members)]
         return [b for b, _ in packs], [t for _, t in packs]
+
+
+class PipelineShape(Protocol):
+    """What ``default_dispatch`` reads of a pipeline (``hgraph.strategy.Pipeline``)."""
+
+    size: int
+    pp: int
+
+
+def default_dispatch(
+    pipelines: Sequence[PipelineShape], lengths: Sequence[int], micro_batch_tokens: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The dispatch without a cost model: longest sequence first to the pipeline with the least tokens
+    per rank, then each pipeline's sequences packed by ``first_fit_decreasing`` into micro-batches of
+    at most ``micro_batch_tokens`` (a longer sequence gets a micro-batch of its own), at least ``pp``
+    of them when there are enough sequences so the pipeline fills."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    load = [0.0] * len(pipelines)
+    assigned: list[list[int]] = [[] for _ in pipelines]
+    for i in order:
+        p = min(range(len(pipelines)), key=lambda j: (load[j] + lengths[i]) / pipelines[j].size)
+        assigned[p].append(i)
+        load[p] += lengths[i]
+    out = []
+    for p, seqs in zip(pipelines, assigned):
+        budget = micro_batch_tokens
+        if p.pp > 1 and len(seqs) >= p.pp:
+            total = sum(lengths[i] for i in seqs)
+            budget = min(budget, max(max(lengths[i] for i in seqs), math.ceil(total / p.pp)))
+        out.append(tuple(tuple(b) for b in first_fit_decreasing(lengths, seqs, budget)))
+    return tuple(out)

@@ -8,9 +8,11 @@ for the pieces on the strategy's GPUs (set by the planner and the baselines).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from hgraph.errors import PlanError
 from hgraph.planner.bound import LowerBound
 from hgraph.planner.timing import PipelineCost
 from hgraph.strategy import Pipeline, Strategy
@@ -82,6 +84,16 @@ class IterationPlan:
         """``predicted_ms / bound.ms`` (>= 1; None without a bound)."""
         return None if self.bound is None else self.bound.ratio(self.predicted_ms)
 
+    def dispatch(self, strategy_index: int) -> "Dispatch":
+        """The plan as the runtime runs it (``strategy_index``: the strategy's index in the compiled
+        model); ``PlanError`` when the plan split sequences (the runtime runs whole sequences)."""
+        if any(src[1] != 0 for src in self.sources) or len({src[0] for src in self.sources}) != len(self.sources):
+            raise PlanError("the planner split sequences; the trainer needs whole sequences (split_long=False)")
+        micro_batches = tuple(
+            tuple(tuple(self.sources[i][0] for i in mb) for mb in p.micro_batches) for p in self.pipelines
+        )
+        return Dispatch(strategy_index, micro_batches, self.predicted_ms)
+
     def to_json(self) -> dict[str, Any]:
         """The per-iteration object of ``hgraph plan --json``: micro-batches index ``lengths``."""
         out: dict[str, Any] = {
@@ -106,3 +118,29 @@ class IterationPlan:
         if self.bound is not None:
             head += f", {self.ratio_to_bound:.3f}x the {self.bound}"
         return "\n".join([head] + [f"  {p}" for p in self.pipelines])
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Which sequences each pipeline of ``strategy_index`` runs, as micro-batches of sequence indices:
+    what the Trainer executes, from ``IterationPlan.dispatch`` or ``dispatch.default_dispatch``."""
+
+    strategy_index: int
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    predicted_ms: Optional[float] = None
+
+    def encode(self) -> bytes:
+        """Bytes rank 0 broadcasts, so every rank runs the same dispatch."""
+        return json.dumps([self.strategy_index, self.micro_batches, self.predicted_ms]).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "Dispatch":
+        index, mbs, predicted = json.loads(data)
+        return cls(index, tuple(tuple(tuple(mb) for mb in p) for p in mbs), predicted)
+
+    def __str__(self) -> str:
+        parts = [
+            f"p{i}: " + " ".join("[" + ",".join(map(str, mb)) + "]" for mb in mbs)
+            for i, mbs in enumerate(self.micro_batches)
+        ]
+        return f"strategy {self.strategy_index}: " + "; ".join(parts)

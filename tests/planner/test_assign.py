@@ -156,3 +156,28 @@ def test_exact_mode_matches_the_milp(llama7b):
     assert planner.plan(lengths).predicted_ms <= optimum * 1.02
     with pytest.raises(PlanError, match="exact mode needs"):
         planner.plan([100] * 60, exact=True)
+
+
+def test_a_plan_is_the_dispatch_the_runtime_runs(llama7b):
+    """One dispatch type: the plan's micro-batches, as sequence indices, survive rank 0's broadcast."""
+    from hgraph.planner.plan import Dispatch
+
+    lengths = [random.Random(1).randint(100, 4000) for _ in range(24)]
+    plan = Planner(llama7b, ["4x tp1,pp2", "2x tp4"]).plan(lengths)
+    d = plan.dispatch(strategy_index=1)
+    assert Dispatch.decode(d.encode()) == d and d.strategy_index == 1 and d.predicted_ms == plan.predicted_ms
+    for p, mbs in zip(plan.pipelines, d.micro_batches):
+        assert [[lengths[i] for i in mb] for mb in mbs] == [list(x) for x in p.micro_batch_lengths]
+    assert sorted(i for mbs in d.micro_batches for mb in mbs for i in mb) == list(range(len(lengths)))
+    cap = Planner(llama7b, ["4x tp1,pp2"]).largest_max_len
+    split = Planner(llama7b, ["4x tp1,pp2"]).plan([2 * cap + 5, 10], split_long=True)
+    with pytest.raises(PlanError, match="split sequences"):
+        split.dispatch(0)
+
+
+def test_default_dispatch_packs_first_fit_decreasing():
+    from hgraph.planner.dispatch import default_dispatch
+    from hgraph.strategy import Strategy
+
+    (mbs,) = default_dispatch(Strategy.parse("tp1").pipelines, [5, 30, 12, 20, 8], micro_batch_tokens=40)
+    assert mbs == ((1, 4), (3, 2, 0))  # 30+8, then 20+12+5: by hand, longest first into the first bin with room
