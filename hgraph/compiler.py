@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import replace
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -34,9 +34,15 @@ from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import recompute
-from hgraph.products import CommSubgraph, CompileContext, CompileOptions, ParameterComm, RankProgram, RecomputeConfig, StageGraph
+from hgraph.lnk.topology import Topology
+from hgraph.products import (
+    CommSubgraph, CompileContext, CompileOptions, OverlapConfig, ParameterComm, RankProgram, RecomputeConfig, StageGraph,
+)
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
+
+if TYPE_CHECKING:
+    from hgraph.passes.backward import JointGraphs
 
 StrategyLike = Union[int, Strategy]
 _COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
@@ -107,7 +113,7 @@ class CompiledModel:
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
         self._param_comm: dict[int, dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
-        self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
+        self._joints: dict[tuple[int, int, int], JointGraphs] = {}
         start = time.perf_counter()
         self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
         for i in range(len(strategies)):
@@ -308,7 +314,7 @@ class CompiledModel:
         nodes (``hgraph.*`` ops) carry ``meta["hgraph_comm"]``. See ``hgraph.passes.backward``."""
         return self.joint_program(strategy, rank, seq_len).backward
 
-    def joint_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> Any:
+    def joint_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> JointGraphs:
         """Forward and backward graphs of the rank's stage (``hgraph.passes.backward.JointGraphs``)."""
         from hgraph.passes.backward import rank_joint
 
@@ -376,10 +382,10 @@ def compile(
     compute_dtype: Optional[torch.dtype] = None,
     sequence_parallel: bool = False,
     vocab_parallel: bool = True,
-    schedule: Any = "none",
+    schedule: Union[str, OverlapConfig] = "none",
     layer_costs: Optional[Sequence[float]] = None,
-    topology: Any = None,
-    recompute: Any = "none",
+    topology: Optional[Topology] = None,
+    recompute: Union[str, RecomputeConfig, dict] = "none",
     reduce_dtype: Optional[torch.dtype] = torch.float32,
     coalesce: bool = False,
 ) -> CompiledModel:
@@ -410,8 +416,6 @@ def compile(
             "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
             "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
         )
-    from hgraph.passes.schedule import OverlapConfig
-
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"

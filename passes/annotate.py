@@ -21,7 +21,7 @@ Recorded in ``node.meta``:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -41,8 +41,11 @@ from hgraph.rules.base import (
 )
 from hgraph.rules.registry import lookup
 
+if TYPE_CHECKING:
+    from hgraph.products import CompileContext
 
-def annotate(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+
+def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
     """Annotate ``gm`` in place (see the module docstring) and return it."""
     options = ShardingOptions.from_context(ctx)
     specs: dict[fx.Node, Any] = {}

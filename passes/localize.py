@@ -26,7 +26,7 @@ allowed on cp: any gather or split of cp-sharded tokens raises ``ShardingRuleErr
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.fx as fx
@@ -49,10 +49,13 @@ from hgraph.rules.base import (
 )
 from hgraph.runtime import ops
 
+if TYPE_CHECKING:
+    from hgraph.products import CompileContext
+
 _DROPPED_META = ("val", "tensor_meta", "hgraph_decision", "hgraph_grad_reduce")
 
 
-def localize(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def localize(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
     """Return the local program of the annotated ``gm`` (see the module docstring)."""
     options = ShardingOptions.from_context(ctx)
     for node in gm.graph.nodes:

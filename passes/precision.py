@@ -9,11 +9,11 @@ hands bf16 gradients to the head again. A last stage without such a node gets it
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.fx as fx
 
+from hgraph.products import CompileContext
 from hgraph.runtime import ops
 
 
@@ -33,7 +33,7 @@ def _upcast(gm: fx.GraphModule, value: fx.Node, before: fx.Node) -> fx.Node:
     return cast
 
 
-def fp32_loss(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def fp32_loss(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Cast the inputs of the loss (or the loss itself) to fp32 when ``compute_dtype`` is reduced;
     ``gm`` is a last stage (its first output is the loss)."""
     dtype = ctx.options.compute_dtype

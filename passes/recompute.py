@@ -18,11 +18,12 @@ the region runs the same ops in the same order, in forward and again in backward
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Optional
 
 import torch.fx as fx
 
 from hgraph.passes.partition import node_layer
+from hgraph.products import CompileContext
 from hgraph.products import RecomputeConfig as RecomputeConfig
 from hgraph.runtime.recompute import RecomputedRegion
 
@@ -84,7 +85,7 @@ def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, con
         node._rename(original)
 
 
-def recompute(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Outline the layers ``ctx.recompute`` (else ``ctx.options.recompute``) chooses into
     ``RecomputedRegion`` calls."""
     config = RecomputeConfig.of(getattr(ctx, "recompute", None) or getattr(ctx.options, "recompute", None))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -30,6 +30,10 @@ from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.runtime.reshard import default_comm, execute
 from hgraph.runtime.timeline import Timeline, gather_events
+
+if TYPE_CHECKING:
+    from hgraph.compiler import CompiledModel
+    from hgraph.planner.assign import Planner
 
 log = logging.getLogger("hgraph.trainer")
 
@@ -61,13 +65,13 @@ class Trainer:
 
     def __init__(
         self,
-        compiled: Any,
+        compiled: "CompiledModel",
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         grad_clip: Optional[float] = None,
-        planner: Any = None,
+        planner: Optional["Planner"] = None,
         lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
         comm: Optional[Communicator] = None,
         micro_batch_tokens: int = 4096,
