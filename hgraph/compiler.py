@@ -1,12 +1,14 @@
 """``hgraph.compile``: one explicit, inspectable program per strategy and rank.
 
-Data flow (each step a pass or a cached product, see docs/architecture.md)::
+Data flow (every step a named pass of ``hgraph.passes.pipeline``, results cached; see
+docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp):  annotate -> localize            (+ user passes)   = local program
-      per (cp, tp, pp):         partition                                        = stage programs
+      per stage mesh (cp, tp):  annotate -> localize                             = local program
+      per (cp, tp, pp):         partition; per stage: precision -> recompute     = stage programs
       per strategy:             insert_comm: Pull / Push plans (LNK), activation boundaries
-      per (strategy, rank):     RankProgram = its stage program + pulls + pushes + 1F1B schedule
+      per (strategy, rank):     RankProgram (hgraph.products) = stage program + pulls + pushes
+                                + 1F1B schedule; schedule: its lowering (overlap order)
 
 Everything is built once in ``compile`` and cached, so switching strategies between iterations
 costs nothing but the Pulls the new strategy needs. Optimizer state lives in the fixed layout of

@@ -1,7 +1,7 @@
 """Single-process execution of a compiled strategy: every rank a thread, collectives in memory.
 
-``compiled.simulate`` (``CompiledModel.simulate`` calls ``simulate_strategy``) is the correctness oracle of the compiler: it runs the very programs the
-runtime runs (Pull, 1F1B stages, Push) on simulated ranks and returns the token-mean loss and the
+``compiled.simulate`` (``simulate_strategy`` here) is the correctness oracle of the compiler: it
+runs the very programs the runtime runs (Pull, 1F1B stages, Push) on simulated ranks and returns the token-mean loss and the
 full gradient of every parameter, to compare with the unmodified model.
 
 How the batch is spread (the runtime's planner decides this in training; here it is fixed):

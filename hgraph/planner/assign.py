@@ -1,6 +1,6 @@
 """Per-iteration assignment: choose the candidate strategy, dispatch the batch, pack micro-batches.
 
-``Planner.plan(lengths)`` minimises the simulator's predicted iteration time (``simulate``):
+``Planner.plan(lengths)`` minimises the predicted iteration time (``timing.predict``):
 
 1. Keep the candidates whose largest MaxLen takes the longest sequence (longer sequences raise
    ``PlanError``, or are cut into MaxLen-sized pieces with ``split_long=True``).
