@@ -1,8 +1,8 @@
 """Single-process execution of a compiled strategy: every rank a thread, collectives in memory.
 
 ``compiled.simulate`` (``simulate_strategy`` here) is the correctness oracle of the compiler: it
-runs the very programs the runtime runs (Pull, 1F1B stages, Push) on simulated ranks and returns the token-mean loss and the
-full gradient of every parameter, to compare with the unmodified model.
+runs the very programs the runtime runs (Pull, 1F1B stages, Push) on simulated ranks and returns
+the token-mean loss and the full gradient of every parameter, to compare with the unmodified model.
 
 How the batch is spread (the runtime's planner decides this in training; here it is fixed):
 rows are split across pipelines in order (``torch.tensor_split``), each row is one micro-batch, and
