@@ -5,12 +5,16 @@ Data flow (each step a pass or a cached product, see docs/architecture.md)::
     model --trace--> fx graph (forward + summed loss, params as inputs)
       per stage mesh (cp, tp):  annotate -> localize            (+ user passes)   = local program
       per (cp, tp, pp):         partition                                        = stage programs
-      per strategy:             insert_comm: Pull / Push plans (LNK), activation boundaries
-      per (strategy, rank):     RankProgram = its stage program + pulls + pushes + 1F1B schedule
+      per strategy:             insert_comm: Pull / Push layouts, activation boundaries
+      per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``)
+                                RankProgram = its stage program + pulls + pushes + 1F1B schedule
 
-Everything is built once in ``compile`` and cached, so switching strategies between iterations
-costs nothing but the Pulls the new strategy needs. Optimizer state lives in the fixed layout of
-``hgraph.zero`` and never moves.
+Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
+per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
+torchrun; ``None``: every rank) are built in ``compile`` too, any other rank's on first use, so a
+rank of a 1,024-rank job plans only its own transfers. Everything is cached, so switching strategies
+between iterations costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
+fixed layout of ``hgraph.zero`` and never moves.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from torch import nn
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
-from hgraph.passes.insert_comm import CommSubgraph, ParameterComm, activation_subgraphs, plan_parameters
+from hgraph.passes.insert_comm import (
+    CommSubgraph, ParameterComm, ParameterLayouts, activation_subgraphs, parameter_layouts, plan_parameters,
+)
 from hgraph.passes.partition import StageGraph, partition
 from hgraph.passes.pipeline import Pass, PassManager, PassRecord
 from hgraph.passes.precision import fp32_loss
@@ -39,6 +45,7 @@ from hgraph.zero import optimizer_layout
 
 StrategyLike = Union[int, Strategy]
 _COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
+VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to this world size
 
 
 @dataclass(frozen=True)
@@ -162,27 +169,35 @@ class CompiledModel:
         options: CompileOptions,
         user_passes: Sequence[Any] = (),
         disabled: Iterable[str] = (),
+        rank: Optional[int] = None,
+        verify: Optional[bool] = None,
     ) -> None:
         self.model = model
         self.traced = traced
         self.strategies = strategies
         self.options = options
         self.world_size = strategies[0].world_size
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.world_size):
+            raise StrategyError(f"compile(rank={rank!r}): expected None or a rank in 0..{self.world_size - 1}")
+        self.rank = rank
+        self.verify = self.world_size <= VERIFY_WORLD if verify is None else bool(verify)
         self.pass_history: list[PassRecord] = []
         self._user_passes = _check_user_passes(user_passes)
         self._disabled = _check_disabled(disabled, self._user_passes)
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
-        self._param_comm: dict[int, dict[str, ParameterComm]] = {}
+        self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
+        self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
         start = time.perf_counter()
         self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
         for i in range(len(strategies)):
-            self._build_strategy(i)
+            for r in range(self.world_size) if rank is None else (rank,):
+                self.parameter_comm(i, r)
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
-        if options.schedule == "overlap":
+        if options.schedule == "overlap" and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
                 n = len(strategies[i].pipelines)
                 for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
@@ -191,7 +206,14 @@ class CompiledModel:
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
-        micro-batches on pipeline ``p``; raises ``ScheduleError`` on a mismatched order or a hang."""
+        micro-batches on pipeline ``p``; raises ``ScheduleError`` on a mismatched order or a hang.
+        Builds every rank's program, so it runs only when compiled with ``verify`` (default: world
+        size <= ``VERIFY_WORLD``); ``verify_overlap`` runs it regardless."""
+        if self.verify:
+            self.verify_overlap(strategy, micro_batches)
+
+    def verify_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
+        """``check_overlap`` whatever ``verify`` says (the offline check of a per-rank compile)."""
         from hgraph.passes.schedule import check
 
         index = self.strategy_index(strategy)
@@ -268,7 +290,10 @@ class CompiledModel:
                 out[self.traced.param_names[n.name]] = tuple(spec)
         return out
 
-    def _build_strategy(self, index: int) -> None:
+    def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
+        """Every parameter's optimizer, compute and gradient layouts in strategy ``index`` (shared by its ranks)."""
+        if index in self._param_layouts:
+            return self._param_layouts[index]
         strategy = self.strategies[index]
         start = time.perf_counter()
         users: dict[str, list[tuple[int, int]]] = {}
@@ -280,14 +305,27 @@ class CompiledModel:
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
                     users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
-        compute = self.options.compute_dtype or torch.float32
-        itemsize = torch.finfo(compute).bits // 8
-        push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
-        self._param_comm[index] = plan_parameters(
-            strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, itemsize,
-            self.options.topology, push_itemsize,
-        )
+        layouts = parameter_layouts(strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts)
+        self._param_layouts[index] = layouts
         self.pass_history.append(PassRecord(f"insert_comm[{strategy}]", time.perf_counter() - start, 0, 0))
+        return layouts
+
+    def parameter_comm(self, strategy: StrategyLike, rank: int) -> dict[str, ParameterComm]:
+        """Pull / Push subgraphs of every parameter in ``strategy`` with ``rank``'s part of each plan
+        (built on first use; equal to the full plan's steps for that rank, ``hgraph.lnk.solve_rank``)."""
+        index = self.strategy_index(strategy)
+        key = (index, rank)
+        if key not in self._param_comm:
+            layouts = self._parameter_layouts(index)
+            start = time.perf_counter()
+            compute = self.options.compute_dtype or torch.float32
+            itemsize = torch.finfo(compute).bits // 8
+            push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
+            self._param_comm[key] = plan_parameters(layouts, itemsize, self.options.topology, push_itemsize, rank)
+            self.pass_history.append(
+                PassRecord(f"plan[{self.strategies[index]}, rank {rank}]", time.perf_counter() - start, 0, 0)
+            )
+        return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
@@ -336,7 +374,7 @@ class CompiledModel:
             "pipeline": tuple(pipeline.ranks or ()),
         }
         stages = self.stage_graphs(pipeline)
-        comm = self._param_comm[index]
+        comm = self.parameter_comm(index, rank)
         order = self._layer_order()
         pulls = [comm[name] for name in order if name in comm]
         program = RankProgram(
@@ -448,8 +486,9 @@ class CompiledModel:
         return text
 
     def __str__(self) -> str:
+        ranks = "every rank" if self.rank is None else f"rank {self.rank}"
         return (
-            f"CompiledModel({type(self.model).__name__}, world {self.world_size}, strategies: "
+            f"CompiledModel({type(self.model).__name__}, world {self.world_size} ({ranks}), strategies: "
             + "; ".join(str(s) for s in self.strategies)
             + f", compiled in {self.compile_seconds:.2f}s)"
         )
@@ -548,6 +587,8 @@ def compile(
     recompute: Any = "none",
     reduce_dtype: Optional[torch.dtype] = torch.float32,
     coalesce: bool = False,
+    rank: Union[int, None, str] = "auto",
+    verify: Optional[bool] = None,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -563,7 +604,12 @@ def compile(
     gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
     ``None`` reduces in the compute dtype). ``coalesce``: pull and push each layer's parameters
     together, one merged call per group and kind (``hgraph.runtime.coalesce``), so an iteration issues
-    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now.
+    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now. ``rank``: the
+    rank whose plans and programs are built now (``"auto"``: the process's own rank in an initialised
+    process group of this world size, as under ``hgraph.launch`` / torchrun, else ``None``: every
+    rank); any other rank's are built on first use and equal a full compile's. ``verify``: run the
+    compile-time dry run of ``schedule="overlap"`` over every rank (default: world size <=
+    ``VERIFY_WORLD``; it builds every rank's program).
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -610,4 +656,13 @@ def compile(
         source = copy.deepcopy(model).to(compute_dtype)
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         traced = trace(source, example_inputs, loss_fn)
-        return CompiledModel(model, traced, strategies, options, passes, disable)
+        return CompiledModel(model, traced, strategies, options, passes, disable, _own_rank(world) if rank == "auto" else rank, verify)
+
+
+def _own_rank(world: int) -> Optional[int]:
+    """This process's rank in an initialised process group of ``world`` ranks (else ``None``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
+        return dist.get_rank()
+    return None
