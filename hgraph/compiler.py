@@ -300,8 +300,9 @@ class CompiledModel:
         specs, grad_specs = {}, {}
         for i, pipeline in enumerate(strategy.pipelines):
             mesh = pipeline.stage_mesh
-            specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
-            grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
+            if mesh not in specs:
+                specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
+                grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
                     users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))

@@ -11,10 +11,14 @@ rank's steps are then the atoms of its own boxes: which destination boxes its so
 destination boxes meet. Atoms with the same source and destination boxes share one rule, so the
 work is the number of distinct boxes plus the rank's own messages, not world x atoms.
 
-Where the full solver breaks a tie by the load it has accumulated over all ranks (several holders on
-one node), where the plan may be a collective or a no-op, and for Partial destinations, there is no
-local rule: the full plan is solved once (cached) and the rank's part is cut from it. Either way the
-answer is the full plan's.
+A term held by several ranks equally near the reducer (tp ranks holding the same gradient) goes to
+the least loaded of them. When each such rank holds only that one term, its load is a sum of
+messages the local rules know (what it receives and sends as reducer, needer or copy sender, and
+which of its group sent each earlier atom), so the group's choices are replayed over the atoms in
+the solver's order with the group's loads alone. Where the solver breaks any other tie by the load
+it has accumulated over all ranks, where the plan may be a collective or a no-op, and for Partial
+destinations, there is no local rule: the full plan is solved once (cached) and the rank's part is
+cut from it. Either way the answer is the full plan's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from hgraph.errors import LayoutError
 from hgraph.layout import AnyLayout, Box, box_numel, chunk_bounds
@@ -172,6 +176,22 @@ class _Have:
         self.complete = sorted({r for rep in reps.values() if len(rep) == 1 for r in next(iter(rep.values()))})
         self.holding = {k: frozenset(r for rs in rep.values() for r in rs) for k, rep in reps.items()}
         self.terms = {k: [ascending(rep[t]) for t in sorted(rep)] for k, rep in reps.items()}
+        self._ambiguous: dict[tuple[int, int], list[list[int]]] = {}
+
+    @cached_property
+    def term_sets(self) -> dict[int, frozenset[tuple[int, ...]]]:
+        """representation -> its terms' holder tuples."""
+        return {k: frozenset(map(tuple, terms)) for k, terms in self.terms.items()}
+
+    def tied(self, replica: int, rho: int, node: Callable[[int], int]) -> bool:
+        """Whether some term not held by ``rho`` has several holders equally near it."""
+        here = node(rho)
+        key = (replica, here)
+        if key not in self._ambiguous:
+            self._ambiguous[key] = [
+                hs for hs in self.terms[replica] if len(hs) > 1 and sum(1 for h in hs if node(h) == here) != 1
+            ]
+        return any(rho not in hs for hs in self._ambiguous[key])
 
     @cached_property
     def own_terms(self) -> dict[int, dict[int, list[list[int]]]]:
@@ -196,7 +216,7 @@ class _Copy:
     cost: int
     has_a: bool
 
-    def add(self, rank: int, cell: Cell, copies: dict, sends: dict) -> None:
+    def add(self, rank: int, cell: Cell, copies: dict, sends: dict, pick=None) -> None:
         if rank in self.needers:
             if rank in self.held:
                 copies[(rank, False)].add(cell)
@@ -207,6 +227,10 @@ class _Copy:
                 if d not in self.held:
                     sends[("A", rank, d, False)].add(cell)
 
+    def load(self, rank: int) -> int:
+        """Messages (per element) ``rank`` sends or receives at one of these atoms."""
+        return (rank in self.needers and rank not in self.held) + (self.cost if rank == self.sender else 0)
+
 
 @dataclass(frozen=True)
 class _Reduce:
@@ -216,24 +240,28 @@ class _Reduce:
     have: _Have
     replica: int
     rho: int
-    node: object
     cost: int
     has_a: bool
+    tied: bool  # some term has several holders equally near rho: picked by load (``_Rules.pick``)
 
-    def pick(self, holders: list[int]) -> int:
-        if len(holders) == 1:
-            return holders[0]
-        here = self.node(self.rho)
-        return next(h for h in holders if self.node(h) == here)
+    @property
+    def term_sets(self) -> frozenset[tuple[int, ...]]:
+        return self.have.term_sets[self.replica]
 
-    def add(self, rank: int, cell: Cell, copies: dict, sends: dict) -> None:
+    def load(self, rank: int) -> int:
+        """Messages (per element) ``rank`` sends or receives here, except as a term's chosen sender."""
+        if rank == self.rho:
+            return sum(1 for hs in self.have.terms[self.replica] if rank not in hs) + len(self.needers) - 1
+        return int(rank in self.needers)
+
+    def add(self, rank: int, cell: Cell, copies: dict, sends: dict, pick) -> None:
         rho = self.rho
         if rank == rho:
             for hs in self.have.terms[self.replica]:
                 if rho in hs:
                     copies[(rho, True)].add(cell)
                 else:
-                    sends[("A", self.pick(hs), rho, True)].add(cell)
+                    sends[("A", pick(hs, rho, cell), rho, True)].add(cell)
             for d in self.needers:
                 if d != rho:
                     sends[("B", rho, d, False)].add(cell)
@@ -241,7 +269,7 @@ class _Reduce:
         if rank in self.needers:
             sends[("B", rho, rank, False)].add(cell)
         for hs in self.have.own_terms[self.replica].get(rank, ()):
-            if rho not in hs and self.pick(hs) == rank:
+            if rho not in hs and pick(hs, rho, cell) == rank:
                 sends[("A", rank, rho, True)].add(cell)
 
 
@@ -325,7 +353,52 @@ class _Rules:
             self.cost += rule.cost * n
             has_a = has_a or rule.has_a
         self.first_phase = "A" if has_a else "B"
+        if any(isinstance(r, _Reduce) and r.tied for r in self.rule.values()) and not self._one_term_each():
+            return False
+        self.order = sorted(self.sig, key=lambda c: (-self.grid.numel(c), c))  # the solver's atom order
+        self.position = {cell: i for i, cell in enumerate(self.order)}
+        self._replays: dict[tuple[int, ...], list] = {}
         return self.cost > 0
+
+    def _one_term_each(self) -> bool:
+        """Every rank holding a term of a reduction holds only that term (one holder set per rank)."""
+        owner: dict[int, tuple[int, ...]] = {}
+        sets = {id(r.term_sets): r.term_sets for r in self.rule.values() if isinstance(r, _Reduce)}
+        for term_sets in sets.values():
+            for hs in term_sets:
+                    if any(owner.setdefault(h, hs) != hs for h in hs):
+                        return False
+        return True
+
+    def pick(self, holders: list[int], rho: int, cell: Cell) -> int:
+        """The solver's sender of a term to reducer ``rho`` at ``cell``: the nearest holder, then the
+        least loaded (replayed for the holders' group), then the lowest rank."""
+        if len(holders) == 1:
+            return holders[0]
+        here = self.node(rho)
+        near = [h for h in holders if self.node(h) == here]
+        if len(near) == 1:
+            return near[0]
+        return self._replay(tuple(holders), self.position[cell])
+
+    def _replay(self, group: tuple[int, ...], until: int) -> int:
+        """The group's choice at atom ``until`` (in solver order), replaying its loads from atom 0."""
+        state = self._replays.setdefault(group, [0, dict.fromkeys(group, 0), {}])
+        position, load, chosen = state
+        node = self.node
+        while position <= until:
+            cell = self.order[position]
+            rule, n = self.rule[self.sig[cell]], self.grid.numel(cell)
+            if isinstance(rule, _Reduce) and group in rule.term_sets and rule.rho not in group:
+                here = node(rule.rho)
+                sender = min(group, key=lambda s: (node(s) != here, load[s], s))
+                chosen[position] = sender
+                load[sender] += n
+            for h in group:
+                load[h] += rule.load(h) * n
+            position += 1
+        state[0] = position
+        return chosen[until]
 
     def _rule(self, src_cover: tuple[Box, ...], dst_cover: tuple[Box, ...]) -> Optional[Union[_Copy, _Reduce]]:
         if not src_cover:
@@ -347,12 +420,9 @@ class _Rules:
         rho = self._reducer([d for d in dst if d in holding] or dst, terms, dst)
         if rho is None:
             return None
-        here = self.node(rho)
-        for hs in terms:
-            if len(hs) > 1 and rho not in hs and sum(1 for h in hs if self.node(h) == here) != 1:
-                return None  # several holders equally near the reducer: the solver picks by load
+        tied = have.tied(replica, rho, self.node)
         has_a = any(rho not in hs for hs in terms)
-        return _Reduce(needers, have, replica, rho, self.node, cost(replica)[0], has_a)
+        return _Reduce(needers, have, replica, rho, cost(replica)[0], has_a, tied)
 
     def _reducer(self, candidates: list[int], terms: list[list[int]], dst: list[int]) -> Optional[int]:
         """The solver's reducer when its nearness alone decides it (else ``None``: load decides)."""
@@ -379,7 +449,7 @@ class _Rules:
         for cell in cells:
             sig = self.sig.get(cell)
             if sig is not None:
-                self.rule[sig].add(rank, cell, copies, sends)
+                self.rule[sig].add(rank, cell, copies, sends, self.pick)
         out: list[Step] = []
         for (r, accumulate), group in sorted(copies.items()):
             out += [LocalCopy(r, box, accumulate) for box in self.grid.merge(group)]

@@ -69,12 +69,20 @@ def test_compile_scale_pull_and_push_answer_locally(shape, tp):
     assert all(check_every_rank(grads, opt, 4))  # Push of sharded gradients
 
 
-def test_replicated_gradients_tie_on_load_fall_back_to_the_full_plan():
-    """tp ranks holding the same gradient on one node: the solver picks the sender by load, so the
-    rank view is cut from the full plan (and still equals it)."""
-    opt = optimizer_layout((8,), WORLD)
-    grads = LayoutUnion(pipelines((8,), 2, (Replicate(), Replicate())).layouts, "partial")
-    assert not any(check_every_rank(grads, opt, 4))
+@pytest.mark.parametrize("world, tp, shape", [(64, 2, (8,)), (64, 4, (8,)), (64, 2, (96, 8)), (16, 8, (5, 3))])
+def test_replicated_gradients_tied_on_load_are_replayed_per_group(world, tp, shape):
+    """tp ranks holding the same gradient on one node: the solver sends from the least loaded of
+    them, which each rank's view replays from its group's loads alone (and still equals the plan)."""
+    parts = [Layout(shape, tuple(range(r, r + tp)), (1, tp), (Replicate(), Replicate())) for r in range(0, world, tp)]
+    assert all(check_every_rank(LayoutUnion(tuple(parts), "partial"), optimizer_layout(shape, world), 4))
+
+
+def test_load_ties_that_need_other_ranks_loads_fall_back_to_the_full_plan():
+    """A Pull from a replicated source with several holders per node: the sender is the least loaded
+    over the whole plan, so the views are cut from the full plan (and equal it)."""
+    src = Layout((8, 4), tuple(range(4)), (4,), (Replicate(),))
+    dst = LayoutUnion(tuple(Layout((8, 4), (r,), (1,), (Replicate(),)) for r in range(4, 8)), "duplicate")
+    assert not any(check_every_rank(src, dst, 4))
 
 
 def test_a_rank_view_answers_only_for_its_rank():
