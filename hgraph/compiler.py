@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import operator
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -29,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
@@ -171,6 +173,7 @@ class CompiledModel:
         disabled: Iterable[str] = (),
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
+        cache_dir: Optional[str] = None,
     ) -> None:
         self.model = model
         self.traced = traced
@@ -187,15 +190,27 @@ class CompiledModel:
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
+        self._plan_inputs: dict[int, tuple[dict, dict, dict]] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
         start = time.perf_counter()
         self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
-        for i in range(len(strategies)):
-            for r in range(self.world_size) if rank is None else (rank,):
-                self.parameter_comm(i, r)
+        own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
+        cache = self._cache(cache_directory(cache_dir), own)
+        self.cache_hit = False
+        if cache is not None:
+            stored = cache.load()
+            if stored is not None and set(stored) == set(own):
+                self._param_comm.update(stored)
+                self.cache_hit = True
+            elif stored is not None:
+                warnings.warn(f"compile cache entry {cache.path} holds other ranks' plans; rebuilt", CacheWarning, stacklevel=3)
+        for i, r in own:
+            self.parameter_comm(i, r)
+        if cache is not None and not self.cache_hit:
+            cache.store({key: self._param_comm[key] for key in own})
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
         if options.schedule == "overlap" and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
@@ -290,12 +305,25 @@ class CompiledModel:
                 out[self.traced.param_names[n.name]] = tuple(spec)
         return out
 
-    def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
-        """Every parameter's optimizer, compute and gradient layouts in strategy ``index`` (shared by its ranks)."""
-        if index in self._param_layouts:
-            return self._param_layouts[index]
+    def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
+        """The cache entry of this compile's own plans, keyed by everything they are built from."""
+        if directory is None:
+            return None
+        compute = self.options.compute_dtype or torch.float32
+        inputs = (
+            own, torch.finfo(compute).bits, torch.finfo(self.options.reduce_dtype or compute).bits,
+            repr(self.options.topology), sorted(self.param_shapes.items()),
+            sorted((n, repr(lay)) for n, lay in self.optimizer_layouts.items()),
+            [(str(s), *(sorted(d.items()) for d in self._comm_inputs(i))) for i, s in enumerate(self.strategies)],
+        )
+        return CompileCache(directory, plan_key(inputs))
+
+    def _comm_inputs(self, index: int) -> tuple[dict, dict, dict]:
+        """Strategy ``index``'s parameter users ``name -> [(pipeline, stage)]`` and per-mesh compute and
+        gradient placements ``mesh -> {name: spec}``: what its Pull / Push layouts are built from."""
+        if index in self._plan_inputs:
+            return self._plan_inputs[index]
         strategy = self.strategies[index]
-        start = time.perf_counter()
         users: dict[str, list[tuple[int, int]]] = {}
         specs, grad_specs = {}, {}
         for i, pipeline in enumerate(strategy.pipelines):
@@ -306,6 +334,16 @@ class CompiledModel:
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
                     users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
+        self._plan_inputs[index] = (users, specs, grad_specs)
+        return self._plan_inputs[index]
+
+    def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
+        """Every parameter's optimizer, compute and gradient layouts in strategy ``index`` (shared by its ranks)."""
+        if index in self._param_layouts:
+            return self._param_layouts[index]
+        strategy = self.strategies[index]
+        start = time.perf_counter()
+        users, specs, grad_specs = self._comm_inputs(index)
         layouts = parameter_layouts(strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts)
         self._param_layouts[index] = layouts
         self.pass_history.append(PassRecord(f"insert_comm[{strategy}]", time.perf_counter() - start, 0, 0))
@@ -590,6 +628,7 @@ def compile(
     coalesce: bool = False,
     rank: Union[int, None, str] = "auto",
     verify: Optional[bool] = None,
+    cache_dir: Optional[str] = None,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -610,7 +649,9 @@ def compile(
     process group of this world size, as under ``hgraph.launch`` / torchrun, else ``None``: every
     rank); any other rank's are built on first use and equal a full compile's. ``verify``: run the
     compile-time dry run of ``schedule="overlap"`` over every rank (default: world size <=
-    ``VERIFY_WORLD``; it builds every rank's program).
+    ``VERIFY_WORLD``; it builds every rank's program). ``cache_dir`` (or ``$HGRAPH_COMPILE_CACHE``):
+    keep the compiled rank's Pull / Push plans on disk, keyed by what they are built from
+    (``hgraph.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -657,7 +698,8 @@ def compile(
         source = copy.deepcopy(model).to(compute_dtype)
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         traced = trace(source, example_inputs, loss_fn)
-        return CompiledModel(model, traced, strategies, options, passes, disable, _own_rank(world) if rank == "auto" else rank, verify)
+        own = _own_rank(world) if rank == "auto" else rank
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
 
 
 def _own_rank(world: int) -> Optional[int]:
