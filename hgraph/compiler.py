@@ -6,19 +6,24 @@ docs/architecture.md)::
     model --trace--> fx graph (forward + summed loss, params as inputs)
       per stage mesh (cp, tp):  annotate -> localize                             = local program
       per (cp, tp, pp):         partition; per stage: precision -> recompute     = stage programs
-      per strategy:             insert_comm: Pull / Push plans (LNK), activation boundaries
-      per (strategy, rank):     RankProgram (hgraph.products) = stage program + pulls + pushes
+      per strategy:             insert_comm: Pull / Push layouts, activation boundaries
+      per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
+                                RankProgram (hgraph.products) = stage program + pulls + pushes
                                 + 1F1B schedule; schedule: its lowering (overlap order)
 
-Everything is built once in ``compile`` and cached, so switching strategies between iterations
-costs nothing but the Pulls the new strategy needs. Optimizer state lives in the fixed layout of
-``hgraph.zero`` and never moves.
+Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
+per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
+torchrun; ``None``: every rank) are built in ``compile`` too, any other rank's on first use, so a
+rank of a 1,024-rank job plans only its own transfers. Everything is cached, so switching strategies
+between iterations costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
+fixed layout of ``hgraph.zero`` and never moves.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
@@ -26,19 +31,21 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
 from hgraph.model_info import model_dims as model_dims
 from hgraph.model_info import validate_strategies as validate_strategies
-from hgraph.passes.insert_comm import activation_record, activation_subgraphs, plan_parameters
+from hgraph.passes.insert_comm import activation_record, activation_subgraphs, parameter_layouts, plan_parameters
 from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import recompute
 from hgraph.lnk.topology import Topology
 from hgraph.products import (
-    CommSubgraph, CompileContext, CompileOptions, OverlapConfig, ParameterComm, RankProgram, RecomputeConfig, StageGraph,
+    CommSubgraph, CompileContext, CompileOptions, OverlapConfig, ParameterComm, ParameterLayouts, RankProgram,
+    RecomputeConfig, StageGraph,
 )
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 
 StrategyLike = Union[int, Strategy]
 _COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
+VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to this world size
 
 
 def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -96,12 +104,19 @@ class CompiledModel:
         options: CompileOptions,
         user_passes: Sequence[Any] = (),
         disabled: Iterable[str] = (),
+        rank: Optional[int] = None,
+        verify: Optional[bool] = None,
+        cache_dir: Optional[str] = None,
     ) -> None:
         self.model = model
         self.traced = traced
         self.strategies = strategies
         self.options = options
         self.world_size = strategies[0].world_size
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.world_size):
+            raise StrategyError(f"compile(rank={rank!r}): expected None or a rank in 0..{self.world_size - 1}")
+        self.rank = rank
+        self.verify = self.world_size <= VERIFY_WORLD if verify is None else bool(verify)
         self.pass_history: list[PassRecord] = []
         user = checked_user_passes(user_passes)
         builtin = {"annotate": _annotate_pass, "localize": _localize_pass, "partition": _partition_pass,
@@ -113,15 +128,29 @@ class CompiledModel:
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
-        self._param_comm: dict[int, dict[str, ParameterComm]] = {}
+        self._plan_inputs: dict[int, tuple[dict, dict, dict]] = {}
+        self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
+        self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], JointGraphs] = {}
         start = time.perf_counter()
         self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
-        for i in range(len(strategies)):
-            self._build_strategy(i)
+        own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
+        cache = self._cache(cache_directory(cache_dir), own)
+        self.cache_hit = False
+        if cache is not None:
+            stored = cache.load()
+            if stored is not None and set(stored) == set(own):
+                self._param_comm.update(stored)
+                self.cache_hit = True
+            elif stored is not None:
+                warnings.warn(f"compile cache entry {cache.path} holds other ranks' plans; rebuilt", CacheWarning, stacklevel=3)
+        for i, r in own:
+            self.parameter_comm(i, r)
+        if cache is not None and not self.cache_hit:
+            cache.store({key: self._param_comm[key] for key in own})
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
-        if options.schedule == "overlap":
+        if options.schedule == "overlap" and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
                 n = len(strategies[i].pipelines)
                 for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
@@ -130,7 +159,14 @@ class CompiledModel:
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
-        micro-batches on pipeline ``p``; raises ``ScheduleError`` on a mismatched order or a hang."""
+        micro-batches on pipeline ``p``; raises ``ScheduleError`` on a mismatched order or a hang.
+        Builds every rank's program, so it runs only when compiled with ``verify`` (default: world
+        size <= ``VERIFY_WORLD``); ``verify_overlap`` runs it regardless."""
+        if self.verify:
+            self.verify_overlap(strategy, micro_batches)
+
+    def verify_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
+        """``check_overlap`` whatever ``verify`` says (the offline check of a per-rank compile)."""
         from hgraph.passes.schedule import check
 
         index = self.strategy_index(strategy)
@@ -192,35 +228,75 @@ class CompiledModel:
                 out[self.traced.param_names[n.name]] = tuple(spec)
         return out
 
-    def _build_strategy(self, index: int) -> None:
-        strategy = self.strategies[index]
-        ctx = self._context(strategy=strategy)
-        gm = self.local_program(*strategy.pipelines[0].stage_mesh)
-        _, records = self._passes["strategy"].run(gm, ctx, f"strategy {strategy}")
-        self.pass_history += records
-        self._param_comm[index] = ctx.parameter_comm
+    def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
+        """The cache entry of this compile's own plans, keyed by everything they are built from."""
+        if directory is None:
+            return None
+        compute = self.options.compute_dtype or torch.float32
+        inputs = (
+            own, torch.finfo(compute).bits, torch.finfo(self.options.reduce_dtype or compute).bits,
+            repr(self.options.topology), sorted(self.param_shapes.items()),
+            sorted((n, repr(lay)) for n, lay in self.optimizer_layouts.items()),
+            [(str(s), *(sorted(d.items()) for d in self._comm_inputs(i))) for i, s in enumerate(self.strategies)],
+        )
+        return CompileCache(directory, plan_key(inputs))
 
-    def _insert_comm_pass(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-        """Plan Pull Parameter / Push Gradient of every parameter of ``ctx.strategy`` (LNK)."""
-        strategy = ctx.strategy
-        assert strategy is not None
+    def _comm_inputs(self, index: int) -> tuple[dict, dict, dict]:
+        """Strategy ``index``'s parameter users ``name -> [(pipeline, stage)]`` and per-mesh compute and
+        gradient placements ``mesh -> {name: spec}``: what its Pull / Push layouts are built from."""
+        if index in self._plan_inputs:
+            return self._plan_inputs[index]
+        strategy = self.strategies[index]
         users: dict[str, list[tuple[int, int]]] = {}
         specs, grad_specs = {}, {}
         for i, pipeline in enumerate(strategy.pipelines):
             mesh = pipeline.stage_mesh
-            specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
-            grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
+            if mesh not in specs:
+                specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
+                grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
                     users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
-        compute = self.options.compute_dtype or torch.float32
-        itemsize = torch.finfo(compute).bits // 8
-        push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
-        ctx.parameter_comm = plan_parameters(
-            strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, itemsize,
-            self.options.topology, push_itemsize,
+        self._plan_inputs[index] = (users, specs, grad_specs)
+        return self._plan_inputs[index]
+
+    def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
+        """Every parameter's optimizer, compute and gradient layouts in strategy ``index`` (shared by
+        its ranks): the ``insert_comm`` pass and the user passes at its level."""
+        if index not in self._param_layouts:
+            strategy = self.strategies[index]
+            ctx = self._context(strategy=strategy)
+            gm = self.local_program(*strategy.pipelines[0].stage_mesh)
+            _, records = self._passes["strategy"].run(gm, ctx, f"strategy {strategy}")
+            self.pass_history += records
+            self._param_layouts[index] = ctx.parameter_layouts
+        return self._param_layouts[index]
+
+    def _insert_comm_pass(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+        """The Pull Parameter / Push Gradient layouts of every parameter of ``ctx.strategy``."""
+        assert ctx.strategy is not None
+        users, specs, grad_specs = self._comm_inputs(self.strategy_index(ctx.strategy))
+        ctx.parameter_layouts = parameter_layouts(
+            ctx.strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts
         )
         return gm
+
+    def parameter_comm(self, strategy: StrategyLike, rank: int) -> dict[str, ParameterComm]:
+        """Pull / Push subgraphs of every parameter in ``strategy`` with ``rank``'s part of each plan
+        (built on first use; equal to the full plan's steps for that rank, ``hgraph.lnk.solve_rank``)."""
+        index = self.strategy_index(strategy)
+        key = (index, rank)
+        if key not in self._param_comm:
+            layouts = self._parameter_layouts(index)
+            start = time.perf_counter()
+            compute = self.options.compute_dtype or torch.float32
+            itemsize = torch.finfo(compute).bits // 8
+            push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
+            self._param_comm[key] = plan_parameters(layouts, itemsize, self.options.topology, push_itemsize, rank)
+            self.pass_history.append(
+                PassRecord("plan", time.perf_counter() - start, 0, 0, f"strategy {self.strategies[index]} rank {rank}")
+            )
+        return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
@@ -269,7 +345,7 @@ class CompiledModel:
             "pipeline": tuple(pipeline.ranks or ()),
         }
         stages = self.stage_graphs(pipeline)
-        comm = self._param_comm[index]
+        comm = self.parameter_comm(index, rank)
         order = self._layer_order()
         pulls = [comm[name] for name in order if name in comm]
         program = RankProgram(
@@ -340,8 +416,9 @@ class CompiledModel:
         return write_dot(self, strategy, rank, path)
 
     def __str__(self) -> str:
+        ranks = "every rank" if self.rank is None else f"rank {self.rank}"
         return (
-            f"CompiledModel({type(self.model).__name__}, world {self.world_size}, strategies: "
+            f"CompiledModel({type(self.model).__name__}, world {self.world_size} ({ranks}), strategies: "
             + "; ".join(str(s) for s in self.strategies)
             + f", compiled in {self.compile_seconds:.2f}s)"
         )
@@ -390,6 +467,9 @@ def compile(
     recompute: Union[str, RecomputeConfig, dict] = "none",
     reduce_dtype: Optional[torch.dtype] = torch.float32,
     coalesce: bool = False,
+    rank: Union[int, None, str] = "auto",
+    verify: Optional[bool] = None,
+    cache_dir: Optional[str] = None,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -405,7 +485,14 @@ def compile(
     gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
     ``None`` reduces in the compute dtype). ``coalesce``: pull and push each layer's parameters
     together, one merged call per group and kind (``hgraph.runtime.coalesce``), so an iteration issues
-    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now.
+    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now. ``rank``: the
+    rank whose plans and programs are built now (``"auto"``: the process's own rank in an initialised
+    process group of this world size, as under ``hgraph.launch`` / torchrun, else ``None``: every
+    rank); any other rank's are built on first use and equal a full compile's. ``verify``: run the
+    compile-time dry run of ``schedule="overlap"`` over every rank (default: world size <=
+    ``VERIFY_WORLD``; it builds every rank's program). ``cache_dir`` (or ``$HGRAPH_COMPILE_CACHE``):
+    keep the compiled rank's Pull / Push plans on disk, keyed by what they are built from
+    (``hgraph.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -450,4 +537,14 @@ def compile(
         source = copy.deepcopy(model).to(compute_dtype)
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         traced = trace(source, example_inputs, loss_fn)
-        return CompiledModel(model, traced, strategies, options, passes, disable)
+        own = _own_rank(world) if rank == "auto" else rank
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
+
+
+def _own_rank(world: int) -> Optional[int]:
+    """This process's rank in an initialised process group of ``world`` ranks (else ``None``)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
+        return dist.get_rank()
+    return None

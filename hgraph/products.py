@@ -20,6 +20,7 @@ import torch.fx as fx
 from hgraph.errors import HGraphError, InputError
 from hgraph.layout import AnyLayout, Layout, Partial
 from hgraph.lnk.plan import ReshardPlan
+from hgraph.lnk.rank_plan import RankPlan
 from hgraph.lnk.topology import Topology
 from hgraph.runtime.recompute import MODES
 from hgraph.runtime.schedule import Step, one_f_one_b
@@ -179,12 +180,28 @@ class CommSubgraph:
     src: Union[AnyLayout, str]
     dst: Union[AnyLayout, str]
     bytes: int
-    plan: Optional[ReshardPlan] = None
+    plan: Union[ReshardPlan, RankPlan, None] = None  # a full plan, or one rank's part of it
     direction: str = "forward"
 
     def __str__(self) -> str:
         backward = " (backward)" if self.direction == "backward" and self.kind == ACTIVATION else ""
         return f"{self.kind:<22} {self.tensor:<44} {self.src} -> {self.dst}  {self.bytes} B{backward}"
+
+
+@dataclass(frozen=True)
+class ParameterLayouts:
+    """The layouts one parameter moves between in a strategy: fixed optimizer layout, the compute
+    layouts of its users (a "duplicate" union) and their gradients (a "partial" union)."""
+
+    name: str
+    holders: tuple[tuple[int, int], ...]
+    optimizer: Layout
+    compute: AnyLayout
+    grads: AnyLayout
+
+    def __str__(self) -> str:
+        return f"ParameterLayouts({self.name}, holders {list(self.holders)}: {self.optimizer} <-> {self.compute})"
+
 
 
 @dataclass(frozen=True)
@@ -237,7 +254,7 @@ class CompileContext:
     pp: int = 1
     strategy: Optional[Strategy] = None
     stages: Optional[list[StageGraph]] = None
-    parameter_comm: dict[str, ParameterComm] = field(default_factory=dict)
+    parameter_layouts: dict[str, ParameterLayouts] = field(default_factory=dict)  # insert_comm's
     recompute: Optional[RecomputeConfig] = None  # this pipeline scheme's, for the recompute pass
     stage: Optional[StageGraph] = None  # the stage program the stage-level passes are running on
     program: Optional["RankProgram"] = None  # the rank program the rank-level passes lower

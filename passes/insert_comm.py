@@ -14,8 +14,8 @@
   rank ``(c, t)`` of stage ``s+1``); reshards inside a stage were already inserted by ``localize``
   as ``hgraph.runtime.ops`` nodes.
 
-Plans come from ``hgraph.lnk.solve`` and are cached there by layout pair, so strategies that share
-a layout pair share the plan.
+Plans come from ``hgraph.lnk.solve`` (or, compiling for one rank, ``hgraph.lnk.solve_rank``: that
+rank's part) and are cached there by layout pair, so strategies that share a layout pair share the plan.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ import torch
 import torch.fx as fx
 
 from hgraph.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.lnk import solve, solve_rank
 from hgraph.products import ACTIVATION as ACTIVATION
 from hgraph.products import PULL as PULL
 from hgraph.products import PUSH as PUSH
 from hgraph.products import CommSubgraph as CommSubgraph
 from hgraph.products import ParameterComm as ParameterComm
-from hgraph.lnk import solve
+from hgraph.products import ParameterLayouts as ParameterLayouts
 from hgraph.strategy import Strategy
 
 @functools.lru_cache(maxsize=65536)
@@ -45,25 +46,21 @@ def _union(layouts: list[Layout], hetero: str) -> AnyLayout:
     return layouts[0] if len(layouts) == 1 else LayoutUnion(tuple(layouts), hetero)  # type: ignore[arg-type]
 
 
-def plan_parameters(
+def parameter_layouts(
     strategy: Strategy,
     users: dict[str, list[tuple[int, int]]],
     specs: dict[tuple[int, int], dict[str, tuple]],
     grad_specs: dict[tuple[int, int], dict[str, tuple]],
     shapes: dict[str, tuple[int, ...]],
     optimizer_layouts: dict[str, Layout],
-    itemsize: int,
-    topology: Optional[Any] = None,
-    push_itemsize: Optional[int] = None,
-) -> dict[str, ParameterComm]:
-    """Pull/push plans for every parameter of ``strategy``.
+) -> dict[str, ParameterLayouts]:
+    """Pull/push layouts of every parameter of ``strategy``.
 
     ``users[name]`` lists the (pipeline, stage) pairs whose stage program takes the parameter;
     ``specs[(cp, tp)][name]`` / ``grad_specs[...]`` are its compute and gradient placements on that
-    stage mesh. ``itemsize``: bytes per element pulled (the compute dtype's); ``push_itemsize``: pushed
-    (the reduce dtype's; default ``itemsize``).
+    stage mesh.
     """
-    out: dict[str, ParameterComm] = {}
+    out: dict[str, ParameterLayouts] = {}
     for name, holders in users.items():
         compute, grads = [], []
         for pipeline_index, stage in holders:
@@ -72,16 +69,39 @@ def plan_parameters(
             ranks = pipeline.stage_ranks(stage)
             compute.append(_layout(shapes[name], ranks, mesh, specs[mesh][name]))
             grads.append(_layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
-        opt = optimizer_layouts[name]
-        dst = _union(compute, "duplicate")
-        src = _union(grads, "partial")
-        pull_plan = solve(opt, dst, topology, itemsize=itemsize)
-        push_plan = solve(src, opt, topology, itemsize=push_itemsize or itemsize)
+        out[name] = ParameterLayouts(
+            name, tuple(holders), optimizer_layouts[name], _union(compute, "duplicate"), _union(grads, "partial")
+        )
+    return out
+
+
+def plan_parameters(
+    layouts: dict[str, ParameterLayouts],
+    itemsize: int,
+    topology: Optional[Any] = None,
+    push_itemsize: Optional[int] = None,
+    rank: Optional[int] = None,
+) -> dict[str, ParameterComm]:
+    """Pull/push plans of every parameter (``parameter_layouts``): full plans, or with ``rank`` that
+    rank's part of each (``hgraph.lnk.solve_rank``: equal steps and bytes, without the world's table).
+    ``itemsize``: bytes per element pulled (the compute dtype's); ``push_itemsize``: pushed (the
+    reduce dtype's; default ``itemsize``).
+    """
+    if rank is None:
+        def plan(src: AnyLayout, dst: AnyLayout, size: int) -> Any:
+            return solve(src, dst, topology, itemsize=size)
+    else:
+        def plan(src: AnyLayout, dst: AnyLayout, size: int) -> Any:
+            return solve_rank(src, dst, rank, topology, itemsize=size)
+    out: dict[str, ParameterComm] = {}
+    for name, lay in layouts.items():
+        pull_plan = plan(lay.optimizer, lay.compute, itemsize)
+        push_plan = plan(lay.grads, lay.optimizer, push_itemsize or itemsize)
         out[name] = ParameterComm(
             name=name,
-            holders=tuple(holders),
-            pull=CommSubgraph(PULL, name, opt, dst, pull_plan.bytes_moved, pull_plan),
-            push=CommSubgraph(PUSH, name, src, opt, push_plan.bytes_moved, push_plan, direction="backward"),
+            holders=lay.holders,
+            pull=CommSubgraph(PULL, name, lay.optimizer, lay.compute, pull_plan.bytes_moved, pull_plan),
+            push=CommSubgraph(PUSH, name, lay.grads, lay.optimizer, push_plan.bytes_moved, push_plan, direction="backward"),
         )
     return out
 

@@ -6,8 +6,8 @@ The built-in passes, in order, and the graph each one (and every user pass ancho
     partition             that program, once per pipeline scheme (cp, tp, pp); cuts ctx.stages
     precision, recompute  each stage program (ctx.stage)
     insert_comm           once per strategy (ctx.strategy), on the local program of its first
-                          pipeline: plans Pull/Push from every pipeline's stage programs into
-                          ctx.parameter_comm
+                          pipeline: the Pull/Push layouts of every parameter from the stage programs into
+                          ctx.parameter_layouts (each rank plans its part later)
     schedule              the stage program of one rank (ctx.program): lowers its schedule
                           (``schedule="overlap"``: the pull/push order, ``RankSchedule``)
 

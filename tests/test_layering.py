@@ -22,9 +22,9 @@ PACKAGE_DIRS = {"hgraph": ROOT / "hgraph", "hgraph.passes": ROOT / "passes", "hg
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("hgraph.errors", "hgraph.layout", "hgraph.strategy", "hgraph.zero", "hgraph.seeding",
               "hgraph.batch", "hgraph.models", "hgraph.model_info", "hgraph.data", "hgraph.data.*",
-              "hgraph.train_config")),
+              "hgraph.train_config", "hgraph.compile_cache")),
     ("lnk", ("hgraph.lnk.plan", "hgraph.lnk.pieces", "hgraph.lnk.collectives", "hgraph.lnk.solver",
-             "hgraph.lnk.topology")),
+             "hgraph.lnk.rank_plan", "hgraph.lnk.topology")),
     ("planner", ("hgraph.planner.analytic", "hgraph.planner.assign", "hgraph.planner.baselines",
                  "hgraph.planner.batches", "hgraph.planner.bound", "hgraph.planner.context",
                  "hgraph.planner.cost", "hgraph.planner.dispatch", "hgraph.planner.exact",

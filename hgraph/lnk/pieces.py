@@ -12,6 +12,7 @@ pieces (several pieces may hold the same box and term: replicas inside a layout)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,8 +35,10 @@ class Piece:
         return box_numel(self.box) == 0
 
 
+@functools.lru_cache(maxsize=2048)
 def pieces_of(layout: AnyLayout) -> tuple[Piece, ...]:
-    """The pieces of ``layout`` in rank order of its layouts."""
+    """The pieces of ``layout`` in rank order of its layouts (cached: the solver and the per-rank
+    rules ask for the same layouts many times)."""
     if isinstance(layout, Layout):
         return tuple(Piece(r, box, 0, layout.term(r)) for r in layout.ranks for box in layout.regions(r))
     if not isinstance(layout, LayoutUnion):

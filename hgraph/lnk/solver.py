@@ -74,7 +74,7 @@ def solve(
 
 @functools.lru_cache(maxsize=4096)
 def _solve(src: AnyLayout, dst: AnyLayout, topology: Topology, itemsize: int) -> ReshardPlan:
-    _validate(src, dst)
+    validate(src, dst)
     steps, lower_bound = _PointToPoint(src, dst, topology).solve()
     lower_bound *= itemsize
     if _is_noop(src, dst, steps):
@@ -88,7 +88,7 @@ def _solve(src: AnyLayout, dst: AnyLayout, topology: Topology, itemsize: int) ->
     return ReshardPlan(src, dst, itemsize, steps, lower_bound, topology)
 
 
-def _validate(src: AnyLayout, dst: AnyLayout) -> None:
+def validate(src: AnyLayout, dst: AnyLayout) -> None:
     for name, value in (("src", src), ("dst", dst)):
         if not isinstance(value, (Layout, LayoutUnion)):
             raise LayoutError(f"{name} must be a Layout or LayoutUnion, got {value!r}")
@@ -117,7 +117,7 @@ def _is_noop(src: AnyLayout, dst: AnyLayout, steps: tuple[Step, ...]) -> bool:
     return True
 
 
-class _Grid:
+class Grid:
     """Atoms: the grid cut at every box boundary of every dim."""
 
     def __init__(
@@ -182,7 +182,7 @@ class _PointToPoint:
         self.dst_pieces = [p for p in pieces_of(dst) if not p.empty]
         self.dst_partial = is_partial(dst)
         self.grid_shape = src.shape
-        self.grid = _Grid(src.shape, [p.box for p in self.src_pieces + self.dst_pieces])
+        self.grid = Grid(src.shape, [p.box for p in self.src_pieces + self.dst_pieces])
         self.load: dict[int, int] = defaultdict(int)
         self.copies: dict[tuple[int, bool], set[Cell]] = defaultdict(set)
         self.sends: dict[tuple[str, int, int, bool], set[Cell]] = defaultdict(set)
@@ -190,7 +190,7 @@ class _PointToPoint:
         self.node = functools.lru_cache(maxsize=None)(topology.node)
 
     @staticmethod
-    def _index(pieces: list[Piece], grid: _Grid) -> dict[Cell, dict[int, dict[tuple, list[int]]]]:
+    def _index(pieces: list[Piece], grid: Grid) -> dict[Cell, dict[int, dict[tuple, list[int]]]]:
         """cell -> replica -> term -> ranks holding (or needing) it."""
         index: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
         for p in pieces:
@@ -204,7 +204,7 @@ class _PointToPoint:
         extra = self._reduction_cuts(need, have)
         if any(extra):
             boxes = [p.box for p in self.src_pieces + self.dst_pieces]
-            self.grid = _Grid(self.grid_shape, boxes, extra)
+            self.grid = Grid(self.grid_shape, boxes, extra)
             need = self._index(self.dst_pieces, self.grid)
             have = self._index(self.src_pieces, self.grid)
         for cell in sorted(need, key=lambda c: (-self.grid.numel(c), c)):
@@ -253,7 +253,7 @@ class _PointToPoint:
             return len(have[replica]) - 1 + len(dst) - bool(holders.intersection(dst)), replica
 
         best = min(have, key=cost)
-        self._deliver(cell, dst, [_ascending(have[best][t]) for t in sorted(have[best])])
+        self._deliver(cell, dst, [ascending(have[best][t]) for t in sorted(have[best])])
 
     def _deliver(self, cell: Cell, dst: list[int], contributing: list[list[int]]) -> None:
         if len(contributing) == 1:
@@ -395,6 +395,6 @@ def _cheapest_split(wanted: tuple, rep: tuple) -> tuple[int, tuple]:
     return k + cost, tuple(sorted(split.items()))
 
 
-def _ascending(ranks: list[int]) -> list[int]:
+def ascending(ranks: list[int]) -> list[int]:
     """``ranks`` sorted (a single holder, the common case, as it is)."""
     return ranks if len(ranks) == 1 else sorted(ranks)

@@ -29,7 +29,9 @@ def test_every_stage_is_a_pass_with_a_record_of_what_it_did(model_and_ids):
     by_name = collections.defaultdict(list)
     for record in compiled.pass_history:
         by_name[record.name].append(record)
-    assert set(by_name) == set(STAGES)
+    # besides the passes, "plan": each rank's part of the Pull / Push plans (a timed step, no graph)
+    assert set(by_name) == set(STAGES) | {"plan"}
+    assert sorted(r.scope for r in by_name["plan"]) == [f"strategy (tp2,pp2) rank {r}" for r in range(4)]
     # sizes are those of the graphs the compiled model holds, not numbers the pass reports itself
     (localize,) = by_name["localize"]
     assert localize.scope == "cp1,tp2" and localize.nodes_after == len(compiled.local_program(1, 2).graph.nodes)
@@ -58,7 +60,7 @@ def test_user_passes_run_after_any_stage_at_its_level(model_and_ids):
             seen[anchor].append({
                 "nodes": len(gm.graph.nodes), "mesh": ctx.mesh, "stages": ctx.stages is not None,
                 "stage": None if ctx.stage is None else ctx.stage.stage,
-                "plans": len(ctx.parameter_comm), "program": None if ctx.program is None else ctx.program.rank,
+                "plans": len(ctx.parameter_layouts), "program": None if ctx.program is None else ctx.program.rank,
             })
             return gm
         return hgraph.Pass(f"spy_{anchor}", fn, after=anchor)
