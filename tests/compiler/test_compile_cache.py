@@ -50,7 +50,8 @@ def test_environment_variable_and_other_keys(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path)) == 4
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+@pytest.mark.parametrize("damage", ["flip", pytest.param("truncate", marks=pytest.mark.slow),
+                                    pytest.param("garbage", marks=pytest.mark.slow)])
 def test_a_damaged_entry_is_reported_and_rebuilt(tmp_path, damage):
     fresh = _compile(rank=1)
     _compile(rank=1, cache_dir=str(tmp_path))
