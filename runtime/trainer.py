@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -40,6 +40,7 @@ class Dispatch:
     strategy_index: int
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
     predicted_ms: Optional[float] = None
+    prediction: Any = None  # the planner's IterationPrediction (terms before correction), if any
 
     def __str__(self) -> str:
         parts = [
@@ -47,6 +48,12 @@ class Dispatch:
             for i, mbs in enumerate(self.micro_batches)
         ]
         return f"strategy {self.strategy_index}: " + "; ".join(parts)
+
+
+def _prediction(fields: Optional[dict[str, Any]]) -> Any:
+    from hgraph.planner.simulate import IterationPrediction
+
+    return None if fields is None else IterationPrediction(**{**fields, "pipeline_ms": tuple(fields["pipeline_ms"])})
 
 
 def default_dispatch(
@@ -198,13 +205,14 @@ class Trainer:
                 if any(src[1] != 0 for src in plan.sources) or len(plan.sources) != len(lengths):
                     raise TrainingError("the planner split sequences; the trainer needs whole sequences (split_long=False)")
                 mbs = [[[plan.sources[i][0] for i in mb] for mb in p.micro_batches] for p in plan.pipelines]
+                pred = getattr(plan, "prediction", None)
                 payload = json.dumps(
                     {"strategy": self.compiled.strategy_index(plan.strategy), "micro_batches": mbs,
-                     "predicted_ms": plan.predicted_ms}
+                     "predicted_ms": plan.predicted_ms, "prediction": None if pred is None else asdict(pred)}
                 ).encode()
             decided = json.loads(self._broadcast_bytes(payload))
             mbs_t = tuple(tuple(tuple(mb) for mb in p) for p in decided["micro_batches"])
-            return Dispatch(decided["strategy"], mbs_t, decided["predicted_ms"])
+            return Dispatch(decided["strategy"], mbs_t, decided["predicted_ms"], _prediction(decided["prediction"]))
         index = self.compiled.strategy_index(0 if strategy is None else strategy)
         pipelines = self.compiled.strategies[index].pipelines
         return Dispatch(index, default_dispatch(pipelines, lengths, self.micro_batch_tokens))
@@ -312,6 +320,7 @@ class Trainer:
 
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
+        run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
         program = self.compiled.program(d.strategy_index, self.rank)
         tokens = sum(l - 1 for l in lengths)
         mbs = self._local_micro_batches(d, sequences)
@@ -329,6 +338,7 @@ class Trainer:
                 "(lower the learning rate or check the data)"
             )
         grads = {n: None if n in self.frozen else g for n, g in out.grad_shards.items()}
+        optimizer_start = time.perf_counter()
         norm = self.optimizer.global_grad_norm(grads, self.comm, self.world)
         if not math.isfinite(norm):
             raise TrainingError(
@@ -341,6 +351,7 @@ class Trainer:
         self.optimizer.apply(grads, scale)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        end = time.perf_counter()
         record = {
             "iteration": self.iteration,
             "loss": loss,
@@ -348,12 +359,21 @@ class Trainer:
             "strategy_index": d.strategy_index,
             "grad_norm": norm,
             "predicted_ms": d.predicted_ms,
-            "seconds": time.perf_counter() - start,
+            "predicted_raw_ms": None if d.prediction is None else d.prediction.total_ms,
+            "prediction": None if d.prediction is None else asdict(d.prediction),
+            "measured_ms": (end - run_start) * 1e3,
+            "optimizer_ms": (end - optimizer_start) * 1e3,
+            "seconds": end - start,
             "lengths": lengths,
             "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
         }
         self.history.append(record)
-        log.info("iter %d loss %.4f strategy %s %.3fs", self.iteration, loss, record["strategy"], record["seconds"])
+        observe = getattr(self.planner, "observe", None)
+        if self.rank == 0 and observe is not None and d.prediction is not None:
+            observe(d.prediction, record["measured_ms"])  # online correction of the cost model
+        log.info("iter %d loss %.4f strategy %s %.3fs predicted %s ms measured %.1f ms", self.iteration, loss,
+                 record["strategy"], record["seconds"],
+                 "-" if d.predicted_ms is None else f"{d.predicted_ms:.1f}", record["measured_ms"])
         self.iteration += 1
         return loss
 

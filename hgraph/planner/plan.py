@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hgraph.planner.bound import LowerBound
-from hgraph.planner.simulate import PipelineCost
+from hgraph.planner.simulate import IterationPrediction, PipelineCost
 from hgraph.strategy import Pipeline, Strategy
 
 
@@ -63,7 +63,8 @@ class PipelinePlan:
 @dataclass(frozen=True)
 class IterationPlan:
     """The chosen strategy, every pipeline's micro-batches, the predicted time, the planning time and
-    a lower bound of the iteration's time."""
+    a lower bound of the iteration's time; ``prediction`` splits ``predicted_ms`` (before correction)
+    into the simulator's terms when the planner has measured iteration terms."""
 
     strategy: Strategy
     pipelines: tuple[PipelinePlan, ...]
@@ -72,6 +73,7 @@ class IterationPlan:
     predicted_ms: float
     plan_ms: float
     bound: LowerBound | None = None
+    prediction: IterationPrediction | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -96,6 +98,9 @@ class IterationPlan:
         if self.bound is not None:
             out["lower_bound"] = self.bound.to_json()
             out["ratio_to_bound"] = round(self.bound.ratio(self.predicted_ms), 4)
+        if self.prediction is not None:
+            out["prediction"] = {"compute_ms": self.prediction.compute_ms, "comm_ms": self.prediction.comm_ms,
+                                 "fixed_ms": self.prediction.fixed_ms}
         return out
 
     def __str__(self) -> str:
