@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -90,6 +91,13 @@ def default_model() -> Any:
     return Llama(
         LlamaConfig(vocab_size=1024, hidden=128, layers=4, heads=4, kv_heads=4, ffn=352, max_positions=8192)
     )
+
+
+def machine() -> dict[str, Any]:
+    """What identifies this machine in a profile's cache key."""
+    import torch
+
+    return {"host": platform.node(), "cpus": os.cpu_count(), "arch": platform.machine(), "torch": torch.__version__}
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -349,6 +357,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=None,
         help="timed runs per length, median (default 5; 3 with --world-size)",
     )
+    parser.add_argument(
+        "--strategies", default=None,
+        help="';'-separated strategies (e.g. '4x tp1; tp2 + 2x tp1'): also measure their iteration terms "
+        "(Pull/Push with and without overlap, activation sends, optimizer, fixed cost) through the runtime; "
+        "needs --world-size",
+    )
     parser.add_argument("--out", default=None, help="write the cost table (JSON) here")
     parser.add_argument("--name", default="profiled", help="cost model name")
     parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
@@ -377,6 +391,8 @@ def _cache_path(key: dict[str, Any]) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.world_size is not None:
         return _run_ranks(args)
+    if args.strategies:
+        raise CostModelError("--strategies measures iteration terms on local ranks; add --world-size N")
     import torch
 
     args.lengths = args.lengths or ",".join(map(str, DEFAULT_LENGTHS))
@@ -448,7 +464,18 @@ def _run_ranks(args: argparse.Namespace) -> int:
         use_cache=not args.no_cache, name=args.name, timeout=args.timeout,
     )
     print(profile)
+    cost_model = profile.cost_model
+    if args.strategies:
+        from hgraph.planner.profile_iteration import profile_iteration
+        from hgraph.planner.terms import with_terms
+
+        strategies = [s.strip() for s in args.strategies.split(";") if s.strip()]
+        found = profile_iteration(args.model, args.world_size, strategies, cost_model, lengths,
+                                  repeats=3 if args.repeats is None else args.repeats,
+                                  use_cache=not args.no_cache, timeout=args.timeout)
+        print(found)
+        cost_model = with_terms(cost_model, found.terms)
     if args.out:
-        profile.cost_model.save(args.out)
+        cost_model.save(args.out)
         print(f"wrote {args.out}")
     return 0

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
@@ -40,6 +40,7 @@ from scipy.optimize import nnls
 
 from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel
+from hgraph.planner.profile import machine
 from hgraph.planner.profile_ranks import ModelFactory, _model_facts, _resolve, factory_name
 from hgraph.planner.simulate import predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
@@ -47,13 +48,6 @@ from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 _METHOD = "trainer steps, strategies and schedules interleaved per round, pair exchanges, v1"
 PAYLOAD_BYTES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)
 PULL_PUSH = ("pull_parameter", "push_gradient")
-
-
-def machine() -> dict[str, Any]:
-    """What identifies this machine in a cache key."""
-    import torch
-
-    return {"host": platform.node(), "cpus": os.cpu_count(), "arch": platform.machine(), "torch": torch.__version__}
 
 
 def profile_batches(lengths: Sequence[int], world_size: int) -> list[list[int]]:
@@ -201,6 +195,34 @@ def fit_activation(per_rank: Sequence[dict[str, Any]]) -> AlphaBeta:
     return AlphaBeta(alpha, beta, float(np.max(np.abs(fitted - ms) / ms)))
 
 
+# compute_scale candidates 0.25 .. 4, nearest to 1 first: a scale the data cannot tell apart stays near 1
+SCALE_PENALTY = 0.03  # median relative error a factor e away from scale 1 must save to be chosen
+SCALES = tuple(sorted((round(0.25 + 0.01 * i, 2) for i in range(376)), key=lambda s: abs(s - 1.0)))
+
+
+def _fit_scale_and_fixed(
+    terms: StrategyTerms, strategy: Any, rows: Sequence[dict], cost_model: CostModel, base: IterationTerms
+) -> tuple[StrategyTerms, float]:
+    """``compute_scale`` and ``fixed_ms`` minimising the median relative error over ``rows`` (the scale
+    by grid search, penalised by ``SCALE_PENALTY · |ln scale|`` so that noise does not pull it far from
+    1; the fixed cost as the median residual at each scale); returns the terms and the error."""
+    best: tuple[float, StrategyTerms] = (float("inf"), terms)
+    measured = [r["measured_ms"] for r in rows]
+    for scale in SCALES if len(rows) > 1 else (1.0,):
+        probe = replace(terms, compute_scale=scale, fixed_ms=0.0)
+        with_probe = replace(base, strategies={(terms.strategy, terms.schedule): probe})
+        modelled = [predict_iteration(strategy, r["dispatch"], cost_model, with_probe, terms.schedule).total_ms
+                    for r in rows]
+        fixed = statistics.median(m - p for m, p in zip(measured, modelled))
+        error = statistics.median(abs(p + fixed - m) / m for m, p in zip(measured, modelled))
+        if error + SCALE_PENALTY * abs(math.log(scale)) < best[0] - 1e-12:
+            best = (error + SCALE_PENALTY * abs(math.log(scale)), replace(probe, fixed_ms=fixed))
+    final = best[1]
+    probe = replace(base, strategies={(final.strategy, final.schedule): final})
+    modelled = [predict_iteration(strategy, r["dispatch"], cost_model, probe, final.schedule).total_ms for r in rows]
+    return final, statistics.median(abs(p - m) / m for m, p in zip(measured, modelled))
+
+
 def fit_terms(raw: dict[str, Any], cost_model: CostModel) -> IterationTerms:
     """Fit the iteration terms of every measured strategy and schedule (see the module docstring)."""
     from hgraph.strategy import Strategy
@@ -221,15 +243,12 @@ def fit_terms(raw: dict[str, Any], cost_model: CostModel) -> IterationTerms:
                 worst = statistics.median(max(r[key]["exposed_ms"] for r in steps) for key in keys[sc])
                 exposed = min(1.0, worst / (pull + push))
             terms = StrategyTerms(name, sc, pull, push, exposed, statistics.median(r["optimizer_ms"] for r in rows), 0.0)
-            probe = replace(base, strategies={(name, sc): terms})
-            modelled = [predict_iteration(strategy, r["dispatch"], cost_model, probe, sc).total_ms for r in rows]
-            fixed = statistics.median(r["measured_ms"] - m for r, m in zip(rows, modelled))
-            residual = statistics.median(abs(m + fixed - r["measured_ms"]) / r["measured_ms"] for r, m in zip(rows, modelled))
+            terms, residual = _fit_scale_and_fixed(terms, strategy, rows, cost_model, base)
             by_batch: dict[int, list[float]] = {}
             for r in rows:
                 by_batch.setdefault(r["batch"], []).append(r["measured_ms"])
             noise = statistics.median(_spread(v) for v in by_batch.values())
-            found[(name, sc)] = replace(terms, fixed_ms=fixed, noise=noise, residual=residual, samples=len(rows))
+            found[(name, sc)] = replace(terms, noise=noise, residual=residual, samples=len(rows))
     return replace(base, strategies=found)
 
 

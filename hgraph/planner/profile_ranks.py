@@ -52,7 +52,7 @@ from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.models import load_factory
-from hgraph.planner.profile import Fit, _blocks, _embedding, fit_stage_cost
+from hgraph.planner.profile import Fit, _blocks, _embedding, fit_stage_cost, machine
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -76,8 +76,11 @@ class Profile:
         source = f"measured in {self.seconds:.1f} s"
         source += f", cached in {self.cache_path}" if self.cached else ""
         lines = [f"{self.cost_model.name}: {len(self.fits)} schemes, lengths {list(self.lengths)} ({source})"]
+        noise = self.cost_model.extra.get("_fit", {})
         for scheme, fit in self.fits.items():
-            lines.append(f"  {scheme!s:<10} {fit}  MaxLen {self.cost_model.max_len(scheme)}")
+            spread = noise.get(str(scheme), {}).get("noise")
+            extra = "" if spread is None else f", noise {spread:.1%}"
+            lines.append(f"  {scheme!s:<10} {fit}  MaxLen {self.cost_model.max_len(scheme)}{extra}")
         return "\n".join(lines)
 
 
@@ -312,7 +315,7 @@ def measure_ranks(
     key = {
         "model": name, **_model_facts(model), "parameters": sum(p.numel() for p in model.parameters()),
         "world_size": world_size, "schemes": [str(s) for s in schemes], "lengths": lengths,
-        "repeats": repeats, "torch": torch.__version__, "method": _METHOD,
+        "repeats": repeats, "torch": torch.__version__, "method": _METHOD, "machine": machine(),
     }
     path = _cache_path(key)
     if use_cache and path.exists():
@@ -347,6 +350,21 @@ def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
         max(statistics.median(ms[r][rep][i] for r in ranks for rep in repeats) for ranks in stages)
         for i in range(len(raw["lengths"]))
     ]
+
+
+def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
+    """Measurement noise of ``T(l)``: per length, the median relative deviation of the slowest stage's
+    samples from their median; the median over the lengths."""
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]
+    out = []
+    for i in range(len(raw["lengths"])):
+        stages = [[ms[r][rep][i] for r in ranks for rep in range(raw["repeats"])]
+                  for ranks in _stage_ranks(raw["world_size"], scheme)]
+        samples = max(stages, key=statistics.median)
+        mid = statistics.median(samples)
+        out.append(statistics.median(abs(v - mid) for v in samples) / mid if mid > 0 else 0.0)
+    return statistics.median(out)
 
 
 def activation_per_token(raw: dict[str, Any], scheme: Scheme) -> float:
@@ -403,7 +421,7 @@ def build_ranks_table(
             "stage); see hgraph.planner.profile_ranks."
         ),
         "_fit": {
-            str(s): {"r2": f.r2, "max_rel_error": f.max_rel_error, "times_ms": times[s]}
+            str(s): {"r2": f.r2, "max_rel_error": f.max_rel_error, "times_ms": times[s], "noise": stage_noise(raw, s)}
             for s, f in fits.items()
         },
         "utilization_seqlen": dict(sorted(util.items(), key=lambda kv: int(kv[0][2:]))),

@@ -195,9 +195,11 @@ class IterationPrediction:
 def iteration_from_compute(
     strategy: Strategy, compute_ms: Sequence[float], terms: IterationTerms, schedule: str
 ) -> IterationPrediction:
-    """The iteration of ``strategy`` whose pipelines compute for ``compute_ms`` (1F1B, activation steps
-    included): the slowest pipeline's compute plus its exposed Pull/Push, plus the fixed rest."""
+    """The iteration of ``strategy`` whose pipelines compute for ``compute_ms`` (1F1B from the profiled
+    ``T(l)``, activation steps included; times the strategy's measured ``compute_scale``): the slowest
+    pipeline's compute plus its exposed Pull/Push, plus the fixed rest."""
     st = terms.of(strategy, schedule)
+    compute_ms = [st.compute_scale * t for t in compute_ms]
     per = [t + st.exposed_comm_ms(t) for t in compute_ms]
     k = max(range(len(per)), key=per.__getitem__)
     return IterationPrediction(str(strategy), compute_ms[k], per[k] - compute_ms[k], st.fixed_ms, tuple(per))

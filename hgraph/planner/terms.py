@@ -9,7 +9,10 @@ through the real runtime; the simulator (``hgraph.planner.simulate.predict_itera
 * per strategy and schedule (``StrategyTerms``): Pull Parameter and Push Gradient with the blocking
   schedule, the fraction of them left exposed under ``schedule="overlap"``, the optimizer step, and
   ``fixed_ms``: the rest of the iteration (loss and gradient-norm reductions, packing, the gap
-  between ranks), fitted as the median of measured minus modelled time over the profile iterations.
+  between ranks), and ``compute_scale``: how much longer (or shorter) the strategy's stages compute
+  inside a real iteration than the profiled ``T(l)`` says (other ranks' Pull/Push and the trainer
+  share the cores). Both are fitted to the measured profile iterations: the scale by a grid search
+  minimising the median relative error, ``fixed_ms`` as the median of measured minus modelled time.
 
 Each term keeps how well it was measured: ``noise`` (median relative deviation of repeated
 measurements of one iteration) and ``residual`` (median relative error of the fitted model on the
@@ -56,6 +59,7 @@ class StrategyTerms:
     exposed_fraction: float  # of pull + push left on the critical path (1 under schedule="none")
     optimizer_ms: float  # gradient norm + AdamW on the shards (inside fixed_ms)
     fixed_ms: float  # the rest of the iteration (see the module docstring)
+    compute_scale: float = 1.0  # measured / profiled T(l) of this strategy's stages in real iterations
     noise: float = 0.0
     residual: float = 0.0
     samples: int = 0
@@ -80,7 +84,7 @@ class StrategyTerms:
         return (
             f"{self.strategy} [{self.schedule}]: pull {self.pull_ms:.1f} + push {self.push_ms:.1f} ms "
             f"({self.exposed_fraction:.0%} exposed), optimizer {self.optimizer_ms:.1f} ms, fixed "
-            f"{self.fixed_ms:.1f} ms; noise {self.noise:.1%}, residual {self.residual:.1%} ({self.samples} its)"
+            f"{self.fixed_ms:.1f} ms, T(l) ×{self.compute_scale:.2f}; noise {self.noise:.1%}, residual {self.residual:.1%} ({self.samples} its)"
         )
 
 

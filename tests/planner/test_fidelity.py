@@ -200,3 +200,39 @@ def test_planner_refuses_candidates_without_measured_terms():
     terms = IterationTerms(AlphaBeta(0.0, 0.0), 64.0, 2, {})
     with pytest.raises(CostModelError, match="hgraph profile --world-size N --strategies"):
         Planner(cost_model(), ["4x tp1"], terms=terms)
+
+
+def tiny_llama():
+    """Module level so spawned ranks can import it."""
+    return Llama(LlamaConfig(vocab_size=128, hidden=32, layers=2, heads=2, kv_heads=2, ffn=64))
+
+
+def test_profile_command_measures_iteration_terms_on_two_gloo_ranks(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    from hgraph.cli import main
+    from hgraph.planner.profile_ranks import factory_name
+
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "table.json"
+    argv = ["profile", "--world-size", "2", "--schemes", "tp1,tp2,tp1pp2", "--lengths", "16,32,64", "--repeats", "1",
+            "--model", factory_name(tiny_llama), "--strategies", "2x tp1; tp2; tp1,pp2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "iteration terms (measured in" in printed and "activation step" in printed
+    terms = terms_of(CostModel.from_table(out))
+    for name in ("2×(tp1)", "(tp2)", "(tp1,pp2)"):
+        for schedule in ("none", "overlap"):
+            t = terms.of(name, schedule)
+            assert t.pull_ms > 0 and t.push_ms > 0 and t.samples == 3 and 0 <= t.exposed_fraction <= 1
+            assert t.optimizer_ms > 0 and math.isfinite(t.fixed_ms) and t.residual >= 0 and t.noise >= 0
+    assert terms.activation.alpha_ms >= 0 and terms.bytes_per_token == 4 * 32
+    assert json.loads(out.read_text())["_fit"]["tp1,pp1"]["noise"] >= 0  # T(l) noise too
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("a cached profile must not launch ranks")
+
+    monkeypatch.setattr(sys.modules["hgraph.runtime.launch"], "launch", no_launch)
+    assert main(argv) == 0
+    assert capsys.readouterr().out.count("cached in") == 2
