@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-STRATEGIES = ("4x tp1", "2x tp2", "2x tp1,pp2", "tp2 + 2x tp1")
+STRATEGIES = ("4x tp1", "2x tp2", "tp4", "2x tp1,pp2", "tp2 + 2x tp1")
 SIZES = ("tiny", "small")
 LENGTHS = "/work/shared/data/wikipedia_lengths.txt"
 PROFILE_LENGTHS = (64, 128, 256, 384, 512)
@@ -104,7 +104,8 @@ def _rank_run(size: str, strategies: list[str], table: dict, batches: list[list[
     return {"rows": rows, "strategies": [str(s) for s in compiled.strategies], "correction": correction.state()}
 
 
-def profile_table(size: str, world: int, strategies: list[str], repeats: int) -> tuple[dict, str]:
+def profile_table(size: str, world: int, strategies: list[str], repeats: int,
+                  batches: list[list[int]]) -> tuple[dict, str]:
     from hgraph.demo import _SizedFactory
     from hgraph.planner.profile_iteration import profile_iteration
     from hgraph.planner.profile_ranks import profile_ranks
@@ -112,7 +113,8 @@ def profile_table(size: str, world: int, strategies: list[str], repeats: int) ->
 
     factory = _SizedFactory(size)
     prof = profile_ranks(factory, world, schemes_of(strategies), PROFILE_LENGTHS, repeats=repeats)
-    terms = profile_iteration(factory, world, strategies, prof.cost_model, PROFILE_LENGTHS, repeats=repeats)
+    terms = profile_iteration(factory, world, strategies, prof.cost_model, PROFILE_LENGTHS, repeats=repeats,
+                              batches=batches)
     return with_terms(prof.cost_model, terms.terms).to_table(), f"{prof}\n{terms}"
 
 
@@ -169,7 +171,9 @@ def run_world(args: argparse.Namespace) -> dict[str, Any]:
     all_rows, names = [], None
     for size in args.sizes.split(","):
         start = time.perf_counter()
-        table, text = profile_table(size, args.world_size, strategies, args.profile_repeats)
+        # profiled on other batches of the same length distribution than the ones measured below
+        profile_batches = wikipedia_batches(args.lengths, 3, args.tokens, args.context, args.seed + 1000)
+        table, text = profile_table(size, args.world_size, strategies, args.profile_repeats, profile_batches)
         print(text, file=sys.stderr)
         profile_s = time.perf_counter() - start
         out = launch(_rank_run, args.world_size, timeout=args.timeout,
@@ -180,8 +184,11 @@ def run_world(args: argparse.Namespace) -> dict[str, Any]:
                        correction=out["correction"])
         result["sizes"][size] = summary
         offset = len({r["batch"] for r in all_rows})
-        all_rows += [{**r, "batch": r["batch"] + offset} for r in out["rows"]]
+        all_rows += [{**r, "batch": r["batch"] + offset, "size": size} for r in out["rows"]]
     result["all"] = summarize(all_rows, names, args.decisions)
+    if args.rows:
+        with open(args.rows, "w") as f:
+            json.dump(all_rows, f)
     return result
 
 
@@ -238,12 +245,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per batch")
     parser.add_argument("--context", type=int, default=512, help="every document truncated to this many tokens")
     parser.add_argument("--lengths", default=LENGTHS, help="length file (default: the Wikipedia sample)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of every (batch, strategy) pair")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every (batch, strategy) pair")
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument("--schedule", choices=("none", "overlap"), default="none")
     parser.add_argument("--decisions", action="store_true", help="also check the planner's picks by measurement")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda with --world-size 1")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", default=None, help="also write every measured (batch, strategy, repeat) here")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
     if args.world_size == 1:

@@ -181,16 +181,17 @@ def profiled_cost_table(cfg: DemoConfig, fresh: bool = False) -> dict[str, Any]:
     return cm.to_table()
 
 
-def with_iteration_terms(cfg: DemoConfig, table: dict[str, Any], candidates: list[str], fresh: bool = False,
-                         repeats: int = 2) -> dict[str, Any]:
-    """The cost table plus the measured iteration terms of ``candidates`` (cached by ``hgraph profile``)."""
+def with_iteration_terms(cfg: DemoConfig, table: dict[str, Any], candidates: list[str], batches: list[list[int]],
+                         fresh: bool = False, repeats: int = 2) -> dict[str, Any]:
+    """The cost table plus the iteration terms of ``candidates`` measured on ``batches`` (lengths;
+    cached by ``hgraph profile``)."""
     from hgraph.planner.cost import CostModel
     from hgraph.planner.profile_iteration import profile_iteration
     from hgraph.planner.terms import with_terms
 
     cost_model = CostModel.from_table(table)
     found = profile_iteration(_factory(cfg), cfg.world_size, candidates, cost_model, _profile_lengths(cfg),
-                              repeats=repeats, use_cache=not fresh)
+                              repeats=repeats, use_cache=not fresh, batches=batches)
     return with_terms(cost_model, found.terms).to_table()
 
 
@@ -257,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     candidates = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
                                           tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
     t2 = time.perf_counter()
-    table = with_iteration_terms(cfg, table, candidates, fresh=args.fresh_profile)
+    table = with_iteration_terms(cfg, table, candidates, batches[:3], fresh=args.fresh_profile)
     print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates)
           + f" (iteration terms measured {time.perf_counter() - t2:.1f}s)")
     cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table)})

@@ -7,7 +7,8 @@ local gloo ranks once. Every rank:
    pipelines run side by side): a header exchange then a payload exchange through the runtime's
    communicator, as the executor moves an activation, for several payload sizes;
 2. compiles the model for the strategies under ``schedule="none"`` and ``"overlap"`` and trains with
-   ``hgraph.Trainer(timeline=True)`` on a few synthetic batches (one warm-up step per strategy and
+   ``hgraph.Trainer(timeline=True)`` on a few batches (synthetic ones, or some of the training data's),
+   each packed for each strategy by a ``Planner`` on the profiled ``T(l)`` as in training (one warm-up step per strategy and
    schedule, then ``repeats`` rounds; strategies and schedules interleaved inside each round, so load
    from other programs falls on all of them alike), keeping per step and rank the Pull / Push time
    (blocking schedule), the exposed Pull/Push (overlap), the optimizer time and the measured step.
@@ -45,7 +46,7 @@ from hgraph.planner.profile_ranks import ModelFactory, _model_facts, _resolve, f
 from hgraph.planner.simulate import predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 
-_METHOD = "trainer steps, strategies and schedules interleaved per round, pair exchanges, v1"
+_METHOD = "trainer steps packed by the planner, strategies and schedules interleaved per round, pair exchanges, v2"
 PAYLOAD_BYTES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)
 PULL_PUSH = ("pull_parameter", "push_gradient")
 
@@ -82,10 +83,12 @@ def _pair_exchanges(comm: Any, sizes: Sequence[int], repeats: int) -> dict[str, 
     return out
 
 
-def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[int]], repeats: int) -> dict:
+def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[int]], repeats: int,
+               table: dict) -> dict:
     import torch
 
     import hgraph
+    from hgraph.planner.assign import Planner
     from hgraph.planner.profile import _embedding
     from hgraph.runtime.reshard import default_comm
     from hgraph.runtime.timeline import exposed_communication
@@ -103,9 +106,12 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     gen = torch.Generator().manual_seed(1)
     sequences = [[torch.randint(0, vocab, (n,), generator=gen) for n in b] for b in batches]
     out["strategies"] = [str(s) for s in trainers["none"].compiled.strategies]
+    cost = CostModel.from_table(table)  # each strategy's batches packed as its planner packs them in training
+    planners = [Planner(cost, [s]) for s in trainers["none"].compiled.strategies]
 
     def step(trainer: Any, schedule: str, k: int, b: int, repeat: int) -> None:
-        trainer.step(sequences[b], strategy=k)
+        trainer.planner = planners[k]
+        trainer.step(sequences[b])
         rec = trainer.history[-1]
         events = [e for e in trainer.timeline.events if e.iteration == rec["iteration"]]
         trainer.timeline.clear()
@@ -141,10 +147,13 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 
 def measure_iteration(
-    model_factory: ModelFactory, world_size: int, strategies: Sequence[Any], lengths: Sequence[int],
-    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0,
+    model_factory: ModelFactory, world_size: int, strategies: Sequence[Any], cost_model: CostModel,
+    lengths: Sequence[int], repeats: int = 3, use_cache: bool = True, timeout: float = 600.0,
+    batches: Sequence[Sequence[int]] | None = None,
 ) -> tuple[dict[str, Any], Path, bool]:
-    """Raw measurements (from the cache when present): ``(raw, cache_path, cached)``."""
+    """Raw measurements (from the cache when present): ``(raw, cache_path, cached)``. ``batches``
+    (lists of sequence lengths; default ``profile_batches(lengths)``) are packed per strategy by a
+    ``Planner`` on ``cost_model``, as in training."""
     from hgraph.runtime.launch import launch
     from hgraph.strategy import as_strategies
 
@@ -157,17 +166,20 @@ def measure_iteration(
     if bad:
         raise CostModelError(f"strategy {bad[0]} spans {bad[0].world_size} ranks, not world size {world_size}")
     model = _resolve(model_factory)()
-    batches = profile_batches(lengths, world_size)
+    batches = [list(map(int, b)) for b in batches] if batches else profile_batches(lengths, world_size)
+    table = cost_model.to_table()
     key = {
         "machine": machine(), "model": factory_name(model_factory), **_model_facts(model),
         "parameters": sum(p.numel() for p in model.parameters()), "world_size": world_size,
         "strategies": names, "batches": batches, "repeats": repeats, "method": _METHOD,
+        "stage_costs": table["strategies"],
     }
     path = _cache_path(key)
     if use_cache and path.exists():
         return json.loads(path.read_text()), path, True
     start = time.perf_counter()
-    per_rank = launch(_rank_main, world_size, args=(model_factory, names, batches, repeats), timeout=timeout)
+    per_rank = launch(_rank_main, world_size, args=(model_factory, names, batches, repeats, table),
+                      timeout=timeout)
     raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(raw))
@@ -269,11 +281,13 @@ class IterationProfile:
 def profile_iteration(
     model_factory: ModelFactory, world_size: int, strategies: Sequence[Any], cost_model: CostModel,
     lengths: Sequence[int] = (64, 128, 256, 512), *, repeats: int = 3, use_cache: bool = True,
-    timeout: float = 600.0,
+    timeout: float = 600.0, batches: Sequence[Sequence[int]] | None = None,
 ) -> IterationProfile:
     """Measure (or read from the cache) and fit the iteration terms of ``strategies``; ``cost_model``
-    holds the profiled ``T(l)`` of their schemes (``hgraph.planner.profile_ranks``)."""
+    holds the profiled ``T(l)`` of their schemes (``hgraph.planner.profile_ranks``); ``batches``: the
+    batches to measure on (e.g. a few of the training data's), default ``profile_batches(lengths)``."""
     start = time.perf_counter()
-    raw, path, cached = measure_iteration(model_factory, world_size, strategies, lengths, repeats, use_cache, timeout)
+    raw, path, cached = measure_iteration(model_factory, world_size, strategies, cost_model, lengths, repeats,
+                                          use_cache, timeout, batches)
     terms = fit_terms(raw, cost_model)
     return IterationProfile(terms, raw["seconds"] if cached else time.perf_counter() - start, path, cached)
