@@ -8,10 +8,12 @@ language-modelling loss; the held-out loss (files never trained on) is measured 
 ``--eval-interval`` iterations, forward only. Steps:
 
 1. profile ``T(l) = a·l² + b·l + c`` for every scheme on this machine (``hgraph profile``, cached);
-2. propose candidate strategies from the length distribution (``hgraph.planner.propose``);
+2. propose candidate strategies from the length distribution (``hgraph.planner.propose``), then
+   measure their iteration terms (Pull/Push, exposure under overlap, fixed cost; cached);
 3. compile the model once for every candidate (``hgraph.compile``) on every rank;
 4. each iteration the planner picks the strategy, dispatches the sequences to its pipelines and packs
-   them into micro-batches; ``hgraph.Trainer`` runs it (Pull, 1F1B, Push, sharded AdamW).
+   them into micro-batches; ``hgraph.Trainer`` runs it (Pull, 1F1B, Push, sharded AdamW), records the
+   predicted and measured time, and the planner's ``OnlineCorrection`` refits the cost model.
 
 With ``--compare`` the same batches are also trained on the best single homogeneous strategy. The
 run folder gets the Perfetto trace, PNG plots, the plans as JSON and a summary.
@@ -70,6 +72,14 @@ def tiny_model() -> torch.nn.Module:
     return model_factory("tiny")
 
 
+def small_model() -> torch.nn.Module:
+    return model_factory("small")
+
+
+def medium_model() -> torch.nn.Module:
+    return model_factory("medium")
+
+
 def corpus_loaders(cfg: DemoConfig) -> tuple[Any, Any]:
     """Training and held-out ``TokenLoader`` over the standard library (same order on every rank)."""
     from hgraph.data import TokenLoader, stdlib_corpus, stdlib_tokenizer
@@ -90,7 +100,9 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     """Runs on every rank: compile all candidates, then train with the planner choosing."""
     import hgraph
     from hgraph.planner.assign import Planner
+    from hgraph.planner.correction import OnlineCorrection
     from hgraph.planner.cost import CostModel
+    from hgraph.planner.terms import terms_of
 
     import torch.distributed as dist
 
@@ -101,7 +113,8 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
                               schedule=cfg.schedule)
     compile_s = time.perf_counter() - start
     cost_model = CostModel.from_table(json.loads(cfg.cost_table))
-    planner = Planner(cost_model, compiled.strategies)
+    planner = Planner(cost_model, compiled.strategies, terms=terms_of(cost_model), schedule=cfg.schedule,
+                      correction=OnlineCorrection())
     trainer = hgraph.Trainer(compiled, lr=cfg.lr, weight_decay=0.01, grad_clip=1.0, planner=planner,
                              timeline=cfg.timeline)
     train, held = corpus_loaders(cfg)
@@ -128,7 +141,7 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
             exposed = _exposed_ms(trainer, i)
             bar.write(
                 f"iter {i:3d}  loss {loss:7.4f}  {rec['strategy']:<28} predicted {rec['predicted_ms'] or 0:7.1f} ms"
-                f"  measured {rec['seconds'] * 1000:7.1f} ms"
+                f" (uncorrected {rec['predicted_raw_ms'] or 0:7.1f})  measured {rec['measured_ms']:7.1f} ms"
                 + (f"  exposed comm (rank 0) {exposed:6.1f} ms" if exposed is not None else "")
             )
     if cfg.eval_interval:
@@ -150,16 +163,36 @@ def _exposed_ms(trainer: Any, iteration: int) -> Optional[float]:
     return 1000 * per_rank.get(trainer.rank, {}).get(iteration, 0.0)
 
 
+def _profile_lengths(cfg: DemoConfig) -> list[int]:
+    top = max(cfg.max_len, 96)  # three distinct lengths at least, to fit a, b and c
+    return sorted({min(top, n) for n in (top // 4, top // 2, 3 * top // 4, top)} | {min(top, n) for n in (64, 128, 256, 512)})
+
+
+def _factory(cfg: DemoConfig) -> Any:
+    return "hgraph.demo:tiny_model" if cfg.size == "tiny" else _SizedFactory(cfg.size)
+
+
 def profiled_cost_table(cfg: DemoConfig, fresh: bool = False) -> dict[str, Any]:
     """``T(l)`` per scheme measured on this machine (cached by ``hgraph profile``)."""
     from hgraph.planner import profile
 
     schemes = [s for s in SCHEMES if _fits(s, cfg)]
-    top = max(cfg.max_len, 96)  # three distinct lengths at least, to fit a, b and c
-    lengths = sorted({min(top, n) for n in (top // 4, top // 2, 3 * top // 4, top)} | {min(top, n) for n in (64, 128, 256, 512)})
-    factory = "hgraph.demo:tiny_model" if cfg.size == "tiny" else _SizedFactory(cfg.size)
-    cm = profile.profile_cost_model(factory, cfg.world_size, schemes, lengths, use_cache=not fresh)
+    cm = profile.profile_cost_model(_factory(cfg), cfg.world_size, schemes, _profile_lengths(cfg), use_cache=not fresh)
     return cm.to_table()
+
+
+def with_iteration_terms(cfg: DemoConfig, table: dict[str, Any], candidates: list[str], batches: list[list[int]],
+                         fresh: bool = False, repeats: int = 2) -> dict[str, Any]:
+    """The cost table plus the iteration terms of ``candidates`` measured on ``batches`` (lengths;
+    cached by ``hgraph profile``)."""
+    from hgraph.planner.cost import CostModel
+    from hgraph.planner.profile_iteration import profile_iteration
+    from hgraph.planner.terms import with_terms
+
+    cost_model = CostModel.from_table(table)
+    found = profile_iteration(_factory(cfg), cfg.world_size, candidates, cost_model, _profile_lengths(cfg),
+                              repeats=repeats, use_cache=not fresh, batches=batches)
+    return with_terms(cost_model, found.terms).to_table()
 
 
 @dataclass(frozen=True)
@@ -224,7 +257,10 @@ def run(args: argparse.Namespace) -> int:
     flat = [n for b in batches for n in b]
     candidates = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
                                           tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
-    print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates))
+    t2 = time.perf_counter()
+    table = with_iteration_terms(cfg, table, candidates, batches[:3], fresh=args.fresh_profile)
+    print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates)
+          + f" (iteration terms measured {time.perf_counter() - t2:.1f}s)")
     cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table)})
     print(f"[3/4] training on {cfg.world_size} ranks (each compiles the candidates first)")
     t1 = time.perf_counter()
@@ -250,7 +286,7 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
     history = result["history"]
     plans = [
         {"iteration": h["iteration"], "strategy": h["strategy"], "predicted_ms": h["predicted_ms"],
-         "measured_ms": h["seconds"] * 1000, "loss": h["loss"],
+         "predicted_raw_ms": h["predicted_raw_ms"], "measured_ms": h["measured_ms"], "loss": h["loss"],
          "pipelines": [[[h["lengths"][i] for i in mb] for mb in p] for p in h["dispatch"]]}
         for h in history
     ]
@@ -275,6 +311,8 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         "train_wall_s": train_s,
         "step_s_total_after_first": measured,
         "predicted_ms_total_after_first": sum(h["predicted_ms"] or 0 for h in steady),
+        "measured_ms_total_after_first": sum(h["measured_ms"] for h in steady),
+        "fidelity": _fidelity(history),
         "exposed_comm_s": _exposed_total(result.get("events") or []),
         "artifacts": sorted(p.name for p in out.iterdir()) + trace_files,
     }
@@ -288,6 +326,26 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(_summary_text(summary) + "\n")
     return summary
+
+
+FIDELITY_SKIP = 3  # the correction's first iterations are not counted in the "after" figures
+
+
+def _fidelity(history: list[dict]) -> dict[str, Any]:
+    """Predicted vs measured (ms) over the run: uncorrected, corrected, and corrected after the first
+    ``FIDELITY_SKIP`` iterations."""
+    from hgraph.planner.correction import fidelity
+
+    rows = [h for h in history if h.get("predicted_raw_ms") is not None]
+    if len(rows) < 1:
+        return {}
+    measured = [h["measured_ms"] for h in rows]
+    out = {"uncorrected": fidelity([h["predicted_raw_ms"] for h in rows], measured),
+           "corrected": fidelity([h["predicted_ms"] for h in rows], measured)}
+    late = rows[FIDELITY_SKIP:]
+    if late:
+        out["corrected_after_first_iterations"] = fidelity([h["predicted_ms"] for h in late], [h["measured_ms"] for h in late])
+    return out
 
 
 def _exposed_total(events: list) -> Optional[float]:
@@ -309,9 +367,17 @@ def _summary_text(s: dict[str, Any]) -> str:
         lines.append("held-out loss " + " -> ".join(f"{e['loss']:.3f} (it {e['iteration']})" for e in s["heldout"]))
     lines += [
         f"strategies used: {', '.join(s['strategies_used'])}",
-        f"step time (iterations 2..): measured {s['step_s_total_after_first']:.2f} s, "
-        f"predicted {s['predicted_ms_total_after_first'] / 1000:.2f} s; compile {s['compile_s']:.1f} s per rank",
+        f"step time (iterations 2..): {s['step_s_total_after_first']:.2f} s with planning; without it measured "
+        f"{s['measured_ms_total_after_first'] / 1000:.2f} s, predicted {s['predicted_ms_total_after_first'] / 1000:.2f} s; "
+        f"compile {s['compile_s']:.1f} s per rank",
     ]
+    fid = s.get("fidelity") or {}
+    if fid:
+        late = fid.get("corrected_after_first_iterations", fid["corrected"])
+        lines.append(
+            f"prediction error (median |pred - meas| / meas): uncorrected {fid['uncorrected']['median_rel_error']:.1%}, "
+            f"corrected {fid['corrected']['median_rel_error']:.1%}, corrected after iteration {FIDELITY_SKIP} "
+            f"{late['median_rel_error']:.1%} (rank correlation {late['rank_correlation']:.2f})")
     if s.get("exposed_comm_s"):
         lines.append(f"exposed communication: {s['exposed_comm_s']:.2f} s")
     if "homogeneous" in s:

@@ -64,8 +64,10 @@ def strategy_and_loads(path: Path, history: Sequence[dict]) -> None:
 def predicted_vs_measured(path: Path, history: Sequence[dict]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     its = [h["iteration"] for h in history]
-    ax.plot(its, [h["seconds"] * 1000 for h in history], label="measured")
-    ax.plot(its, [h["predicted_ms"] or 0 for h in history], label="predicted (profiled cost model)")
+    ax.plot(its, [h.get("measured_ms", h["seconds"] * 1000) for h in history], label="measured")
+    if any(h.get("predicted_raw_ms") is not None for h in history):
+        ax.plot(its, [h["predicted_raw_ms"] or 0 for h in history], ":", label="predicted (profiled, uncorrected)")
+    ax.plot(its, [h["predicted_ms"] or 0 for h in history], label="predicted (online-corrected)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("ms")
     ax.set_title("iteration time: predicted vs measured")

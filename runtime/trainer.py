@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -222,6 +223,7 @@ class Trainer:
 
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
+        run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
         program = self.compiled.program(d.strategy_index, self.rank)
         tokens = sum(l - 1 for l in lengths)
         mbs = self._local_micro_batches(d, sequences)
@@ -239,6 +241,7 @@ class Trainer:
                 "(lower the learning rate or check the data)"
             )
         grads = {n: None if n in self.frozen else g for n, g in out.grad_shards.items()}
+        optimizer_start = time.perf_counter()
         norm = self.optimizer.global_grad_norm(grads, self.comm, self.world)
         if not math.isfinite(norm):
             raise TrainingError(
@@ -251,6 +254,7 @@ class Trainer:
         self.optimizer.apply(grads, scale)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        end = time.perf_counter()
         record = {
             "iteration": self.iteration,
             "loss": loss,
@@ -258,12 +262,21 @@ class Trainer:
             "strategy_index": d.strategy_index,
             "grad_norm": norm,
             "predicted_ms": d.predicted_ms,
-            "seconds": time.perf_counter() - start,
+            "predicted_raw_ms": None if d.prediction is None else d.prediction.total_ms,
+            "prediction": None if d.prediction is None else asdict(d.prediction),
+            "measured_ms": (end - run_start) * 1e3,
+            "optimizer_ms": (end - optimizer_start) * 1e3,
+            "seconds": end - start,
             "lengths": lengths,
             "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
         }
         self.history.append(record)
-        log.info("iter %d loss %.4f strategy %s %.3fs", self.iteration, loss, record["strategy"], record["seconds"])
+        observe = getattr(self.planner, "observe", None)
+        if self.rank == 0 and observe is not None and d.prediction is not None:
+            observe(d.prediction, record["measured_ms"])  # online correction of the cost model
+        log.info("iter %d loss %.4f strategy %s %.3fs predicted %s ms measured %.1f ms", self.iteration, loss,
+                 record["strategy"], record["seconds"],
+                 "-" if d.predicted_ms is None else f"{d.predicted_ms:.1f}", record["measured_ms"])
         self.iteration += 1
         return loss
 

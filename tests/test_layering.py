@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.planner.batches", "hgraph.planner.bound", "hgraph.planner.context",
                  "hgraph.planner.cost", "hgraph.planner.dispatch", "hgraph.planner.exact",
                  "hgraph.planner.fit", "hgraph.planner.memory", "hgraph.planner.packing",
-                 "hgraph.planner.plan", "hgraph.planner.proposal", "hgraph.planner.timing")),
+                 "hgraph.planner.plan", "hgraph.planner.proposal", "hgraph.planner.timing",
+                 "hgraph.planner.terms", "hgraph.planner.correction", "hgraph.planner.machine")),
     # What compiled programs and plans execute with: communicators, the custom ops, the reshard
     # interpreter, recompute regions, 1F1B action lists. Passes insert calls to these ops.
     ("kernels", ("hgraph.runtime.failures", "hgraph.runtime.comm", "hgraph.runtime.context",
@@ -48,7 +49,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.runtime", "hgraph.thread_oracle")),
     ("show", ("hgraph.show",)),
     ("compiler", ("hgraph.compiler",)),
-    ("app", ("hgraph.runtime.trainer", "hgraph.planner", "hgraph.planner.profile", "hgraph.planner.profile_ranks",
+    ("app", ("hgraph.runtime.trainer", "hgraph.planner", "hgraph.planner.profile", "hgraph.planner.profile_ranks", "hgraph.planner.profile_iteration",
              "hgraph.planner.cli", "hgraph.cli", "hgraph.show_cli", "hgraph.train_cli", "hgraph.demo", "hgraph.plots",
              "hgraph.lnk_demo", "hgraph.zoo", "hgraph.export", "hgraph", "hgraph.__main__")),
 )

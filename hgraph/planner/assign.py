@@ -10,6 +10,11 @@
    (those within ``REFINE_WITHIN`` of the best greedy plan).
 4. The smallest predicted time (compute plus exposed Pull/Push) wins.
 
+With ``terms`` (measured ``IterationTerms``, ``hgraph profile --strategies``) a prediction is the
+simulator's ``iteration_from_compute``: activation steps in every stage's ``T(l)``, the measured
+Pull/Push (exposed part only under ``schedule="overlap"``) and fixed cost of each candidate; with a
+``correction`` (``OnlineCorrection``) the corrected time, refitted by ``observe`` after each iteration.
+
 Every plan carries the lower bound of ``hgraph.planner.bound`` for the candidates' GPU count.
 
 ``exact=True`` replaces 3 by the joint MILP of ``exact.solve_joint`` (small batches only).
@@ -30,7 +35,11 @@ from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.dispatch import Assigner
 from hgraph.planner.exact import solve_joint
 from hgraph.planner.plan import IterationPlan, PipelinePlan
-from hgraph.planner.timing import CommModel, PipelineCost, comm_model_for, exposed_comm_ms
+from hgraph.planner.correction import OnlineCorrection
+from hgraph.planner.timing import (
+    CommModel, IterationPrediction, PipelineCost, comm_model_for, exposed_comm_ms, iteration_from_compute,
+)
+from hgraph.planner.terms import IterationTerms
 from hgraph.strategy import Strategy, as_strategies
 
 EXACT_MAX_VARIABLES = 4000
@@ -38,8 +47,11 @@ REFINE_WITHIN = 0.03  # local search only for greedy plans within 3% of the best
 DEFAULT = "default"
 
 
-def pipeline_costs(cost_model: CostModel, strategy: Strategy) -> list[PipelineCost]:
-    """``PipelineCost`` of every pipeline of ``strategy``, MaxLen for the strategy's world size."""
+def pipeline_costs(
+    cost_model: CostModel, strategy: Strategy, terms: Optional[IterationTerms] = None
+) -> list[PipelineCost]:
+    """``PipelineCost`` of every pipeline of ``strategy``, MaxLen for the strategy's world size (with
+    ``terms``: the activation steps of ``pp > 1`` stages included)."""
     model = cost_model
     if model.world_size != strategy.world_size:
         model = model.with_world_size(strategy.world_size)
@@ -48,6 +60,8 @@ def pipeline_costs(cost_model: CostModel, strategy: Strategy) -> list[PipelineCo
         scheme = Scheme.of(p)
         if scheme not in cache:
             sc = model.stage_cost(scheme)
+            if terms is not None:
+                sc = terms.stage_cost(sc, p.pp)
             cache[scheme] = PipelineCost(sc.a, sc.b, sc.c, p.pp, model.max_len(scheme))
         out.append(cache[scheme])
     return out
@@ -95,15 +109,22 @@ class Planner:
         comm: Union[CommModel, str, None] = DEFAULT,
         budget_ms: float = 60.0,
         refine: int = 3,
+        terms: Optional[IterationTerms] = None,
+        schedule: str = "none",
+        correction: Optional[OnlineCorrection] = None,
     ) -> None:
         self.cost_model = cost_model
         self.candidates = as_strategies(candidates)
         if not self.candidates:
             raise PlanError("the planner needs at least one candidate strategy")
+        self.terms, self.schedule, self.correction = terms, schedule, correction
+        if terms is not None:
+            for s in self.candidates:
+                terms.of(s, schedule)  # every candidate needs its measured terms
         self.comm: Optional[CommModel] = comm_model_for(cost_model) if comm == DEFAULT else comm  # type: ignore[assignment]
         self.budget_ms = budget_ms
         self.refine = refine
-        self.pipeline_costs = [pipeline_costs(cost_model, s) for s in self.candidates]
+        self.pipeline_costs = [pipeline_costs(cost_model, s, terms) for s in self.candidates]
         self._comm_ms = [
             [self.comm.pull_push_ms(s, i) if self.comm else 0.0 for i in range(len(s.pipelines))]
             for s in self.candidates
@@ -115,8 +136,23 @@ class Planner:
             for s, costs in zip(self.candidates, self.pipeline_costs)
         ]
 
+    def prediction(self, k: int, compute: Sequence[float]) -> Optional[IterationPrediction]:
+        """The simulator's terms for candidate ``k`` with per-pipeline compute (None without ``terms``)."""
+        if self.terms is None:
+            return None
+        return iteration_from_compute(self.candidates[k], compute, self.terms, self.schedule)
+
+    def observe(self, prediction: Optional[IterationPrediction], measured_ms: float) -> None:
+        """Feed one measured iteration to the correction (no-op without one or without terms)."""
+        if self.correction is not None and prediction is not None:
+            self.correction.observe(prediction, measured_ms)
+
     def predicted(self, k: int, compute: Sequence[float]) -> float:
-        """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push)."""
+        """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push;
+        with ``terms`` the measured terms, corrected when there is a ``correction``)."""
+        found = self.prediction(k, compute)
+        if found is not None:
+            return self.correction.apply(found) if self.correction is not None else found.total_ms
         out = 0.0
         for cost, t, comm in zip(self.pipeline_costs[k], compute, self._comm_ms[k]):
             layers = self.comm.layers / cost.pp if self.comm else 1.0
@@ -135,9 +171,10 @@ class Planner:
 
     def plan(
         self, lengths: Sequence[int], split_long: bool = False, exact: bool = False,
-        time_limit: Optional[float] = 60.0,
+        time_limit: Optional[float] = 60.0, only: Optional[Sequence[int]] = None,
     ) -> IterationPlan:
-        """The best plan for one batch of sequence ``lengths`` (see the module docstring)."""
+        """The best plan for one batch of sequence ``lengths`` (see the module docstring); ``only``
+        restricts the choice to those candidate indices (e.g. to predict one strategy)."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         longest = max(lengths)
@@ -151,7 +188,10 @@ class Planner:
         else:
             pieces, sources = lengths, [(i, 0) for i in range(len(lengths))]
         longest = max(pieces)
-        eligible = [k for k, costs in enumerate(self.pipeline_costs) if max(c.max_len for c in costs) >= longest]
+        eligible = [k for k, costs in enumerate(self.pipeline_costs) if max(c.max_len for c in costs) >= longest
+                    and (only is None or k in only)]
+        if not eligible:
+            raise PlanError(f"no candidate among {list(only or [])} takes a sequence of {longest} tokens")
         if exact:
             best = self._exact(eligible, pieces, time_limit)
         else:
@@ -165,8 +205,9 @@ class Planner:
             for p, cost, mbs in zip(strategy.pipelines, self.pipeline_costs[k], packs)
         )
         plan_ms = (time.perf_counter() - start) * 1e3
+        prediction = self.prediction(k, [p.compute_ms for p in pipelines])
         return IterationPlan(
-            strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms, self.bound(pieces)
+            strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms, self.bound(pieces), prediction
         )
 
     def _heuristic(self, eligible: list[int], pieces: list[int], longest: int, start: float):

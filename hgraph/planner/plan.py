@@ -9,12 +9,12 @@ for the pieces on the strategy's GPUs (set by the planner and the baselines).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from hgraph.errors import PlanError
 from hgraph.planner.bound import LowerBound
-from hgraph.planner.timing import PipelineCost
+from hgraph.planner.timing import IterationPrediction, PipelineCost
 from hgraph.strategy import Pipeline, Strategy
 
 
@@ -65,7 +65,8 @@ class PipelinePlan:
 @dataclass(frozen=True)
 class IterationPlan:
     """The chosen strategy, every pipeline's micro-batches, the predicted time, the planning time and
-    a lower bound of the iteration's time."""
+    a lower bound of the iteration's time; ``prediction`` splits ``predicted_ms`` (before correction)
+    into the simulator's terms when the planner has measured iteration terms."""
 
     strategy: Strategy
     pipelines: tuple[PipelinePlan, ...]
@@ -74,6 +75,7 @@ class IterationPlan:
     predicted_ms: float
     plan_ms: float
     bound: LowerBound | None = None
+    prediction: IterationPrediction | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -92,7 +94,7 @@ class IterationPlan:
         micro_batches = tuple(
             tuple(tuple(self.sources[i][0] for i in mb) for mb in p.micro_batches) for p in self.pipelines
         )
-        return Dispatch(strategy_index, micro_batches, self.predicted_ms)
+        return Dispatch(strategy_index, micro_batches, self.predicted_ms, self.prediction)
 
     def to_json(self) -> dict[str, Any]:
         """The per-iteration object of ``hgraph plan --json``: micro-batches index ``lengths``."""
@@ -108,6 +110,9 @@ class IterationPlan:
         if self.bound is not None:
             out["lower_bound"] = self.bound.to_json()
             out["ratio_to_bound"] = round(self.bound.ratio(self.predicted_ms), 4)
+        if self.prediction is not None:
+            out["prediction"] = {"compute_ms": self.prediction.compute_ms, "comm_ms": self.prediction.comm_ms,
+                                 "fixed_ms": self.prediction.fixed_ms}
         return out
 
     def __str__(self) -> str:
@@ -128,15 +133,18 @@ class Dispatch:
     strategy_index: int
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
     predicted_ms: Optional[float] = None
+    prediction: Optional[IterationPrediction] = None  # the planner's terms before correction, if any
 
     def encode(self) -> bytes:
         """Bytes rank 0 broadcasts, so every rank runs the same dispatch."""
-        return json.dumps([self.strategy_index, self.micro_batches, self.predicted_ms]).encode()
+        pred = None if self.prediction is None else asdict(self.prediction)
+        return json.dumps([self.strategy_index, self.micro_batches, self.predicted_ms, pred]).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> "Dispatch":
-        index, mbs, predicted = json.loads(data)
-        return cls(index, tuple(tuple(tuple(mb) for mb in p) for p in mbs), predicted)
+        index, mbs, predicted, pred = json.loads(data)
+        prediction = None if pred is None else IterationPrediction(**{**pred, "pipeline_ms": tuple(pred["pipeline_ms"])})
+        return cls(index, tuple(tuple(tuple(mb) for mb in p) for p in mbs), predicted, prediction)
 
     def __str__(self) -> str:
         parts = [

@@ -39,6 +39,7 @@ from hgraph.models import load_factory
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.fit import Fit as Fit
 from hgraph.planner.fit import fit_stage_cost as fit_stage_cost
+from hgraph.planner.machine import machine as machine
 from hgraph.planner.memory import MemoryRegression
 
 DEFAULT_MODEL = "hgraph.planner.profile:default_model"
@@ -293,6 +294,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=None,
         help="timed runs per length, median (default 5; 3 with --world-size)",
     )
+    parser.add_argument(
+        "--strategies", default=None,
+        help="';'-separated strategies (e.g. '4x tp1; tp2 + 2x tp1'): also measure their iteration terms "
+        "(Pull/Push with and without overlap, activation sends, optimizer, fixed cost) through the runtime; "
+        "needs --world-size",
+    )
     parser.add_argument("--out", default=None, help="write the cost table (JSON) here")
     parser.add_argument("--name", default="profiled", help="cost model name")
     parser.add_argument("--no-cache", action="store_true", help="measure again even if cached")
@@ -321,6 +328,8 @@ def _cache_path(key: dict[str, Any]) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.world_size is not None:
         return _run_ranks(args)
+    if args.strategies:
+        raise CostModelError("--strategies measures iteration terms on local ranks; add --world-size N")
     import torch
 
     args.lengths = args.lengths or ",".join(map(str, DEFAULT_LENGTHS))
@@ -392,7 +401,18 @@ def _run_ranks(args: argparse.Namespace) -> int:
         use_cache=not args.no_cache, name=args.name, timeout=args.timeout,
     )
     print(profile)
+    cost_model = profile.cost_model
+    if args.strategies:
+        from hgraph.planner.profile_iteration import profile_iteration
+        from hgraph.planner.terms import with_terms
+
+        strategies = [s.strip() for s in args.strategies.split(";") if s.strip()]
+        found = profile_iteration(args.model, args.world_size, strategies, cost_model, lengths,
+                                  repeats=3 if args.repeats is None else args.repeats,
+                                  use_cache=not args.no_cache, timeout=args.timeout)
+        print(found)
+        cost_model = with_terms(cost_model, found.terms)
     if args.out:
-        profile.cost_model.save(args.out)
+        cost_model.save(args.out)
         print(f"wrote {args.out}")
     return 0

@@ -54,6 +54,7 @@ from hgraph.planner.memory import MemoryRegression
 from hgraph.models import load_factory
 from hgraph.model_info import decoder_blocks, embedding_of
 from hgraph.planner.fit import Fit, fit_stage_cost
+from hgraph.planner.machine import machine
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -77,8 +78,11 @@ class Profile:
         source = f"measured in {self.seconds:.1f} s"
         source += f", cached in {self.cache_path}" if self.cached else ""
         lines = [f"{self.cost_model.name}: {len(self.fits)} schemes, lengths {list(self.lengths)} ({source})"]
+        noise = self.cost_model.extra.get("_fit", {})
         for scheme, fit in self.fits.items():
-            lines.append(f"  {scheme!s:<10} {fit}  MaxLen {self.cost_model.max_len(scheme)}")
+            spread = noise.get(str(scheme), {}).get("noise")
+            extra = "" if spread is None else f", noise {spread:.1%}"
+            lines.append(f"  {scheme!s:<10} {fit}  MaxLen {self.cost_model.max_len(scheme)}{extra}")
         return "\n".join(lines)
 
 
@@ -131,7 +135,7 @@ def factory_name(model_factory: ModelFactory) -> str:
     return f"{getattr(model_factory, '__module__', '?')}:{name}"
 
 
-def _resolve(model_factory: ModelFactory) -> Callable[[], Any]:
+def resolve_factory(model_factory: ModelFactory) -> Callable[[], Any]:
     return load_factory(model_factory) if isinstance(model_factory, str) else model_factory
 
 
@@ -160,7 +164,7 @@ def _rank_main(
     comm = default_comm()
     rank = comm.rank
     torch.manual_seed(0)
-    model = _resolve(factory)()
+    model = resolve_factory(factory)()
     vocab = embedding_of(model).num_embeddings
     start = time.perf_counter()
     schemes = [tuple(s) + (1,) * (3 - len(s)) for s in schemes]  # (tp, pp, cp)
@@ -258,7 +262,7 @@ def _cache_path(key: dict[str, Any]) -> Path:
     return root / "profile" / f"ranks-{digest}.json"
 
 
-def _model_facts(model: Any) -> dict[str, int]:
+def model_facts(model: Any) -> dict[str, int]:
     embedding, blocks = embedding_of(model), decoder_blocks(model)
     return {
         "hidden": embedding.embedding_dim,
@@ -302,12 +306,12 @@ def measure_ranks(
 
     name = factory_name(model_factory)
     lengths = sorted(set(int(l) for l in lengths))
-    model = _resolve(model_factory)()
+    model = resolve_factory(model_factory)()
     _check(world_size, schemes, lengths, repeats, model)
     key = {
-        "model": name, **_model_facts(model), "parameters": sum(p.numel() for p in model.parameters()),
+        "model": name, **model_facts(model), "parameters": sum(p.numel() for p in model.parameters()),
         "world_size": world_size, "schemes": [str(s) for s in schemes], "lengths": lengths,
-        "repeats": repeats, "torch": torch.__version__, "method": _METHOD,
+        "repeats": repeats, "torch": torch.__version__, "method": _METHOD, "machine": machine(),
     }
     path = _cache_path(key)
     if use_cache and path.exists():
@@ -342,6 +346,21 @@ def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
         max(statistics.median(ms[r][rep][i] for r in ranks for rep in repeats) for ranks in stages)
         for i in range(len(raw["lengths"]))
     ]
+
+
+def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
+    """Measurement noise of ``T(l)``: per length, the median relative deviation of the slowest stage's
+    samples from their median; the median over the lengths."""
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]
+    out = []
+    for i in range(len(raw["lengths"])):
+        stages = [[ms[r][rep][i] for r in ranks for rep in range(raw["repeats"])]
+                  for ranks in _stage_ranks(raw["world_size"], scheme)]
+        samples = max(stages, key=statistics.median)
+        mid = statistics.median(samples)
+        out.append(statistics.median(abs(v - mid) for v in samples) / mid if mid > 0 else 0.0)
+    return statistics.median(out)
 
 
 def activation_per_token(raw: dict[str, Any], scheme: Scheme) -> float:
@@ -398,7 +417,7 @@ def build_ranks_table(
             "stage); see hgraph.planner.profile_ranks."
         ),
         "_fit": {
-            str(s): {"r2": f.r2, "max_rel_error": f.max_rel_error, "times_ms": times[s]}
+            str(s): {"r2": f.r2, "max_rel_error": f.max_rel_error, "times_ms": times[s], "noise": stage_noise(raw, s)}
             for s, f in fits.items()
         },
         "utilization_seqlen": dict(sorted(util.items(), key=lambda kv: int(kv[0][2:]))),

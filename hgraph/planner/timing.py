@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 from hgraph.errors import PlanError
+from hgraph.planner.terms import IterationTerms
 from hgraph.strategy import Strategy
 
 
@@ -52,6 +53,14 @@ class IterationPlan(Protocol):
     sources: tuple[tuple[int, int], ...]
 
 
+def pipeline_time(stage_times: Sequence[float], pp: int) -> float:
+    """A pipeline's time under 1F1B from its micro-batches' per-stage times: ``Σ T + (pp − 1)·max T``
+    (0 when idle). The one place the schedule's bubble enters a prediction."""
+    if not stage_times:
+        return 0.0
+    return sum(stage_times) + (pp - 1) * max(stage_times)
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     """What the planner needs to know about one pipeline: per-stage ``T(l) = a·l² + b·l + c``
@@ -73,10 +82,7 @@ class PipelineCost:
 
     def time(self, micro_batches: Sequence[Sequence[int]]) -> float:
         """1F1B time of these micro-batches (lists of lengths): ``Σ T + (pp − 1)·max T``; 0 when idle."""
-        times = [self.micro_batch_time(mb) for mb in micro_batches if len(mb)]
-        if not times:
-            return 0.0
-        return sum(times) + (self.pp - 1) * max(times)
+        return pipeline_time([self.micro_batch_time(mb) for mb in micro_batches if len(mb)], self.pp)
 
     def __str__(self) -> str:
         return f"T(l)={self.a:.3g}·l²+{self.b:.3g}·l+{self.c:.3g} ms, pp={self.pp}, MaxLen={self.max_len}"
@@ -176,3 +182,61 @@ def check_plan(plan: "IterationPlan", lengths: Sequence[int]) -> None:
         by_source[src] = by_source.get(src, 0) + l
     if [by_source.get(i, 0) for i in range(len(lengths))] != list(lengths):
         raise PlanError("plan pieces do not add up to the batch's sequence lengths")
+
+
+@dataclass(frozen=True)
+class IterationPrediction:
+    """A predicted iteration (ms) split into the terms an online correction scales: the critical
+    pipeline's compute (``T(l)`` with activation steps, 1F1B), its exposed Pull/Push, and the fixed
+    rest. ``total_ms`` is their sum; ``pipeline_ms`` holds every pipeline's compute + exposed comm."""
+
+    strategy: str
+    compute_ms: float
+    comm_ms: float
+    fixed_ms: float
+    pipeline_ms: tuple[float, ...]
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.comm_ms + self.fixed_ms
+
+    @property
+    def terms(self) -> tuple[float, float, float]:
+        return (self.compute_ms, self.comm_ms, self.fixed_ms)
+
+    def __str__(self) -> str:
+        return (f"{self.strategy}: {self.total_ms:.1f} ms = compute {self.compute_ms:.1f} + exposed comm "
+                f"{self.comm_ms:.1f} + fixed {self.fixed_ms:.1f}")
+
+
+def iteration_from_compute(
+    strategy: Strategy, compute_ms: Sequence[float], terms: IterationTerms, schedule: str
+) -> IterationPrediction:
+    """The iteration of ``strategy`` whose pipelines compute for ``compute_ms`` (1F1B from the profiled
+    ``T(l)``, activation steps included; times the strategy's measured ``compute_scale``): the slowest
+    pipeline's compute plus its exposed Pull/Push, plus the fixed rest."""
+    st = terms.of(strategy, schedule)
+    compute_ms = [st.compute_scale * t for t in compute_ms]
+    per = [t + st.exposed_comm_ms(t) for t in compute_ms]
+    k = max(range(len(per)), key=per.__getitem__)
+    return IterationPrediction(str(strategy), compute_ms[k], per[k] - compute_ms[k], st.fixed_ms, tuple(per))
+
+
+def predict_iteration(
+    strategy: Strategy, micro_batch_lengths: Sequence[Sequence[Sequence[int]]], cost_model: Any,
+    terms: IterationTerms, schedule: str = "none",
+) -> IterationPrediction:
+    """Predicted iteration of ``strategy`` running these micro-batches (per pipeline, lists of
+    sequence lengths) under ``schedule``, from the profiled ``T(l)`` of ``cost_model`` and the
+    measured ``terms``. Overlap-aware: under ``schedule="overlap"`` only the exposed part of
+    Pull/Push counts (``StrategyTerms.exposed_comm_ms``), not their sum."""
+    from hgraph.planner.cost import Scheme
+
+    if len(micro_batch_lengths) != len(strategy.pipelines):
+        raise PlanError(f"{len(micro_batch_lengths)} pipelines of micro-batches for strategy {strategy} "
+                        f"with {len(strategy.pipelines)} pipelines")
+    compute = []
+    for p, mbs in zip(strategy.pipelines, micro_batch_lengths):
+        stage = terms.stage_cost(cost_model.stage_cost(Scheme.of(p)), p.pp)
+        compute.append(pipeline_time([stage.micro_batch_time(mb) for mb in mbs if len(mb)], p.pp))
+    return iteration_from_compute(strategy, compute, terms, schedule)
