@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from hgraph.actions import PIPELINE_SCHEDULES, steps
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
@@ -60,6 +61,7 @@ class CompileOptions:
         return dict(self.recompute_by_scheme).get((cp, tp, pp), self.recompute)
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False
+    pipeline_schedule: str = "1f1b"  # hgraph.actions.PIPELINE_SCHEDULES
 
 
 @dataclass
@@ -354,6 +356,7 @@ class CompiledModel:
             compute_dtype=self.options.compute_dtype,
             reduce_dtype=self.options.reduce_dtype,
             coalesce=self.options.coalesce,
+            pipeline_schedule=self.options.pipeline_schedule,
         )
         if self.options.schedule == "overlap":
             from hgraph.passes.schedule import build
@@ -409,8 +412,8 @@ class CompiledModel:
         compute = [n for n in [*sg.gm.graph.nodes, *body]
                    if n.op == "call_function" and not n.meta.get("hgraph_comm")
                    and not (n.target is operator.getitem and n.args[0].op == "call_module")]
-        lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
-                     + " ".join(str(x) for x in prog.schedule(4)))
+        lines.append(f"compute: {len(compute)} ops; {prog.pipeline_schedule} schedule (4 micro-batches): "
+                     + " ".join(" + ".join(map(str, step)) for step in steps(prog.pipeline_actions(4))))
         pipeline = s.pipelines[prog.pipeline]
         lines.append(f"recompute: {self.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
             f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
@@ -548,6 +551,7 @@ def compile(
     recompute: Any = "none",
     reduce_dtype: Optional[torch.dtype] = torch.float32,
     coalesce: bool = False,
+    pipeline_schedule: str = "1f1b",
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -564,6 +568,8 @@ def compile(
     ``None`` reduces in the compute dtype). ``coalesce``: pull and push each layer's parameters
     together, one merged call per group and kind (``hgraph.runtime.coalesce``), so an iteration issues
     O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now.
+    ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
+    input-gradient and a weight-gradient step, ``schedule="none"`` only); ``hgraph.actions``.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -585,6 +591,13 @@ def compile(
         raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
     elif schedule == "overlap":
         overlap = OverlapConfig()
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {sorted(PIPELINE_SCHEDULES)}")
+    if pipeline_schedule != "1f1b" and schedule == "overlap":
+        raise HGraphError(
+            f"pipeline_schedule={pipeline_schedule!r} with schedule='overlap' is not supported yet (the overlap "
+            "runtime runs whole backwards); use schedule='none', or pipeline_schedule='1f1b'"
+        )
     if coalesce and schedule == "overlap":
         raise HGraphError(
             "coalesce=True with schedule='overlap' is not supported yet (the overlap schedule starts pulls "
@@ -602,6 +615,7 @@ def compile(
         recompute_by_scheme=_recompute_by_scheme(recompute),
         reduce_dtype=reduce_dtype,
         coalesce=coalesce,
+        pipeline_schedule=pipeline_schedule,
     )
     # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
     # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from hgraph.runtime.context import current
+from hgraph.actions import pipeline_peers
 from hgraph.runtime.executor import _HEADER, RankProgram, _from_header, _send_header, pull_parameters, shards_device
 from hgraph.runtime.failures import comm_step
 
@@ -22,11 +23,9 @@ def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
     comm = current().comm
     sg = program.stage_graph
     device = shards_device(shards)
-    ranks = program.groups["pipeline"]
-    n = len(ranks) // program.pp
-    pos = ranks.index(program.rank) % n
-    prev_rank = ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
-    next_rank = ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
+    peer = pipeline_peers(program.groups["pipeline"], program.pp, program.rank)
+    prev_rank = peer(program.stage - 1) if program.stage > 0 else None
+    next_rank = peer(program.stage + 1) if program.stage < program.pp - 1 else None
     total = 0.0
     with torch.no_grad():
         params = pull_parameters(program, shards)
