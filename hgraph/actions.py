@@ -207,7 +207,10 @@ def interleaved_1f1b(pp: int, vpp: int, stage: int, num_micro_batches: int) -> l
     chunks reversed. Warm-up is ``(pp - stage - 1) * 2 + (vpp - 1) * pp`` forwards (capped), then one
     forward / one backward. Needs ``num_micro_batches`` divisible by ``pp``."""
     if num_micro_batches % pp:
-        raise ScheduleError(f"interleaved 1F1B needs micro-batches divisible by pp={pp}; got {num_micro_batches}")
+        raise ScheduleError(
+            f"interleaved 1F1B (vpp={vpp}) needs micro-batches divisible by pp={pp}; got {num_micro_batches} "
+            "(split the batch into a multiple of pp micro-batches, or use vpp=1)"
+        )
     b = _Builder(pp, vpp, stage)
     total = num_micro_batches * vpp
 

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.actions import PIPELINE_SCHEDULES, steps
+from hgraph.actions import PIPELINE_SCHEDULES, dry_run, steps, wrapped_chunk
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
@@ -151,6 +151,11 @@ def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: d
                 raise StrategyError(
                     f"strategy {s}: pp={p.pp} exceeds the model's {dims['layers']} layers; use pp <= {dims['layers']}"
                 )
+            if "layers" in dims and p.pp * p.vpp > dims["layers"]:
+                raise StrategyError(
+                    f"strategy {s}: pp*vpp={p.pp * p.vpp} virtual stages exceed the model's {dims['layers']} layers; "
+                    f"use vpp <= {dims['layers'] // p.pp}"
+                )
 
 
 class CompiledModel:
@@ -175,7 +180,7 @@ class CompiledModel:
         self._disabled = _check_disabled(disabled, self._user_passes)
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
-        self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
+        self._stages: dict[tuple[int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp)
         self._param_comm: dict[int, dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], Any] = {}  # passes.backward.JointGraphs
@@ -183,6 +188,9 @@ class CompiledModel:
         self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
         for i in range(len(strategies)):
             self._build_strategy(i)
+        if options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines):
+            for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
+                self.check_actions(i, [2 * p.pp for p in s.pipelines])
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
         if options.schedule == "overlap":
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
@@ -190,6 +198,22 @@ class CompiledModel:
                 for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
                     self.check_overlap(i, counts)
         self.compile_seconds = time.perf_counter() - start
+
+    def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
+        """Dry-run the action lists (``RankProgram.actions``) of every rank of ``strategy`` with
+        ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.actions.dry_run``); raises
+        ``ScheduleError`` naming rank, action and peer on a deadlock or a mismatched order."""
+        index = self.strategy_index(strategy)
+        programs = {r: self.program(index, r) for r in range(self.world_size)}
+        bucket_ranks = {(r, pc.name): pc.pull.plan.ranks for r, p in programs.items() for pc in p.pulls}
+        bucket_ranks.update({(r, pc.name): pc.push.plan.ranks for r, p in programs.items() for pc in p.pushes})
+        dry_run(
+            {r: p.actions(micro_batches[p.pipeline]) for r, p in programs.items()},
+            members=lambda r, group: bucket_ranks[(r, group)],
+            first=lambda r, c: programs[r].stage == 0 and c == 0,
+            last=lambda r, c: programs[r].is_last_stage and c == programs[r].vpp - 1,
+            route=lambda r, a: wrapped_chunk(programs[r].pp, programs[r].stage, a),
+        )
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
@@ -227,18 +251,19 @@ class CompiledModel:
         return frozenset(self._disabled & names)
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
-        key = (pipeline.cp, pipeline.tp, pipeline.pp)
+        """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
+        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
         if key not in self._stages:
             gm = self.local_program(pipeline.cp, pipeline.tp)
             start = time.perf_counter()
             params = set(self.traced.param_names)
-            stages = partition(gm, pipeline.pp, lambda n: n.name in params, self.options.layer_costs)
+            stages = partition(gm, pipeline.pp * pipeline.vpp, lambda n: n.name in params, self.options.layer_costs)
             self.pass_history.append(
                 PassRecord("partition", time.perf_counter() - start, len(gm.graph.nodes), len(gm.graph.nodes))
             )
             ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp)
             stages = [replace(sg, gm=fp32_loss(sg.gm, ctx)) if sg.returns_loss else sg for sg in stages]
-            config = self.options.recompute_for(*key)
+            config = self.options.recompute_for(*key[:3])
             if config.mode != "none" and "recompute" not in self._disabled:
                 start = time.perf_counter()
                 ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, recompute=config)
@@ -281,7 +306,9 @@ class CompiledModel:
             grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
-                    users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
+                    holder = (i, sg.stage % pipeline.pp)  # the physical stage running this chunk
+                    if holder not in users.setdefault(self.traced.param_names[ph], []):
+                        users[self.traced.param_names[ph]].append(holder)
         compute = self.options.compute_dtype or torch.float32
         itemsize = torch.finfo(compute).bits // 8
         push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
@@ -349,6 +376,8 @@ class CompiledModel:
             pp=pipeline.pp,
             groups=groups,
             stage_graph=stages[stage],
+            chunk_graphs=stages[stage::pipeline.pp],
+            vpp=pipeline.vpp,
             param_of_placeholder=dict(self.traced.param_names),
             pulls=pulls,
             pushes=list(reversed(pulls)),
@@ -412,7 +441,8 @@ class CompiledModel:
         compute = [n for n in [*sg.gm.graph.nodes, *body]
                    if n.op == "call_function" and not n.meta.get("hgraph_comm")
                    and not (n.target is operator.getitem and n.args[0].op == "call_module")]
-        lines.append(f"compute: {len(compute)} ops; {prog.pipeline_schedule} schedule (4 micro-batches): "
+        schedule = "interleaved" if prog.vpp > 1 else prog.pipeline_schedule
+        lines.append(f"compute: {len(compute)} ops; {schedule} schedule (4 micro-batches): "
                      + " ".join(" + ".join(map(str, step)) for step in steps(prog.pipeline_actions(4))))
         pipeline = s.pipelines[prog.pipeline]
         lines.append(f"recompute: {self.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
@@ -569,7 +599,8 @@ def compile(
     together, one merged call per group and kind (``hgraph.runtime.coalesce``), so an iteration issues
     O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now.
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
-    input-gradient and a weight-gradient step, ``schedule="none"`` only); ``hgraph.actions``.
+    input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.actions``.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -593,6 +624,12 @@ def compile(
         overlap = OverlapConfig()
     if pipeline_schedule not in PIPELINE_SCHEDULES:
         raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {sorted(PIPELINE_SCHEDULES)}")
+    if schedule == "overlap" and any(p.vpp > 1 for s in strategies for p in s.pipelines):
+        raise HGraphError("interleaved pipelines (vpp > 1) with schedule='overlap' are not supported yet; "
+                          "use schedule='none' or vpp=1")
+    if pipeline_schedule != "1f1b" and any(p.vpp > 1 for s in strategies for p in s.pipelines):
+        raise StrategyError(f"pipeline_schedule={pipeline_schedule!r} with an interleaved pipeline (vpp > 1): "
+                            "vpp > 1 always runs interleaved 1F1B; use pipeline_schedule='1f1b' or vpp=1")
     if pipeline_schedule != "1f1b" and schedule == "overlap":
         raise HGraphError(
             f"pipeline_schedule={pipeline_schedule!r} with schedule='overlap' is not supported yet (the overlap "

@@ -13,6 +13,7 @@ import torch
 
 from hgraph.runtime.context import current
 from hgraph.actions import pipeline_peers
+from hgraph.errors import InputError
 from hgraph.runtime.executor import _HEADER, RankProgram, _from_header, _send_header, pull_parameters, shards_device
 from hgraph.runtime.failures import comm_step
 
@@ -20,6 +21,9 @@ from hgraph.runtime.failures import comm_step
 def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
                       micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
     """This rank's summed token loss over ``micro_batches`` (0 on ranks that do not report it)."""
+    if program.vpp > 1:
+        raise InputError(f"evaluation of an interleaved pipeline (vpp={program.vpp}) is not supported yet; "
+                         "evaluate under a strategy with vpp=1")
     comm = current().comm
     sg = program.stage_graph
     device = shards_device(shards)

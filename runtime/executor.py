@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hgraph.errors import CommunicationError, InputError
+from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
 from hgraph.runtime.failures import comm_step
 from hgraph.runtime.reshard import execute
@@ -47,6 +48,13 @@ class RankProgram:
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False  # pull/push one layer's parameters together (runtime/coalesce.py)
     pipeline_schedule: str = "1f1b"  # hgraph.actions.PIPELINE_SCHEDULES
+    chunk_graphs: list[Any] = field(default_factory=list)  # StageGraph per chunk (vpp > 1); chunk 0 is stage_graph
+    vpp: int = 1
+
+    @property
+    def chunks(self) -> list[Any]:
+        """The stage programs this rank runs: ``stage_graph``, or every chunk under interleaving."""
+        return self.chunk_graphs or [self.stage_graph]
 
     @property
     def push_dtype(self) -> torch.dtype:
@@ -62,7 +70,7 @@ class RankProgram:
 
     def pipeline_actions(self, num_micro_batches: int) -> list[Action]:
         """The compute and activation actions of this rank's pipeline schedule (peers are ranks)."""
-        local = pipeline_actions(self.pipeline_schedule, self.pp, 1, self.stage, num_micro_batches)
+        local = pipeline_actions(self.pipeline_schedule, self.pp, self.vpp, self.stage, num_micro_batches)
         return with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
 
     def actions(self, num_micro_batches: int) -> list[Action]:
@@ -90,7 +98,7 @@ class RankProgram:
     @property
     def loss_partial_over_cp(self) -> bool:
         """True when the stage returns per-cp-rank partial loss sums (their sum is the loss)."""
-        out = next(n for n in self.stage_graph.gm.graph.nodes if n.op == "output")
+        out = next(n for n in self.chunks[-1].gm.graph.nodes if n.op == "output")
         loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
         spec = loss.meta.get("hgraph_spec")
         return bool(spec) and type(spec[0]).__name__ == "Partial"
@@ -248,13 +256,22 @@ class Executor:
         self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
         self.comm = current().comm
         self.device = shards_device(shards)
-        self.state = StageState(program.stage_graph, loss_scale)
+        self.states = [StageState(sg, loss_scale) for sg in program.chunks]
         self.params: dict[str, torch.Tensor] = {}
         self.grad_shards: dict[str, Optional[torch.Tensor]] = {}
         self.pull_buckets = {b[0].name: b for b in layer_buckets(program.pulls, program.coalesce)}
         self.push_buckets = {b[0].name: b for b in layer_buckets(program.pushes, program.coalesce)}
         self.results: dict[tuple[Kind, str], list] = {}
         self.stage_ranks = list(program.groups["stage"])
+        self.sends: list[Handle] = []  # activation sends posted, not yet waited
+
+    def drain_sends(self) -> None:
+        """Wait for every activation send posted so far (their receivers are all posted by now)."""
+        if self.sends:
+            with comm_step(self.program.rank, "communicate_activation: waiting for sends to the pipeline peers"):
+                for handle in self.sends:
+                    handle.wait()
+            self.sends = []
 
     def run(self, actions: Sequence[Action], on_step: Optional[Callable[[str, Action], None]] = None) -> IterationOutput:
         for step in steps(actions):
@@ -267,6 +284,8 @@ class Executor:
                 if self.timeline is not None:
                     self.timeline.add("communicate_activation", " + ".join(map(str, step)), t0, time.time())
                 continue
+            if head.kind not in COMPUTE:
+                self.drain_sends()
             if on_step is not None and head.kind in COMPUTE:
                 on_step("begin", head)
             getattr(self, head.kind.name.lower())(head)
@@ -275,7 +294,8 @@ class Executor:
             if self.timeline is not None and head.kind in COMPUTE:
                 kind = "forward" if head.kind is Kind.FORWARD else "backward"
                 self.timeline.add(kind, f"{_COMPUTE_NAMES[head.kind]} mb{head.mb}", t0, time.time())
-        reported = self.state.loss_total if self.program.reports_loss else 0.0
+        self.drain_sends()
+        reported = sum(st.loss_total for st in self.states) if self.program.reports_loss else 0.0
         pushed = {pc.name: self.grad_shards[pc.name] for pc in self.program.pushes if pc.name in self.grad_shards}
         return IterationOutput(reported, pushed, len(self.micro_batches))
 
@@ -322,62 +342,68 @@ class Executor:
             fn(a.mb)
 
     def forward(self, a: Action) -> None:
-        sg, program = self.program.stage_graph, self.program
+        state, program = self.states[a.chunk], self.program
+        sg = state.stage_graph
 
         def run(mb: int) -> None:
             param_args = [self.params[program.param_of_placeholder[name]] for name in sg.params]
-            self.state.record(mb, sg.gm(*param_args, *self.state.data_args(self.micro_batches[mb], mb)))
+            state.record(mb, sg.gm(*param_args, *state.data_args(self.micro_batches[mb], mb)))
 
         self._compute(a, run)
 
     def backward(self, a: Action) -> None:
-        self._compute(a, self.state.backward)
+        self._compute(a, self.states[a.chunk].backward)
 
     def backward_input(self, a: Action) -> None:
-        self._compute(a, self.state.backward_input)
+        self._compute(a, self.states[a.chunk].backward_input)
 
     def backward_weight(self, a: Action) -> None:
-        held = [self.params[self.program.param_of_placeholder[n]] for n in self.program.stage_graph.params]
-        self._compute(a, lambda mb: self.state.backward_weight(mb, held))
+        state = self.states[a.chunk]
+        held = [self.params[self.program.param_of_placeholder[n]] for n in state.stage_graph.params]
+        self._compute(a, lambda mb: state.backward_weight(mb, held))
 
     # -- activations
     def exchange(self, step: tuple[Action, ...]) -> None:
-        """One batched exchange. Every send (activation shapes, activations, gradients) is posted
-        before anything is waited, as the dry run assumes: a backend whose sends wait for their
-        receiver (gloo) then cannot deadlock. Only the activation receives wait for their shapes
-        first. Shapes, activations and gradients travel on separate tags, so each stream matches
-        in order whatever the mix of a step."""
-        state, comm = self.state, self.comm
-        recv_count = len(self.program.stage_graph.recv)
-        headers = [(a.peer, _send_header(t)) for a in step if a.kind is Kind.SEND_ACT for t in state.outputs[a.mb]]
-        acts = [(a.peer, t.detach()) for a in step if a.kind is Kind.SEND_ACT for t in state.outputs[a.mb]]
+        """One batched exchange: post every send (activation shapes, activations, gradients), wait
+        for the receives. Sends are waited only before the first parameter action after the pipeline
+        (``drain_sends``), as the dry run assumes: a backend whose sends wait for their receiver (gloo)
+        then cannot deadlock on a peer that receives later. Activation receives wait for their shapes
+        first. Shapes, activations and gradients travel on separate tags, so each stream matches in
+        order whatever the mix of a step."""
+        states, comm = self.states, self.comm
+        outputs = [(a, t) for a in step if a.kind is Kind.SEND_ACT for t in states[a.chunk].outputs[a.mb]]
+        headers = [(a.peer, _send_header(t)) for a, t in outputs]
+        acts = [(a.peer, t.detach()) for a, t in outputs]
         grads = [(a.peer, r.grad if r.grad is not None else torch.zeros_like(r))
-                 for a in step if a.kind is Kind.SEND_GRAD for r in state.received[a.mb]]
+                 for a in step if a.kind is Kind.SEND_GRAD for r in states[a.chunk].received[a.mb]]
         grad_recvs = []
         for a in step:
             if a.kind is Kind.RECV_GRAD:
+                state = states[a.chunk]
                 state.grads_in[a.mb] = [torch.empty_like(t) for t in state.outputs[a.mb]]
                 grad_recvs += [(a.peer, b) for b in state.grads_in[a.mb]]
         header_recvs = [(a.peer, torch.zeros(_HEADER, dtype=torch.int64, device=self.device))
-                        for a in step if a.kind is Kind.RECV_ACT for _ in range(recv_count)]
-        handles = [comm.start_exchange(headers, [], tag=_HEADER_TAG), comm.start_exchange(acts, [], tag=_ACT_TAG),
-                   comm.start_exchange(grads, grad_recvs, tag=_GRAD_TAG)]
+                        for a in step if a.kind is Kind.RECV_ACT for _ in states[a.chunk].stage_graph.recv]
+        self.sends += [comm.start_exchange(headers, [], tag=_HEADER_TAG), comm.start_exchange(acts, [], tag=_ACT_TAG),
+                       comm.start_exchange(grads, [], tag=_GRAD_TAG)]
+        handles = [comm.start_exchange([], grad_recvs, tag=_GRAD_TAG)]
         comm.start_exchange([], header_recvs, tag=_HEADER_TAG).wait()
         shapes = iter(header_recvs)
         act_recvs = []
         for a in step:
             if a.kind is Kind.RECV_ACT:
-                state.received[a.mb] = [_from_header(next(shapes)[1]) for _ in range(recv_count)]
+                state = states[a.chunk]
+                state.received[a.mb] = [_from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
                 act_recvs += [(a.peer, b) for b in state.received[a.mb]]
         handles.append(comm.start_exchange([], act_recvs, tag=_ACT_TAG))
         for handle in handles:
             handle.wait()
         for a in step:
+            received = states[a.chunk].received
             if a.kind is Kind.SEND_GRAD:
-                state.received.pop(a.mb)  # its gradients are gone to the previous stage
+                received.pop(a.mb)  # its gradients are gone to the previous stage
             elif a.kind is Kind.RECV_ACT:
-                state.received[a.mb] = [b.requires_grad_(True) if b.is_floating_point() else b
-                                        for b in state.received[a.mb]]
+                received[a.mb] = [b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]]
 
 
 _COMPUTE_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward_input",
