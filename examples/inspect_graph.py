@@ -10,6 +10,7 @@ from collections import defaultdict
 import torch
 
 import hgraph
+from hgraph.actions import format_actions
 from hgraph.models import Llama, LlamaConfig
 
 
@@ -31,7 +32,8 @@ def main() -> None:
     program = compiled.program(0, 0)
     print("\nstage 0 program of rank 0 (first lines):")
     print("\n".join(program.stage_graph.gm.code.strip().splitlines()[:12]))
-    print("\n1F1B schedule with 4 micro-batches:", " ".join(map(str, program.schedule(4))))
+    print("\n1F1B schedule of rank 0 with 4 micro-batches (hgraph.actions; program.actions(4) adds pulls and pushes):")
+    print(format_actions(program.pipeline_actions(4)))
     print("pull plan of the embedding:\n" + str(program.pulls[0].pull.plan))
 
 

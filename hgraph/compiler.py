@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
+from hgraph.actions import PIPELINE_SCHEDULES, dry_run, wrapped_chunk
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
@@ -72,7 +73,7 @@ def _localize_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 def _partition_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     params = set(ctx.traced.param_names)
-    ctx.stages = partition(gm, ctx.pp, lambda n: n.name in params, ctx.options.layer_costs)
+    ctx.stages = partition(gm, ctx.pp * ctx.vpp, lambda n: n.name in params, ctx.options.layer_costs)
     return gm
 
 
@@ -127,7 +128,7 @@ class CompiledModel:
                         for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
-        self._stages: dict[tuple[int, int, int], list[StageGraph]] = {}
+        self._stages: dict[tuple[int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp)
         self._plan_inputs: dict[int, tuple[dict, dict, dict]] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
@@ -149,6 +150,9 @@ class CompiledModel:
             self.parameter_comm(i, r)
         if cache is not None and not self.cache_hit:
             cache.store({key: self._param_comm[key] for key in own})
+        if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
+            for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
+                self.check_actions(i, [2 * p.pp for p in s.pipelines])
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
         if options.schedule == "overlap" and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
@@ -156,6 +160,22 @@ class CompiledModel:
                 for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
                     self.check_overlap(i, counts)
         self.compile_seconds = time.perf_counter() - start
+
+    def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
+        """Dry-run the action lists (``RankProgram.actions``) of every rank of ``strategy`` with
+        ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.actions.dry_run``); raises
+        ``ScheduleError`` naming rank, action and peer on a deadlock or a mismatched order."""
+        index = self.strategy_index(strategy)
+        programs = {r: self.program(index, r) for r in range(self.world_size)}
+        bucket_ranks = {(r, pc.name): pc.pull.plan.ranks for r, p in programs.items() for pc in p.pulls}
+        bucket_ranks.update({(r, pc.name): pc.push.plan.ranks for r, p in programs.items() for pc in p.pushes})
+        dry_run(
+            {r: p.actions(micro_batches[p.pipeline]) for r, p in programs.items()},
+            members=lambda r, group: bucket_ranks[(r, group)],
+            first=lambda r, c: programs[r].stage == 0 and c == 0,
+            last=lambda r, c: programs[r].is_last_stage and c == programs[r].vpp - 1,
+            route=lambda r, a: wrapped_chunk(programs[r].pp, programs[r].stage, a),
+        )
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
@@ -191,11 +211,13 @@ class CompiledModel:
         return self._local[key]
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
-        key = (pipeline.cp, pipeline.tp, pipeline.pp)
+        """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
+        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
         if key not in self._stages:
             gm = self.local_program(pipeline.cp, pipeline.tp)
-            scope = f"cp{pipeline.cp},tp{pipeline.tp},pp{pipeline.pp}"
-            ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, recompute=self.options.recompute_for(*key))
+            scope = f"cp{pipeline.cp},tp{pipeline.tp},pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else "")
+            ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp,
+                                recompute=self.options.recompute_for(*key[:3]))
             _, records = self._passes["pipeline"].run(gm, ctx, scope)
             stages = []
             for sg in ctx.stages or ():
@@ -256,7 +278,9 @@ class CompiledModel:
                 grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
             for sg in self.stage_graphs(pipeline):
                 for ph in sg.params:
-                    users.setdefault(self.traced.param_names[ph], []).append((i, sg.stage))
+                    holder = (i, sg.stage % pipeline.pp)  # the physical stage running this chunk
+                    if holder not in users.setdefault(self.traced.param_names[ph], []):
+                        users[self.traced.param_names[ph]].append(holder)
         self._plan_inputs[index] = (users, specs, grad_specs)
         return self._plan_inputs[index]
 
@@ -356,6 +380,8 @@ class CompiledModel:
             pp=pipeline.pp,
             groups=groups,
             stage_graph=stages[stage],
+            chunk_graphs=stages[stage::pipeline.pp],
+            vpp=pipeline.vpp,
             param_of_placeholder=dict(self.traced.param_names),
             pulls=pulls,
             pushes=list(reversed(pulls)),
@@ -363,6 +389,7 @@ class CompiledModel:
             compute_dtype=self.options.compute_dtype,
             reduce_dtype=self.options.reduce_dtype,
             coalesce=self.options.coalesce,
+            pipeline_schedule=self.options.pipeline_schedule,
         )
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, strategy=s, program=program)
         _, records = self._passes["rank"].run(program.stage_graph.gm, ctx, f"strategy {s} rank {rank}")
@@ -470,6 +497,7 @@ def compile(
     rank: Union[int, None, str] = "auto",
     verify: Optional[bool] = None,
     cache_dir: Optional[str] = None,
+    pipeline_schedule: str = "1f1b",
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -493,6 +521,9 @@ def compile(
     ``VERIFY_WORLD``; it builds every rank's program). ``cache_dir`` (or ``$HGRAPH_COMPILE_CACHE``):
     keep the compiled rank's Pull / Push plans on disk, keyed by what they are built from
     (``hgraph.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
+    ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
+    input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.actions``.
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -512,6 +543,19 @@ def compile(
         raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
     elif schedule == "overlap":
         overlap = OverlapConfig()
+    if pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {sorted(PIPELINE_SCHEDULES)}")
+    if schedule == "overlap" and any(p.vpp > 1 for s in strategies for p in s.pipelines):
+        raise HGraphError("interleaved pipelines (vpp > 1) with schedule='overlap' are not supported yet; "
+                          "use schedule='none' or vpp=1")
+    if pipeline_schedule != "1f1b" and any(p.vpp > 1 for s in strategies for p in s.pipelines):
+        raise StrategyError(f"pipeline_schedule={pipeline_schedule!r} with an interleaved pipeline (vpp > 1): "
+                            "vpp > 1 always runs interleaved 1F1B; use pipeline_schedule='1f1b' or vpp=1")
+    if pipeline_schedule != "1f1b" and schedule == "overlap":
+        raise HGraphError(
+            f"pipeline_schedule={pipeline_schedule!r} with schedule='overlap' is not supported yet (the overlap "
+            "runtime runs whole backwards); use schedule='none', or pipeline_schedule='1f1b'"
+        )
     if coalesce and schedule == "overlap":
         raise HGraphError(
             "coalesce=True with schedule='overlap' is not supported yet (the overlap schedule starts pulls "
@@ -529,6 +573,7 @@ def compile(
         recompute_by_scheme=_recompute_by_scheme(recompute),
         reduce_dtype=reduce_dtype,
         coalesce=coalesce,
+        pipeline_schedule=pipeline_schedule,
     )
     # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
     # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.

@@ -53,6 +53,11 @@ def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: d
                 raise StrategyError(
                     f"strategy {s}: pp={p.pp} exceeds the model's {dims['layers']} layers; use pp <= {dims['layers']}"
                 )
+            if "layers" in dims and p.pp * p.vpp > dims["layers"]:
+                raise StrategyError(
+                    f"strategy {s}: pp*vpp={p.pp * p.vpp} virtual stages exceed the model's {dims['layers']} layers; "
+                    f"use vpp <= {dims['layers'] // p.pp}"
+                )
 
 
 

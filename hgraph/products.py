@@ -11,19 +11,20 @@ interpreter in ``hgraph.runtime``. The old paths (``hgraph.passes.partition.Stag
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.fx as fx
 
+from hgraph.actions import Action, Kind, pipeline_actions, pipeline_peers, with_peers
 from hgraph.errors import HGraphError, InputError
 from hgraph.layout import AnyLayout, Layout, Partial
 from hgraph.lnk.plan import ReshardPlan
 from hgraph.lnk.rank_plan import RankPlan
 from hgraph.lnk.topology import Topology
 from hgraph.runtime.recompute import MODES
-from hgraph.runtime.schedule import Step, one_f_one_b
 from hgraph.strategy import Pipeline, Strategy
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class CompileOptions:
     recompute_by_scheme: tuple[tuple[tuple[int, int, int], RecomputeConfig], ...] = ()  # (cp, tp, pp)
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False
+    pipeline_schedule: str = "1f1b"  # hgraph.actions.PIPELINE_SCHEDULES
 
     def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
         """The recompute config of pipelines with these degrees."""
@@ -252,6 +254,7 @@ class CompileContext:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    vpp: int = 1  # virtual stages per pipeline stage: partition cuts pp * vpp stage programs
     strategy: Optional[Strategy] = None
     stages: Optional[list[StageGraph]] = None
     parameter_layouts: dict[str, ParameterLayouts] = field(default_factory=dict)  # insert_comm's
@@ -304,6 +307,14 @@ class RankProgram:
     overlap: Optional[RankSchedule] = None  # under schedule="overlap"
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False  # pull/push one layer's parameters together (runtime/coalesce.py)
+    pipeline_schedule: str = "1f1b"  # hgraph.actions.PIPELINE_SCHEDULES
+    chunk_graphs: list[StageGraph] = field(default_factory=list)  # per chunk (vpp > 1); chunk 0 is stage_graph
+    vpp: int = 1
+
+    @property
+    def chunks(self) -> list[StageGraph]:
+        """The stage programs this rank runs: ``stage_graph``, or every chunk under interleaving."""
+        return self.chunk_graphs or [self.stage_graph]
 
     @property
     def push_dtype(self) -> torch.dtype:
@@ -317,8 +328,20 @@ class RankProgram:
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         return grad.to(self.push_dtype)
 
-    def schedule(self, num_micro_batches: int) -> list[Step]:
-        return one_f_one_b(self.pp, self.stage, num_micro_batches)
+    def pipeline_actions(self, num_micro_batches: int) -> list[Action]:
+        """The compute and activation actions of this rank's pipeline schedule (peers are ranks)."""
+        local = pipeline_actions(self.pipeline_schedule, self.pp, self.vpp, self.stage, num_micro_batches)
+        return with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
+
+    def actions(self, num_micro_batches: int) -> list[Action]:
+        """The rank's whole iteration under ``schedule="none"``: every pull (one layer's together
+        under ``coalesce``), the pipeline schedule, every push, the optimizer step."""
+        pulls = [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]
+        pushes = [b[0].name for b in layer_buckets(self.pushes, self.coalesce)]
+        out = [Action(k, group=g) for g in pulls for k in (Kind.PULL_START, Kind.PULL_WAIT)]
+        out += self.pipeline_actions(num_micro_batches)
+        out += [Action(k, group=g) for g in pushes for k in (Kind.PUSH_START, Kind.PUSH_WAIT)]
+        return out + [Action(Kind.OPTIMIZER)]
 
     @property
     def is_last_stage(self) -> bool:
@@ -335,7 +358,7 @@ class RankProgram:
     @property
     def loss_partial_over_cp(self) -> bool:
         """True when the stage returns per-cp-rank partial loss sums (their sum is the loss)."""
-        out = next(n for n in self.stage_graph.gm.graph.nodes if n.op == "output")
+        out = next(n for n in self.chunks[-1].gm.graph.nodes if n.op == "output")
         loss = out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
         spec = loss.meta.get("hgraph_spec")
         return bool(spec) and isinstance(spec[0], Partial)
@@ -343,7 +366,37 @@ class RankProgram:
     def __str__(self) -> str:
         return (f"RankProgram(strategy {self.strategy_index}, rank {self.rank}: pipeline {self.pipeline}, "
                 f"stage {self.stage}/{self.pp}, {len(self.pulls)} pulls, {len(self.activations)} activations, "
-                f"schedule {'overlap' if self.overlap is not None else 'none'})")
+                f"schedule {'overlap' if self.overlap is not None else 'none'}, "
+                f"{'interleaved' if self.vpp > 1 else self.pipeline_schedule})")
+
+
+def layer_of(names: Sequence[str]) -> list[int]:
+    """Layer index of each parameter (in order): consecutive parameters sharing the prefix up to the
+    first numeric path component (``layers.3.``) are one layer; others are a layer each."""
+    out, key_prev, layer = [], None, -1
+    for name in names:
+        m = re.match(r"^(.*?\.\d+)\.", name)
+        key = m.group(1) if m else name
+        if key != key_prev:
+            layer += 1
+            key_prev = key
+        out.append(layer)
+    return out
+
+
+def layer_buckets(comms: Sequence[ParameterComm], coalesce: bool) -> list[list[ParameterComm]]:
+    """``comms`` cut into runs of one layer each when ``coalesce``, else singletons."""
+    if not coalesce:
+        return [[pc] for pc in comms]
+    buckets: list[list[ParameterComm]] = []
+    previous = None
+    for pc, layer in zip(comms, layer_of([pc.name for pc in comms])):
+        if buckets and layer == previous:
+            buckets[-1].append(pc)
+        else:
+            buckets.append([pc])
+        previous = layer
+    return buckets
 
 
 class CompiledPrograms(Protocol):

@@ -12,6 +12,7 @@ from typing import Protocol, Union
 
 import torch.fx as fx
 
+from hgraph.actions import steps
 from hgraph.passes.backward import comm_nodes
 from hgraph.passes.insert_comm import activation_record
 from hgraph.passes.recompute import regions
@@ -44,8 +45,9 @@ def explain(compiled: Inspectable, strategy: StrategyLike, rank: int, backward: 
     compute = [n for n in [*sg.gm.graph.nodes, *body]
                if n.op == "call_function" and not n.meta.get("hgraph_comm")
                and not (n.target is operator.getitem and n.args[0].op == "call_module")]
-    lines.append(f"compute: {len(compute)} ops; schedule (4 micro-batches): "
-                 + " ".join(str(x) for x in prog.schedule(4)))
+    schedule = "interleaved" if prog.vpp > 1 else prog.pipeline_schedule
+    lines.append(f"compute: {len(compute)} ops; {schedule} schedule (4 micro-batches): "
+                 + " ".join(" + ".join(map(str, step)) for step in steps(prog.pipeline_actions(4))))
     pipeline = s.pipelines[prog.pipeline]
     lines.append(f"recompute: {compiled.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
         f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))

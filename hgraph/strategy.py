@@ -18,18 +18,23 @@ from hgraph.errors import StrategyError
 
 @dataclass(frozen=True)
 class Pipeline:
-    """One model replica: ``pp`` stages, each a ``cp x tp`` mesh of ranks."""
+    """One model replica: ``pp`` stages, each a ``cp x tp`` mesh of ranks. With ``vpp > 1`` (interleaved
+    1F1B) the layers are cut into ``pp * vpp`` virtual stages and stage ``s`` holds the non-adjacent
+    chunks ``s, s + pp, ...``."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ranks: Optional[tuple[int, ...]] = None
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(f"Pipeline {name}={value!r}; every degree must be an integer >= 1")
+        if self.vpp > 1 and self.pp < 2:
+            raise StrategyError(f"Pipeline vpp={self.vpp} needs pp >= 2 (interleaving chunks over stages); got pp={self.pp}")
         if self.ranks is not None:
             ranks = tuple(int(r) for r in self.ranks)
             object.__setattr__(self, "ranks", ranks)
@@ -76,6 +81,8 @@ class Pipeline:
         parts = [f"tp{self.tp}"]
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         return "(" + ",".join(parts) + ")"
@@ -141,7 +148,7 @@ class Strategy:
 
     @classmethod
     def parse(cls, text: str, gpus_per_node: int = 8) -> "Strategy":
-        """Parse the readable form, e.g. ``"tp2,pp2 + 2x tp1"`` or ``"(tp4) + 2×(tp2)"``."""
+        """Parse the readable form, e.g. ``"tp2,pp2 + 2x tp1"``, ``"(tp4) + 2×(tp2)"`` or ``"tp1,pp2,vpp2"``."""
         pipelines: list[Pipeline] = []
         for part in text.split("+"):
             part = part.strip()
@@ -152,9 +159,9 @@ class Strategy:
             if m:
                 count, part = int(m.group(1)), m.group(2)
             part = part.strip().strip("()")
-            degrees = {"tp": 1, "pp": 1, "cp": 1}
+            degrees = {"tp": 1, "pp": 1, "cp": 1, "vpp": 1}
             for token in filter(None, (t.strip() for t in part.split(","))):
-                m2 = re.fullmatch(r"(tp|pp|cp)(\d+)", token)
+                m2 = re.fullmatch(r"(tp|vpp|pp|cp)(\d+)", token)
                 if not m2:
                     raise StrategyError(
                         f"cannot parse {token!r} in strategy {text!r}; use e.g. 'tp2,pp2 + 2x tp1'"

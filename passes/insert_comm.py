@@ -114,8 +114,8 @@ def activation_subgraphs(stage_graphs: list, strategy: Strategy, pipeline_index:
         for b in sg.send:
             node = next(n for n in sg.gm.graph.nodes if n.name == b.name) if _has(sg.gm, b.name) else None
             spec = node.meta.get("hgraph_spec") if node is not None else None
-            src = f"stage{b.src}{list(pipeline.stage_ranks(b.src))}"
-            dst = f"stage{b.dst}{list(pipeline.stage_ranks(b.dst))}"
+            src = f"stage{b.src}{list(pipeline.stage_ranks(b.src % pipeline.pp))}"
+            dst = f"stage{b.dst}{list(pipeline.stage_ranks(b.dst % pipeline.pp))}"
             if spec is not None:
                 src += " " + ",".join(map(str, spec))
             nbytes = _bytes(node) if node is not None else 0

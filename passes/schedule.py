@@ -26,7 +26,6 @@ Everything here is decided from the program alone (no timing), so the order is d
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
@@ -36,24 +35,12 @@ from torch import fx
 from hgraph.products import Op as Op
 from hgraph.products import OverlapConfig as OverlapConfig
 from hgraph.products import RankSchedule as RankSchedule
+from hgraph.products import layer_of as layer_of
 from hgraph.runtime.reshard import comm_steps
-from hgraph.runtime.schedule import ScheduleError
+from hgraph.actions import COMPUTE, Action, Kind, ScheduleError
+from hgraph.actions import steps as action_steps
 
 PULL_TAG, PUSH_TAG = 1, 2  # point-to-point tags of pull and push plans (activations: 0)
-
-
-def layer_of(names: Sequence[str]) -> list[int]:
-    """Layer index of each parameter (in order): consecutive parameters sharing the prefix up to the
-    first numeric path component (``layers.3.``) are one layer; others are a layer each."""
-    out, key_prev, layer = [], None, -1
-    for name in names:
-        m = re.match(r"^(.*?\.\d+)\.", name)
-        key = m.group(1) if m else name
-        if key != key_prev:
-            layer += 1
-            key_prev = key
-        out.append(layer)
-    return out
 
 
 def first_use_order(program: Any) -> list[str]:
@@ -207,28 +194,27 @@ def rank_events(program: Any, sched: RankSchedule, num_micro_batches: int) -> li
                 plan_ops("push", i, program.pushes[i].push.plan, "start")
 
     pull_ops(sched.prelude)
-    peers = _pipeline_peers(program)
     sends: list[tuple] = []
-    steps = program.schedule(num_micro_batches)
-    last_b = max((k for k, s in enumerate(steps) if s.actions[0].kind == "B"), default=None)
+    steps = action_steps(program.pipeline_actions(num_micro_batches))
+    last_b = max((k for k, s in enumerate(steps) if s[0].kind is Kind.BACKWARD), default=None)
     first_f = True
     early: set[int] = set()
     for k, step in enumerate(steps):
-        kind = step.actions[0].kind
-        if kind == "F":
+        kind = step[0].kind
+        if kind is Kind.FORWARD:
             if first_f:
                 for _, ops in sched.at_use:
                     pull_ops(ops)
                 pull_ops(sched.after_forward)
                 first_f = False
-        elif kind == "B":
+        elif kind is Kind.BACKWARD:
             if k == last_b:
                 start_pushes()
         else:
-            hdr_out = tuple(peers[a.kind] for a in step.actions if a.kind == "SEND_F")
-            hdr_in = tuple(peers[a.kind] for a in step.actions if a.kind == "RECV_F")
-            out = tuple(peers[a.kind] for a in step.actions if a.kind.startswith("SEND"))
-            inn = tuple(peers[a.kind] for a in step.actions if a.kind.startswith("RECV"))
+            hdr_out = tuple(a.peer for a in step if a.kind is Kind.SEND_ACT)
+            hdr_in = tuple(a.peer for a in step if a.kind is Kind.RECV_ACT)
+            out = tuple(a.peer for a in step if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD))
+            inn = tuple(a.peer for a in step if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD))
             if hdr_out:  # activation headers (shapes) and data: sends are waited at the end
                 events.append(("start", ("hsend", k), ("p2p", hdr_out, (), 0)))
                 sends.append(("hsend", k))
@@ -245,7 +231,8 @@ def rank_events(program: Any, sched: RankSchedule, num_micro_batches: int) -> li
                 events.append(("wait", ("recv", k)))
             nxt = early_recv(steps, k)
             if nxt is not None:
-                events.append(("start", ("hdr", k + 2), ("p2p", (), (peers["RECV_F"],), 0)))
+                peer = next(a.peer for a in steps[k + 2] if a.kind is Kind.RECV_ACT)
+                events.append(("start", ("hdr", k + 2), ("p2p", (), (peer,), 0)))
                 early.add(k + 2)
     if first_f:
         for _, ops in sched.at_use:
@@ -261,21 +248,12 @@ def rank_events(program: Any, sched: RankSchedule, num_micro_batches: int) -> li
     return events
 
 
-def early_recv(steps: Sequence[Any], k: int) -> Optional[int]:
+def early_recv(steps: Sequence[tuple[Action, ...]], k: int) -> Optional[int]:
     """If comm step ``k`` is followed by one compute step and then a step that receives activations,
     the micro-batch whose activation headers are posted at the end of step ``k`` (receives early)."""
-    if k + 2 >= len(steps) or steps[k + 1].actions[0].kind not in ("F", "B"):
+    if k + 2 >= len(steps) or steps[k + 1][0].kind not in COMPUTE:
         return None
-    return next((a.mb for a in steps[k + 2].actions if a.kind == "RECV_F"), None)
-
-
-def _pipeline_peers(program: Any) -> dict[str, Optional[int]]:
-    ranks = program.groups["pipeline"]
-    n = len(ranks) // program.pp
-    pos = ranks.index(program.rank) % n
-    prev = ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
-    nxt = ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
-    return {"SEND_F": nxt, "RECV_B": nxt, "SEND_B": prev, "RECV_F": prev}
+    return next((a.mb for a in steps[k + 2] if a.kind is Kind.RECV_ACT), None)
 
 
 def dry_run(events: dict[int, list[tuple]]) -> None:

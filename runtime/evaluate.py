@@ -12,6 +12,8 @@ from typing import Sequence
 import torch
 
 from hgraph.runtime.context import current
+from hgraph.actions import pipeline_peers
+from hgraph.errors import InputError
 from hgraph.runtime.executor import _HEADER, RankProgram, _from_header, _send_header, pull_parameters, shards_device
 from hgraph.runtime.failures import comm_step
 
@@ -19,14 +21,15 @@ from hgraph.runtime.failures import comm_step
 def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
                       micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
     """This rank's summed token loss over ``micro_batches`` (0 on ranks that do not report it)."""
+    if program.vpp > 1:
+        raise InputError(f"evaluation of an interleaved pipeline (vpp={program.vpp}) is not supported yet; "
+                         "evaluate under a strategy with vpp=1")
     comm = current().comm
     sg = program.stage_graph
     device = shards_device(shards)
-    ranks = program.groups["pipeline"]
-    n = len(ranks) // program.pp
-    pos = ranks.index(program.rank) % n
-    prev_rank = ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
-    next_rank = ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
+    peer = pipeline_peers(program.groups["pipeline"], program.pp, program.rank)
+    prev_rank = peer(program.stage - 1) if program.stage > 0 else None
+    next_rank = peer(program.stage + 1) if program.stage < program.pp - 1 else None
     total = 0.0
     with torch.no_grad():
         params = pull_parameters(program, shards)

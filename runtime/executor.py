@@ -18,13 +18,16 @@ import torch
 
 from hgraph.errors import CommunicationError, InputError
 from hgraph.products import RankProgram as RankProgram
+from hgraph.products import layer_buckets as layer_buckets
+from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
 from hgraph.runtime.failures import comm_step
 from hgraph.runtime.reshard import execute
-from hgraph.runtime.schedule import Step
+from hgraph.actions import COMPUTE, P2P, Action, Kind, steps
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 _HEADER = 10  # dtype code, ndim, up to 8 sizes
+_ACT_TAG, _HEADER_TAG, _GRAD_TAG = 0, 3, 4  # pull and push plans of the overlap schedule use 1 and 2
 
 
 @dataclass
@@ -34,23 +37,6 @@ class IterationOutput:
     loss_sum: float
     grad_shards: dict[str, Optional[torch.Tensor]]
     micro_batches: int
-
-
-def layer_buckets(comms: Sequence[Any], coalesce: bool) -> list[list[Any]]:
-    """``comms`` (ParameterComm) cut into runs of one layer each when ``coalesce``, else singletons."""
-    if not coalesce:
-        return [[pc] for pc in comms]
-    from hgraph.passes.schedule import layer_of
-
-    buckets: list[list[Any]] = []
-    previous = None
-    for pc, layer in zip(comms, layer_of([pc.name for pc in comms])):
-        if buckets and layer == previous:
-            buckets[-1].append(pc)
-        else:
-            buckets.append([pc])
-        previous = layer
-    return buckets
 
 
 def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
@@ -67,47 +53,12 @@ def _label(kind: str, bucket: list[Any], plans: list[Any]) -> str:
     return f"{kind} {names} (ranks {ranks})"
 
 
-def pull_parameters(
-    program: RankProgram, shards: dict[str, torch.Tensor], timeline: Any = None
-) -> dict[str, torch.Tensor]:
-    """Run every Pull Parameter plan (one layer's together under ``coalesce``); returns the
-    compute-layout parameters this rank holds (leaves)."""
-    comm = current().comm
-    local: dict[str, torch.Tensor] = {}
-    for bucket in layer_buckets(program.pulls, program.coalesce):
-        sources = [shards[pc.name] if program.compute_dtype is None else shards[pc.name].to(program.compute_dtype)
-                   for pc in bucket]
-        plans = [pc.pull.plan for pc in bucket]
-        t0 = time.time()
-        with comm_step(program.rank, _label("pull_parameter", bucket, plans)):
-            outs = _run_bucket(plans, sources, comm)
-        if timeline is not None:
-            timeline.add("pull_parameter", bucket[0].name, t0, time.time())
-        for pc, out in zip(bucket, outs):
-            if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
-                local[pc.name] = out.detach().requires_grad_(True)
-    return local
-
-
-def push_gradients(
-    program: RankProgram, params: dict[str, torch.Tensor], shards: dict[str, torch.Tensor], timeline: Any = None
-) -> dict[str, Optional[torch.Tensor]]:
-    """Run every Push Gradient plan (one layer's together under ``coalesce``); returns this rank's
-    optimizer-layout gradient shards."""
-    comm = current().comm
-    out: dict[str, Optional[torch.Tensor]] = {}
-    device = shards_device(shards)
-    for bucket in layer_buckets(program.pushes, program.coalesce):
-        grads = [program.push_source(params.get(pc.name)) for pc in bucket]
-        plans = [pc.push.plan for pc in bucket]
-        t0 = time.time()
-        with comm_step(program.rank, _label("push_gradient", bucket, plans)):
-            results = _run_bucket(plans, grads, comm, dtype=program.push_dtype, device=device)
-        if timeline is not None:
-            timeline.add("push_gradient", bucket[0].name, t0, time.time())
-        for pc, shard in zip(bucket, results):
-            out[pc.name] = None if shard is None else shard.to(shards[pc.name].dtype)
-    return out
+def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Run every Pull Parameter of ``program`` (as its action list does); returns the compute-layout
+    parameters this rank holds (leaves). For forward-only uses (evaluation, graph tracing)."""
+    executor = Executor(program, shards, [], 1.0)
+    executor.run([a for a in program.actions(0) if a.kind in (Kind.PULL_START, Kind.PULL_WAIT)])
+    return executor.params
 
 
 def _send_header(t: torch.Tensor) -> torch.Tensor:
@@ -138,6 +89,7 @@ class StageState:
     outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     grads_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]] = field(default_factory=dict)
     loss_total: float = 0.0
 
     def data_args(self, batch: dict[str, torch.Tensor], mb: int) -> list[torch.Tensor]:
@@ -157,18 +109,209 @@ class StageState:
             outs = outs[1:]
         self.outputs[mb] = outs
 
-    def backward(self, mb: int) -> None:
-        """Backward of micro-batch ``mb``: from the scaled loss, or from the received output grads."""
+    def _roots(self, mb: int) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
+        """Where the backward of ``mb`` starts: the scaled loss, or the outputs and their received grads."""
         if self.stage_graph.returns_loss:
             loss = self.losses.pop(mb)
             self.loss_total += float(loss.detach())
-            (loss * self.loss_scale).backward()
-        else:
-            outs = self.outputs.pop(mb)
-            pairs = [(o, g) for o, g in zip(outs, self.grads_in.pop(mb)) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            return [loss * self.loss_scale], None
+        pairs = [(o, g) for o, g in zip(self.outputs.pop(mb), self.grads_in.pop(mb)) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(self, mb: int) -> None:
+        """Backward of micro-batch ``mb``: from the scaled loss, or from the received output grads."""
+        roots, grads = self._roots(mb)
+        if roots:
+            torch.autograd.backward(roots, grads)
         self.outputs.pop(mb, None)
+
+    def backward_input(self, mb: int) -> None:
+        """The input-gradient half (ZB ``I``): gradients of the received activations only, the graph kept
+        for ``backward_weight`` (as ``torch.distributed.pipelining``'s ``stage_backward_input``)."""
+        roots, grads = self._roots(mb)
+        self.pending[mb] = (roots, grads)
+        inputs = [r for r in self.received.get(mb, []) if r.requires_grad]
+        if roots and inputs:
+            for r, g in zip(inputs, torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)):
+                r.grad = None if g is None else g.contiguous()  # autograd may hand back an expanded view
+        self.outputs.pop(mb, None)
+
+    def backward_weight(self, mb: int, params: Sequence[torch.Tensor]) -> None:
+        """The weight-gradient half (ZB ``W``): accumulate the parameters' gradients of ``mb``. It walks
+        the kept graph again to the parameters (no per-node input-gradient cache yet)."""
+        roots, grads = self.pending.pop(mb)
+        leaves = [p for p in params if p.requires_grad]
+        if roots and leaves:
+            torch.autograd.backward(roots, grads, inputs=leaves)
+
+
+class Executor:
+    """Interprets one rank's action list (``hgraph.actions``) for one iteration, one method per kind.
+
+    Blocking: a PULL/PUSH start runs its plan to the end (the wait only hands the result over), an
+    exchange posts its sends and receives together and waits them. ``on_step(when, action)`` is called
+    around every compute action (profiling); ``timeline`` records every step.
+    """
+
+    def __init__(
+        self, program: RankProgram, shards: dict[str, torch.Tensor], micro_batches: Sequence[dict[str, torch.Tensor]],
+        loss_scale: float, timeline: Any = None,
+    ) -> None:
+        self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
+        self.comm = current().comm
+        self.device = shards_device(shards)
+        self.states = [StageState(sg, loss_scale) for sg in program.chunks]
+        self.params: dict[str, torch.Tensor] = {}
+        self.grad_shards: dict[str, Optional[torch.Tensor]] = {}
+        self.pull_buckets = {b[0].name: b for b in layer_buckets(program.pulls, program.coalesce)}
+        self.push_buckets = {b[0].name: b for b in layer_buckets(program.pushes, program.coalesce)}
+        self.results: dict[tuple[Kind, str], list] = {}
+        self.stage_ranks = list(program.groups["stage"])
+        self.sends: list[Handle] = []  # activation sends posted, not yet waited
+
+    def drain_sends(self) -> None:
+        """Wait for every activation send posted so far (their receivers are all posted by now)."""
+        if self.sends:
+            with comm_step(self.program.rank, "communicate_activation: waiting for sends to the pipeline peers"):
+                for handle in self.sends:
+                    handle.wait()
+            self.sends = []
+
+    def run(self, actions: Sequence[Action], on_step: Optional[Callable[[str, Action], None]] = None) -> IterationOutput:
+        for step in steps(actions):
+            t0 = time.time()
+            head = step[0]
+            if head.kind in P2P:
+                peers = ", ".join(sorted({f"rank {a.peer}" for a in step}))
+                with comm_step(self.program.rank, f"communicate_activation {' + '.join(map(str, step))} ({peers})"):
+                    self.exchange(step)
+                if self.timeline is not None:
+                    self.timeline.add("communicate_activation", " + ".join(map(str, step)), t0, time.time())
+                continue
+            if head.kind not in COMPUTE:
+                self.drain_sends()
+            if on_step is not None and head.kind in COMPUTE:
+                on_step("begin", head)
+            getattr(self, head.kind.name.lower())(head)
+            if on_step is not None and head.kind in COMPUTE:
+                on_step("end", head)
+            if self.timeline is not None and head.kind in COMPUTE:
+                kind = "forward" if head.kind is Kind.FORWARD else "backward"
+                self.timeline.add(kind, f"{_COMPUTE_NAMES[head.kind]} mb{head.mb}", t0, time.time())
+        self.drain_sends()
+        reported = sum(st.loss_total for st in self.states) if self.program.reports_loss else 0.0
+        pushed = {pc.name: self.grad_shards[pc.name] for pc in self.program.pushes if pc.name in self.grad_shards}
+        return IterationOutput(reported, pushed, len(self.micro_batches))
+
+    # -- parameters
+    def pull_start(self, a: Action) -> None:
+        program, bucket = self.program, self.pull_buckets[a.group]
+        sources = [self.shards[pc.name] if program.compute_dtype is None
+                   else self.shards[pc.name].to(program.compute_dtype) for pc in bucket]
+        plans = [pc.pull.plan for pc in bucket]
+        t0 = time.time()
+        with comm_step(program.rank, _label("pull_parameter", bucket, plans)):
+            self.results[(Kind.PULL_START, a.group)] = _run_bucket(plans, sources, self.comm)
+        if self.timeline is not None:
+            self.timeline.add("pull_parameter", a.group, t0, time.time())
+
+    def pull_wait(self, a: Action) -> None:
+        program = self.program
+        for pc, out in zip(self.pull_buckets[a.group], self.results.pop((Kind.PULL_START, a.group))):
+            if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
+                self.params[pc.name] = out.detach().requires_grad_(True)
+
+    def push_start(self, a: Action) -> None:
+        program, bucket = self.program, self.push_buckets[a.group]
+        grads = [program.push_source(self.params.get(pc.name)) for pc in bucket]
+        plans = [pc.push.plan for pc in bucket]
+        t0 = time.time()
+        with comm_step(program.rank, _label("push_gradient", bucket, plans)):
+            self.results[(Kind.PUSH_START, a.group)] = _run_bucket(
+                plans, grads, self.comm, dtype=program.push_dtype, device=self.device)
+        if self.timeline is not None:
+            self.timeline.add("push_gradient", a.group, t0, time.time())
+
+    def push_wait(self, a: Action) -> None:
+        for pc, shard in zip(self.push_buckets[a.group], self.results.pop((Kind.PUSH_START, a.group))):
+            self.grad_shards[pc.name] = None if shard is None else shard.to(self.shards[pc.name].dtype)
+
+    def optimizer(self, a: Action) -> None:
+        """The optimizer step runs in the trainer on the pushed shards; nothing is left to do here."""
+
+    # -- compute
+    def _compute(self, a: Action, fn: Callable[[int], None]) -> None:
+        what = f"{_COMPUTE_NAMES[a.kind]} of micro-batch {a.mb} (stage ranks {self.stage_ranks})"
+        with comm_step(self.program.rank, what):
+            fn(a.mb)
+
+    def forward(self, a: Action) -> None:
+        state, program = self.states[a.chunk], self.program
+        sg = state.stage_graph
+
+        def run(mb: int) -> None:
+            param_args = [self.params[program.param_of_placeholder[name]] for name in sg.params]
+            state.record(mb, sg.gm(*param_args, *state.data_args(self.micro_batches[mb], mb)))
+
+        self._compute(a, run)
+
+    def backward(self, a: Action) -> None:
+        self._compute(a, self.states[a.chunk].backward)
+
+    def backward_input(self, a: Action) -> None:
+        self._compute(a, self.states[a.chunk].backward_input)
+
+    def backward_weight(self, a: Action) -> None:
+        state = self.states[a.chunk]
+        held = [self.params[self.program.param_of_placeholder[n]] for n in state.stage_graph.params]
+        self._compute(a, lambda mb: state.backward_weight(mb, held))
+
+    # -- activations
+    def exchange(self, step: tuple[Action, ...]) -> None:
+        """One batched exchange: post every send (activation shapes, activations, gradients), wait
+        for the receives. Sends are waited only before the first parameter action after the pipeline
+        (``drain_sends``), as the dry run assumes: a backend whose sends wait for their receiver (gloo)
+        then cannot deadlock on a peer that receives later. Activation receives wait for their shapes
+        first. Shapes, activations and gradients travel on separate tags, so each stream matches in
+        order whatever the mix of a step."""
+        states, comm = self.states, self.comm
+        outputs = [(a, t) for a in step if a.kind is Kind.SEND_ACT for t in states[a.chunk].outputs[a.mb]]
+        headers = [(a.peer, _send_header(t)) for a, t in outputs]
+        acts = [(a.peer, t.detach()) for a, t in outputs]
+        grads = [(a.peer, r.grad if r.grad is not None else torch.zeros_like(r))
+                 for a in step if a.kind is Kind.SEND_GRAD for r in states[a.chunk].received[a.mb]]
+        grad_recvs = []
+        for a in step:
+            if a.kind is Kind.RECV_GRAD:
+                state = states[a.chunk]
+                state.grads_in[a.mb] = [torch.empty_like(t) for t in state.outputs[a.mb]]
+                grad_recvs += [(a.peer, b) for b in state.grads_in[a.mb]]
+        header_recvs = [(a.peer, torch.zeros(_HEADER, dtype=torch.int64, device=self.device))
+                        for a in step if a.kind is Kind.RECV_ACT for _ in states[a.chunk].stage_graph.recv]
+        self.sends += [comm.start_exchange(headers, [], tag=_HEADER_TAG), comm.start_exchange(acts, [], tag=_ACT_TAG),
+                       comm.start_exchange(grads, [], tag=_GRAD_TAG)]
+        handles = [comm.start_exchange([], grad_recvs, tag=_GRAD_TAG)]
+        comm.start_exchange([], header_recvs, tag=_HEADER_TAG).wait()
+        shapes = iter(header_recvs)
+        act_recvs = []
+        for a in step:
+            if a.kind is Kind.RECV_ACT:
+                state = states[a.chunk]
+                state.received[a.mb] = [_from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
+                act_recvs += [(a.peer, b) for b in state.received[a.mb]]
+        handles.append(comm.start_exchange([], act_recvs, tag=_ACT_TAG))
+        for handle in handles:
+            handle.wait()
+        for a in step:
+            received = states[a.chunk].received
+            if a.kind is Kind.SEND_GRAD:
+                received.pop(a.mb)  # its gradients are gone to the previous stage
+            elif a.kind is Kind.RECV_ACT:
+                received[a.mb] = [b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]]
+
+
+_COMPUTE_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward_input",
+                  Kind.BACKWARD_WEIGHT: "backward_weight"}
 
 
 def run_iteration(
@@ -176,10 +319,10 @@ def run_iteration(
     shards: dict[str, torch.Tensor],
     micro_batches: Sequence[dict[str, torch.Tensor]],
     loss_scale: float,
-    on_step: Optional[Callable[[str, Step], None]] = None,
+    on_step: Optional[Callable[[str, Action], None]] = None,
     timeline: Any = None,
 ) -> IterationOutput:
-    """Pull, run the 1F1B schedule over this pipeline's micro-batches, push.
+    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches.
 
     Under ``schedule="overlap"`` (``program.overlap`` set) the overlap runtime runs instead
     (``runtime/overlap.py``), unless ``on_step`` asks for per-step hooks (profiling): those need the
@@ -189,84 +332,5 @@ def run_iteration(
         from hgraph.runtime.overlap import run_iteration_overlap
 
         return run_iteration_overlap(program, program.overlap, shards, micro_batches, loss_scale, timeline)
-    comm = current().comm
-    sg = program.stage_graph
-    device = shards_device(shards)
-    params = pull_parameters(program, shards, timeline)
-    pipeline_ranks = program.groups["pipeline"]
-    n = len(pipeline_ranks) // program.pp
-    pos = pipeline_ranks.index(program.rank) % n
-    prev_rank = pipeline_ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
-    next_rank = pipeline_ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
-    stage_ranks = list(program.groups["stage"])
-    peers = ", ".join(f"{side} stage rank {r}" for side, r in (("previous", prev_rank), ("next", next_rank))
-                      if r is not None)
-
-    recv_names = [b.name for b in sg.recv]
-    state = StageState(sg, loss_scale)
-    received, outputs, grads_in = state.received, state.outputs, state.grads_in
-
-    def forward(mb: int) -> None:
-        param_args = [params[program.param_of_placeholder[name]] for name in sg.params]
-        state.record(mb, sg.gm(*param_args, *state.data_args(micro_batches[mb], mb)))
-
-    backward = state.backward
-
-    def communicate(step: Step) -> None:
-        headers_out, headers_in = [], []
-        for a in step.actions:
-            if a.kind == "SEND_F":
-                headers_out += [(next_rank, _send_header(t)) for t in outputs[a.mb]]
-            elif a.kind == "RECV_F":
-                headers_in += [
-                    (prev_rank, torch.zeros(_HEADER, dtype=torch.int64, device=device)) for _ in recv_names
-                ]
-        if headers_out or headers_in:
-            comm.exchange(headers_out, headers_in)
-        sends, recvs = [], []
-        header_iter = iter(headers_in)
-        for a in step.actions:
-            if a.kind == "SEND_F":
-                sends += [(next_rank, t.detach()) for t in outputs[a.mb]]
-            elif a.kind == "SEND_B":
-                sends += [(prev_rank, r.grad if r.grad is not None else torch.zeros_like(r)) for r in received[a.mb]]
-            elif a.kind == "RECV_F":
-                bufs = [_from_header(next(header_iter)[1]) for _ in recv_names]
-                received[a.mb] = bufs
-                recvs += [(prev_rank, b) for b in bufs]
-            elif a.kind == "RECV_B":
-                bufs = [torch.empty_like(t) for t in outputs[a.mb]]
-                grads_in[a.mb] = bufs
-                recvs += [(next_rank, b) for b in bufs]
-        comm.exchange(sends, recvs)
-        for a in step.actions:
-            if a.kind == "SEND_B":
-                received.pop(a.mb)  # its gradients are gone to the previous stage
-            elif a.kind == "RECV_F":
-                received[a.mb] = [
-                    b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]
-                ]
-
-    for step in program.schedule(len(micro_batches)):
-        if on_step is not None:
-            on_step("begin", step)
-        action = step.actions[0]
-        t0 = time.time()
-        if action.kind == "F":
-            with comm_step(program.rank, f"forward of micro-batch {action.mb} (stage ranks {stage_ranks})"):
-                forward(action.mb)
-        elif action.kind == "B":
-            with comm_step(program.rank, f"backward of micro-batch {action.mb} (stage ranks {stage_ranks})"):
-                backward(action.mb)
-        else:
-            with comm_step(program.rank, f"communicate_activation {step} ({peers})"):
-                communicate(step)
-        if timeline is not None:
-            kind = {"F": "forward", "B": "backward"}.get(action.kind, "communicate_activation")
-            label = f"{kind} mb{action.mb}" if action.kind in "FB" else str(step)
-            timeline.add(kind, label, t0, time.time())
-        if on_step is not None:
-            on_step("end", step)
-    grad_shards = push_gradients(program, params, shards, timeline)
-    reported = state.loss_total if program.reports_loss else 0.0
-    return IterationOutput(reported, grad_shards, len(micro_batches))
+    executor = Executor(program, shards, micro_batches, loss_scale, timeline)
+    return executor.run(program.actions(len(micro_batches)), on_step)

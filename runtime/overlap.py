@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from hgraph.actions import Action, Kind
+from hgraph.actions import steps as action_steps
 from hgraph.passes.schedule import PULL_TAG, PUSH_TAG, RankSchedule, early_recv, holds, overlap_graph
 from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
@@ -182,16 +184,11 @@ def run_iteration_overlap(
     pulls = _Pulls(program, sched, shards, timeline)
     _ACTIVE.pulls = pulls
     pulls.run(sched.prelude)
-    pipeline_ranks = program.groups["pipeline"]
-    n = len(pipeline_ranks) // program.pp
-    pos = pipeline_ranks.index(program.rank) % n
-    prev_rank = pipeline_ranks[(program.stage - 1) * n + pos] if program.stage > 0 else None
-    next_rank = pipeline_ranks[(program.stage + 1) * n + pos] if program.stage < program.pp - 1 else None
     state = StageState(sg, loss_scale)
     received, outputs, grads_in = state.received, state.outputs, state.grads_in
     sends: list[tuple[Handle, float, str]] = []
-    steps = program.schedule(len(micro_batches))
-    last_b = max((k for k, s in enumerate(steps) if s.actions[0].kind == "B"), default=None)
+    steps = action_steps(program.pipeline_actions(len(micro_batches)))
+    last_b = max((k for k, s in enumerate(steps) if s[0].kind is Kind.BACKWARD), default=None)
     pushes: Optional[_Pushes] = None
     first_forward = True
 
@@ -219,63 +216,64 @@ def run_iteration_overlap(
             if timeline is not None:
                 timeline.add("communicate_activation", f"send {entry[2]}", entry[1], time.time())
 
-    def post_headers(step: Any) -> tuple[Handle, list]:
-        count = sum(len(sg.recv) for a in step.actions if a.kind == "RECV_F")
-        bufs = [(prev_rank, torch.zeros(_HEADER, dtype=torch.int64, device=device)) for _ in range(count)]
+    def post_headers(step: tuple[Action, ...]) -> tuple[Handle, list]:
+        bufs = [(a.peer, torch.zeros(_HEADER, dtype=torch.int64, device=device))
+                for a in step if a.kind is Kind.RECV_ACT for _ in sg.recv]
         return comm.start_exchange([], bufs), bufs
 
-    def communicate(k: int, step: Any) -> None:
+    def communicate(k: int, step: tuple[Action, ...]) -> None:
         """Sends (headers and data) are started and waited at the end; receives are waited here,
         their headers posted one compute step early when the schedule allows."""
         t0 = time.time()
+        label = " + ".join(map(str, step))
         headers_out = [
-            (next_rank, _send_header(t)) for a in step.actions if a.kind == "SEND_F" for t in outputs[a.mb]
+            (a.peer, _send_header(t)) for a in step if a.kind is Kind.SEND_ACT for t in outputs[a.mb]
         ]
         if headers_out:
-            sends.append((comm.start_exchange(headers_out, []), time.time(), f"headers {step}"))
+            sends.append((comm.start_exchange(headers_out, []), time.time(), f"headers {label}"))
         headers_in: list = []
-        if any(a.kind == "RECV_F" for a in step.actions):
+        if any(a.kind is Kind.RECV_ACT for a in step):
             handle, headers_in = early.pop(k) if k in early else post_headers(step)
             handle.wait()
         out, inn = [], []
         header_iter = iter(headers_in)
-        for a in step.actions:
-            if a.kind == "SEND_F":
-                out += [(next_rank, t.detach()) for t in outputs[a.mb]]
-            elif a.kind == "SEND_B":
+        for a in step:
+            if a.kind is Kind.SEND_ACT:
+                out += [(a.peer, t.detach()) for t in outputs[a.mb]]
+            elif a.kind is Kind.SEND_GRAD:
                 grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in received[a.mb]]
-                out += [(prev_rank, g) for g in grads]
-            elif a.kind == "RECV_F":
+                out += [(a.peer, g) for g in grads]
+            elif a.kind is Kind.RECV_ACT:
                 received[a.mb] = [_from_header(next(header_iter)[1]) for _ in sg.recv]
-                inn += [(prev_rank, b) for b in received[a.mb]]
-            elif a.kind == "RECV_B":
+                inn += [(a.peer, b) for b in received[a.mb]]
+            elif a.kind is Kind.RECV_GRAD:
                 grads_in[a.mb] = [torch.empty_like(t) for t in outputs[a.mb]]
-                inn += [(next_rank, b) for b in grads_in[a.mb]]
+                inn += [(a.peer, b) for b in grads_in[a.mb]]
         if out:
-            sends.append((comm.start_exchange(out, []), time.time(), str(step)))
+            sends.append((comm.start_exchange(out, []), time.time(), label))
         if inn:
             comm.start_exchange([], inn).wait()
-        for a in step.actions:
-            if a.kind == "SEND_B":
+        for a in step:
+            if a.kind is Kind.SEND_GRAD:
                 received.pop(a.mb)
-            elif a.kind == "RECV_F":
+            elif a.kind is Kind.RECV_ACT:
                 received[a.mb] = [b.requires_grad_(b.is_floating_point()) for b in received[a.mb]]
         if early_recv(steps, k) is not None:
             early[k + 2] = post_headers(steps[k + 2])
         if timeline is not None:
-            timeline.add("communicate_activation", str(step), t0, time.time())
+            timeline.add("communicate_activation", label, t0, time.time())
 
     try:
         for k, step in enumerate(steps):
-            action = step.actions[0]
-            if action.kind == "F":
+            action = step[0]
+            if action.kind is Kind.FORWARD:
                 t0 = time.time()
                 forward(action.mb)
                 if pushes is None:
                     pushes = _Pushes(program, sched, pulls.params, timeline, device)
                 if timeline is not None:
                     timeline.add("forward", f"forward mb{action.mb}", t0, time.time())
-            elif action.kind == "B":
+            elif action.kind is Kind.BACKWARD:
                 t0 = time.time()
                 if k == last_b:
                     pushes.arm()
@@ -283,8 +281,8 @@ def run_iteration_overlap(
                 if timeline is not None:
                     timeline.add("backward", f"backward mb{action.mb}", t0, time.time())
             else:
-                peers = f"previous stage rank {prev_rank}, next stage rank {next_rank}"
-                with comm_step(program.rank, f"communicate_activation {step} ({peers})"):
+                peers = ", ".join(sorted({f"rank {a.peer}" for a in step}))
+                with comm_step(program.rank, f"communicate_activation {' + '.join(map(str, step))} ({peers})"):
                     communicate(k, step)
             reap()
         if first_forward:  # no micro-batch on this pipeline: the parameters are still pulled

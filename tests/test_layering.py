@@ -22,7 +22,7 @@ PACKAGE_DIRS = {"hgraph": ROOT / "hgraph", "hgraph.passes": ROOT / "passes", "hg
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("hgraph.errors", "hgraph.layout", "hgraph.strategy", "hgraph.zero", "hgraph.seeding",
               "hgraph.batch", "hgraph.models", "hgraph.model_info", "hgraph.data", "hgraph.data.*",
-              "hgraph.train_config", "hgraph.compile_cache")),
+              "hgraph.train_config", "hgraph.compile_cache", "hgraph.actions")),
     ("lnk", ("hgraph.lnk.plan", "hgraph.lnk.pieces", "hgraph.lnk.collectives", "hgraph.lnk.solver",
              "hgraph.lnk.rank_plan", "hgraph.lnk.topology")),
     ("planner", ("hgraph.planner.analytic", "hgraph.planner.assign", "hgraph.planner.baselines",
@@ -30,14 +30,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.planner.cost", "hgraph.planner.dispatch", "hgraph.planner.exact",
                  "hgraph.planner.fit", "hgraph.planner.memory", "hgraph.planner.packing",
                  "hgraph.planner.plan", "hgraph.planner.proposal", "hgraph.planner.timing",
-                 "hgraph.planner.terms", "hgraph.planner.correction", "hgraph.planner.machine")),
+                 "hgraph.planner.terms", "hgraph.planner.correction", "hgraph.planner.machine",
+                 "hgraph.planner.bubble")),
     # What compiled programs and plans execute with: communicators, the custom ops, the reshard
     # interpreter, recompute regions, 1F1B action lists. Passes insert calls to these ops.
     ("kernels", ("hgraph.runtime.failures", "hgraph.runtime.comm", "hgraph.runtime.context",
                  "hgraph.runtime.attention_kernels", "hgraph.runtime.collectives",
                  "hgraph.runtime.vocab_parallel", "hgraph.runtime.packed_attention", "hgraph.runtime.ops",
                  "hgraph.runtime.recompute", "hgraph.runtime.reshard", "hgraph.runtime.coalesce",
-                 "hgraph.runtime.schedule", "hgraph.lnk.simulate", "hgraph.lnk")),
+                 "hgraph.lnk.simulate", "hgraph.lnk")),
     ("rules", ("hgraph.rules", "hgraph.rules.*")),
     ("frontend", ("hgraph.eager_attention", "hgraph.mask_probe", "hgraph.canonicalize", "hgraph.frontend")),
     ("products", ("hgraph.products",)),

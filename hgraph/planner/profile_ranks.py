@@ -215,9 +215,8 @@ def _compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
     ms = [0.0] * len(batches)
     begun = [0.0]
 
-    def on_step(when: str, step: Any) -> None:
-        action = step.actions[0]
-        if action.kind in ("F", "B"):
+    def on_step(when: str, action: Any) -> None:
+        if action.kind.value in ("F", "B"):
             if when == "begin":
                 begun[0] = time.perf_counter()
             else:
@@ -238,9 +237,9 @@ def _saved_bytes(program: Any, shards: dict, batches: list) -> list[int]:
     seen: list[dict[int, int]] = [{} for _ in batches]
     current: list[Optional[int]] = [None]
 
-    def on_step(when: str, step: Any) -> None:
-        if step.actions[0].kind == "F":
-            current[0] = step.actions[0].mb if when == "begin" else None
+    def on_step(when: str, action: Any) -> None:
+        if action.kind.value == "F":
+            current[0] = action.mb if when == "begin" else None
 
     def pack(t: Any) -> Any:
         if current[0] is not None:  # not what a backward step saves while it recomputes

@@ -86,14 +86,15 @@ def test_a_zeroed_push_is_caught(case, monkeypatch):
     cm = compiled[4]
     index = cm.strategy_index(hgraph.Strategy.parse("tp2 + 2x tp1"))
     victim = cm.program(index, 3).pushes[0].name
-    original = executor.push_gradients
+    original = executor.Executor.push_start
 
-    def zeroing(program, params, shards, timeline=None):
-        if program.rank == 3 and params.get(victim) is not None and params[victim].grad is not None:
+    def zeroing(self, action):
+        params = self.params
+        if self.program.rank == 3 and params.get(victim) is not None and params[victim].grad is not None:
             params[victim].grad.zero_()
-        return original(program, params, shards, timeline)
+        return original(self, action)
 
-    monkeypatch.setattr(executor, "push_gradients", zeroing)
+    monkeypatch.setattr(executor.Executor, "push_start", zeroing)
     loss, grads = cm.simulate(index, ids)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError):

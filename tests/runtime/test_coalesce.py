@@ -25,7 +25,7 @@ NAMES = ("start_all_reduce", "start_all_gather", "start_reduce_scatter", "start_
 
 
 class CallCounter:
-    """Calls every simulated rank starts, by phase: inside pull_parameters / push_gradients / elsewhere."""
+    """Calls every simulated rank starts, by phase: inside Executor.pull_start / push_start / elsewhere."""
 
     def __init__(self, monkeypatch):
         self.calls = collections.Counter()
@@ -40,8 +40,8 @@ class CallCounter:
                 return _original(comm, *args, **kwargs)
 
             monkeypatch.setattr(comm_module.ThreadComm, name, counted)
-        for name, label in (("pull_parameters", "pull"), ("push_gradients", "push")):
-            original = getattr(executor, name)
+        for name, label in (("pull_start", "pull"), ("push_start", "push")):
+            original = getattr(executor.Executor, name)
 
             def in_phase(*args, _original=original, _label=label, **kwargs):
                 phase.name = _label
@@ -50,7 +50,7 @@ class CallCounter:
                 finally:
                     phase.name = "other"
 
-            monkeypatch.setattr(executor, name, in_phase)
+            monkeypatch.setattr(executor.Executor, name, in_phase)
 
 
 def _both_ways(comm=None):

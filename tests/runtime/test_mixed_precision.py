@@ -84,7 +84,7 @@ def test_bf16_gradients_of_an_hf_model_match_fp32_within_bf16_tolerance():
 
 class ByteCounter:
     """Bytes (and dtypes) every simulated rank hands to the communicator, by phase: inside
-    ``pull_parameters``, inside ``push_gradients``, or elsewhere."""
+    ``Executor.pull_start``, inside ``Executor.push_start``, or elsewhere."""
 
     NAMES = ("start_all_reduce", "start_all_gather", "start_reduce_scatter", "start_all_to_all",
              "start_broadcast", "start_exchange")
@@ -107,8 +107,8 @@ class ByteCounter:
                 return _original(comm, first, *args, **kwargs)
 
             monkeypatch.setattr(comm_module.ThreadComm, name, counted)
-        for name, label in (("pull_parameters", "pull"), ("push_gradients", "push")):
-            original = getattr(executor, name)
+        for name, label in (("pull_start", "pull"), ("push_start", "push")):
+            original = getattr(executor.Executor, name)
 
             def in_phase(*args, _original=original, _label=label, **kwargs):
                 phase.name = _label
@@ -117,7 +117,7 @@ class ByteCounter:
                 finally:
                     phase.name = "other"
 
-            monkeypatch.setattr(executor, name, in_phase)
+            monkeypatch.setattr(executor.Executor, name, in_phase)
 
     def clear(self):
         self.bytes.clear()

@@ -9,7 +9,7 @@ from hgraph.errors import HGraphError, InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.schedule import OverlapConfig, check, dry_run, rank_events
 from hgraph.runtime.comm import run_threads
-from hgraph.runtime.schedule import ScheduleError
+from hgraph.actions import ScheduleError
 from hgraph.runtime.trainer import Trainer
 
 WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
