@@ -48,22 +48,24 @@ DEFAULT = "default"
 
 
 def pipeline_costs(
-    cost_model: CostModel, strategy: Strategy, terms: Optional[IterationTerms] = None
+    cost_model: CostModel, strategy: Strategy, terms: Optional[IterationTerms] = None,
+    pipeline_schedule: str = "1f1b",
 ) -> list[PipelineCost]:
     """``PipelineCost`` of every pipeline of ``strategy``, MaxLen for the strategy's world size (with
-    ``terms``: the activation steps of ``pp > 1`` stages included)."""
+    ``terms``: the activation steps of ``pp > 1`` stages included), timed under ``pipeline_schedule``
+    (interleaved 1F1B for pipelines with ``vpp > 1``)."""
     model = cost_model
     if model.world_size != strategy.world_size:
         model = model.with_world_size(strategy.world_size)
     out, cache = [], {}
     for p in strategy.pipelines:
         scheme = Scheme.of(p)
-        if scheme not in cache:
+        if (scheme, p.vpp) not in cache:
             sc = model.stage_cost(scheme)
             if terms is not None:
                 sc = terms.stage_cost(sc, p.pp)
-            cache[scheme] = PipelineCost(sc.a, sc.b, sc.c, p.pp, model.max_len(scheme))
-        out.append(cache[scheme])
+            cache[scheme, p.vpp] = PipelineCost(sc.a, sc.b, sc.c, p.pp, model.max_len(scheme), pipeline_schedule, p.vpp)
+        out.append(cache[scheme, p.vpp])
     return out
 
 
@@ -99,7 +101,9 @@ class Planner:
     table's model config), None (compute only) or any ``CommModel``. ``refine`` is how many of the
     best greedy plans get the local search; ``budget_ms`` is a safety net on its time per iteration
     (the search normally ends well before it, so plans do not depend on the machine's speed).
-    ``pipeline_costs[k]`` holds the ``PipelineCost`` of every pipeline of ``candidates[k]``.
+    ``pipeline_costs[k]`` holds the ``PipelineCost`` of every pipeline of ``candidates[k]``;
+    ``pipeline_schedule`` (as compiled: ``"1f1b"`` or ``"zb1p"``; ``vpp > 1`` pipelines interleave) sets
+    the bubble of each (``timing.pipeline_time``).
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class Planner:
         terms: Optional[IterationTerms] = None,
         schedule: str = "none",
         correction: Optional[OnlineCorrection] = None,
+        pipeline_schedule: str = "1f1b",
     ) -> None:
         self.cost_model = cost_model
         self.candidates = as_strategies(candidates)
@@ -124,7 +129,7 @@ class Planner:
         self.comm: Optional[CommModel] = comm_model_for(cost_model) if comm == DEFAULT else comm  # type: ignore[assignment]
         self.budget_ms = budget_ms
         self.refine = refine
-        self.pipeline_costs = [pipeline_costs(cost_model, s, terms) for s in self.candidates]
+        self.pipeline_costs = [pipeline_costs(cost_model, s, terms, pipeline_schedule) for s in self.candidates]
         self._comm_ms = [
             [self.comm.pull_push_ms(s, i) if self.comm else 0.0 for i in range(len(s.pipelines))]
             for s in self.candidates

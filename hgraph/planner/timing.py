@@ -53,12 +53,26 @@ class IterationPlan(Protocol):
     sources: tuple[tuple[int, int], ...]
 
 
-def pipeline_time(stage_times: Sequence[float], pp: int) -> float:
-    """A pipeline's time under 1F1B from its micro-batches' per-stage times: ``Σ T + (pp − 1)·max T``
-    (0 when idle). The one place the schedule's bubble enters a prediction."""
+FORWARD_SHARE = 1.0 / 3.0  # forward's share of a micro-batch's stage time (backward ~ 2x forward)
+
+
+def pipeline_time(stage_times: Sequence[float], pp: int, schedule: str = "1f1b", vpp: int = 1) -> float:
+    """A pipeline's time from its micro-batches' per-stage times (0 when idle). The one place the
+    schedule's bubble enters a prediction: 1F1B in closed form, ``Σ T + (pp − 1)·max T``; ZB-H1
+    (``"zb1p"``) and interleaved 1F1B (``vpp > 1``) by replaying the runtime's action lists
+    (``hgraph.planner.bubble``), forward a third of a stage time, each chunk ``1/vpp`` of it. An
+    interleaved pipeline whose micro-batches are not a multiple of ``pp`` cannot run: ``inf``."""
     if not stage_times:
         return 0.0
-    return sum(stage_times) + (pp - 1) * max(stage_times)
+    if schedule == "1f1b" and vpp == 1:
+        return sum(stage_times) + (pp - 1) * max(stage_times)
+    if vpp > 1 and len(stage_times) % pp:
+        return math.inf
+    from hgraph.planner.bubble import pipeline_time as replay
+
+    forward = [[t * FORWARD_SHARE / vpp for t in stage_times]] * (pp * vpp)
+    backward = [[t * (1 - FORWARD_SHARE) / vpp for t in stage_times]] * (pp * vpp)
+    return replay(forward, backward, pp=pp, schedule="interleaved" if vpp > 1 else schedule).total
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,8 @@ class PipelineCost:
     c: float
     pp: int
     max_len: int
+    schedule: str = "1f1b"  # the pipeline schedule (hgraph.actions.PIPELINE_SCHEDULES)
+    vpp: int = 1  # virtual stages per stage (interleaved 1F1B when > 1)
 
     def seq_time(self, length: int) -> float:
         """Per-stage time of one sequence inside a micro-batch, without the fixed ``c``."""
@@ -81,8 +97,9 @@ class PipelineCost:
         return sum(self.a * l * l + self.b * l for l in lengths) + self.c
 
     def time(self, micro_batches: Sequence[Sequence[int]]) -> float:
-        """1F1B time of these micro-batches (lists of lengths): ``Σ T + (pp − 1)·max T``; 0 when idle."""
-        return pipeline_time([self.micro_batch_time(mb) for mb in micro_batches if len(mb)], self.pp)
+        """Time of these micro-batches (lists of lengths) under the pipeline's schedule; 0 when idle."""
+        times = [self.micro_batch_time(mb) for mb in micro_batches if len(mb)]
+        return pipeline_time(times, self.pp, self.schedule, self.vpp)
 
     def __str__(self) -> str:
         return f"T(l)={self.a:.3g}·l²+{self.b:.3g}·l+{self.c:.3g} ms, pp={self.pp}, MaxLen={self.max_len}"
@@ -224,7 +241,7 @@ def iteration_from_compute(
 
 def predict_iteration(
     strategy: Strategy, micro_batch_lengths: Sequence[Sequence[Sequence[int]]], cost_model: Any,
-    terms: IterationTerms, schedule: str = "none",
+    terms: IterationTerms, schedule: str = "none", pipeline_schedule: str = "1f1b",
 ) -> IterationPrediction:
     """Predicted iteration of ``strategy`` running these micro-batches (per pipeline, lists of
     sequence lengths) under ``schedule``, from the profiled ``T(l)`` of ``cost_model`` and the
@@ -238,5 +255,6 @@ def predict_iteration(
     compute = []
     for p, mbs in zip(strategy.pipelines, micro_batch_lengths):
         stage = terms.stage_cost(cost_model.stage_cost(Scheme.of(p)), p.pp)
-        compute.append(pipeline_time([stage.micro_batch_time(mb) for mb in mbs if len(mb)], p.pp))
+        times = [stage.micro_batch_time(mb) for mb in mbs if len(mb)]
+        compute.append(pipeline_time(times, p.pp, pipeline_schedule, p.vpp))
     return iteration_from_compute(strategy, compute, terms, schedule)

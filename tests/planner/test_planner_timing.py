@@ -50,3 +50,19 @@ def test_predict_and_check_plan():
         check_plan(_plan(((0, 1, 2),), [4, 5, 7], cost), [4, 5, 7])
     with pytest.raises(PlanError, match="each must appear once"):
         check_plan(_plan(((0, 1), (1,)), [4, 5, 7], cost), [4, 5, 7])
+
+
+def test_pipeline_cost_follows_the_pipeline_schedule_through_the_bubble_replay():
+    from hgraph.planner.bubble import pipeline_time as replay
+
+    mbs = [[10]] * 4  # four micro-batches of one 10-token sequence, stage time 10 + 2 = 12 ms
+    one_f_one_b = PipelineCost(a=0.0, b=1.0, c=2.0, pp=2, max_len=100)
+    zero_bubble = PipelineCost(a=0.0, b=1.0, c=2.0, pp=2, max_len=100, schedule="zb1p")
+    interleaved = PipelineCost(a=0.0, b=1.0, c=2.0, pp=2, max_len=100, vpp=2)
+    assert one_f_one_b.time(mbs) == 4 * 12 + 12  # Σ T + (pp − 1)·max T
+    # hand-computed from the replay's inputs: forward 4 ms, backward 8 ms per micro-batch and stage
+    fwd, bwd = [[4.0] * 4] * 2, [[8.0] * 4] * 2
+    assert zero_bubble.time(mbs) == replay(fwd, bwd, pp=2, schedule="zb1p").total < one_f_one_b.time(mbs)
+    half_f, half_b = [[2.0] * 4] * 4, [[4.0] * 4] * 4
+    assert interleaved.time(mbs) == replay(half_f, half_b, pp=2, schedule="interleaved").total < one_f_one_b.time(mbs)
+    assert interleaved.time([[10]] * 3) == float("inf")  # interleaving needs whole rounds of pp
