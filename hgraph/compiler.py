@@ -359,15 +359,7 @@ class CompiledModel:
         pi = s.pipeline_of(rank)
         pipeline = s.pipelines[pi]
         stage = pipeline.stage_of(rank)
-        ranks = pipeline.stage_ranks(stage)
-        pos = ranks.index(rank)
-        c, t = divmod(pos, pipeline.tp)
-        groups = {
-            "tp": tuple(ranks[c * pipeline.tp + j] for j in range(pipeline.tp)),
-            "cp": tuple(ranks[j * pipeline.tp + t] for j in range(pipeline.cp)),
-            "stage": tuple(ranks),
-            "pipeline": tuple(pipeline.ranks or ()),
-        }
+        groups = pipeline.groups_of(rank)
         stages = self.stage_graphs(pipeline)
         comm = self.parameter_comm(index, rank)
         order = self._layer_order()

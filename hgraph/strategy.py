@@ -77,6 +77,18 @@ class Pipeline:
         assert self.ranks is not None
         return self.ranks.index(rank) // (self.cp * self.tp)
 
+    def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """The process groups ``rank`` belongs to in this pipeline: its ``tp`` and ``cp`` groups (a
+        stage's ranks are cp-major: position ``c * tp + t``), its whole ``stage`` and the ``pipeline``."""
+        ranks = self.stage_ranks(self.stage_of(rank))
+        c, t = divmod(ranks.index(rank), self.tp)
+        return {
+            "tp": tuple(ranks[c * self.tp + j] for j in range(self.tp)),
+            "cp": tuple(ranks[j * self.tp + t] for j in range(self.cp)),
+            "stage": tuple(ranks),
+            "pipeline": tuple(self.ranks or ()),
+        }
+
     def __str__(self) -> str:
         parts = [f"tp{self.tp}"]
         if self.pp > 1:
