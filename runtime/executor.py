@@ -11,32 +11,20 @@ pushed gradients are those of the global token-mean loss whatever the dispatch a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from hgraph.errors import CommunicationError, InputError
 from hgraph.products import RankProgram as RankProgram
 from hgraph.products import layer_buckets as layer_buckets
 from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
 from hgraph.runtime.failures import comm_step
 from hgraph.runtime.reshard import execute
+from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
 from hgraph.actions import COMPUTE, P2P, Action, Kind, steps
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
-_HEADER = 10  # dtype code, ndim, up to 8 sizes
 _ACT_TAG, _HEADER_TAG, _GRAD_TAG = 0, 3, 4  # pull and push plans of the overlap schedule use 1 and 2
-
-
-@dataclass
-class IterationOutput:
-    """What a rank contributes: its share of the summed loss and its optimizer-layout gradient shards."""
-
-    loss_sum: float
-    grad_shards: dict[str, Optional[torch.Tensor]]
-    micro_batches: int
 
 
 def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
@@ -59,90 +47,6 @@ def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> di
     executor = Executor(program, shards, [], 1.0)
     executor.run([a for a in program.actions(0) if a.kind in (Kind.PULL_START, Kind.PULL_WAIT)])
     return executor.params
-
-
-def _send_header(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > _HEADER - 2:
-        raise CommunicationError(f"cannot send a {t.dim()}-d activation; at most {_HEADER - 2} dims")
-    h = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
-
-
-def _from_header(h: torch.Tensor) -> torch.Tensor:
-    """An empty activation buffer, on the header's device, of the dtype and shape it describes."""
-    code, ndim, *sizes = h.tolist()
-    return torch.empty(tuple(sizes[:ndim]), dtype=_DTYPES[code], device=h.device)
-
-
-def shards_device(shards: dict[str, torch.Tensor]) -> torch.device:
-    """The device this rank computes on: that of its optimizer shards (CPU if it holds none)."""
-    return next(iter(shards.values())).device if shards else torch.device("cpu")
-
-
-@dataclass
-class StageState:
-    """One stage's per-micro-batch values between forward, backward and the sends that use them."""
-
-    stage_graph: Any
-    loss_scale: float
-    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    grads_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    pending: dict[int, tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]] = field(default_factory=dict)
-    loss_total: float = 0.0
-
-    def data_args(self, batch: dict[str, torch.Tensor], mb: int) -> list[torch.Tensor]:
-        """The stage's non-parameter arguments: graph inputs from the batch, then received values."""
-        args = []
-        for name in self.stage_graph.inputs:
-            if name not in batch:
-                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
-            args.append(batch[name])
-        return args + self.received.get(mb, [])
-
-    def record(self, mb: int, outs: Any) -> None:
-        """Keep a forward's outputs (the loss apart) until its backward and sends."""
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        if self.stage_graph.returns_loss:
-            self.losses[mb] = outs[0]
-            outs = outs[1:]
-        self.outputs[mb] = outs
-
-    def _roots(self, mb: int) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
-        """Where the backward of ``mb`` starts: the scaled loss, or the outputs and their received grads."""
-        if self.stage_graph.returns_loss:
-            loss = self.losses.pop(mb)
-            self.loss_total += float(loss.detach())
-            return [loss * self.loss_scale], None
-        pairs = [(o, g) for o, g in zip(self.outputs.pop(mb), self.grads_in.pop(mb)) if o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def backward(self, mb: int) -> None:
-        """Backward of micro-batch ``mb``: from the scaled loss, or from the received output grads."""
-        roots, grads = self._roots(mb)
-        if roots:
-            torch.autograd.backward(roots, grads)
-        self.outputs.pop(mb, None)
-
-    def backward_input(self, mb: int) -> None:
-        """The input-gradient half (ZB ``I``): gradients of the received activations only, the graph kept
-        for ``backward_weight`` (as ``torch.distributed.pipelining``'s ``stage_backward_input``)."""
-        roots, grads = self._roots(mb)
-        self.pending[mb] = (roots, grads)
-        inputs = [r for r in self.received.get(mb, []) if r.requires_grad]
-        if roots and inputs:
-            for r, g in zip(inputs, torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)):
-                r.grad = None if g is None else g.contiguous()  # autograd may hand back an expanded view
-        self.outputs.pop(mb, None)
-
-    def backward_weight(self, mb: int, params: Sequence[torch.Tensor]) -> None:
-        """The weight-gradient half (ZB ``W``): accumulate the parameters' gradients of ``mb``. It walks
-        the kept graph again to the parameters (no per-node input-gradient cache yet)."""
-        roots, grads = self.pending.pop(mb)
-        leaves = [p for p in params if p.requires_grad]
-        if roots and leaves:
-            torch.autograd.backward(roots, grads, inputs=leaves)
 
 
 class Executor:
@@ -276,7 +180,7 @@ class Executor:
         order whatever the mix of a step."""
         states, comm = self.states, self.comm
         outputs = [(a, t) for a in step if a.kind is Kind.SEND_ACT for t in states[a.chunk].outputs[a.mb]]
-        headers = [(a.peer, _send_header(t)) for a, t in outputs]
+        headers = [(a.peer, send_header(t)) for a, t in outputs]
         acts = [(a.peer, t.detach()) for a, t in outputs]
         grads = [(a.peer, r.grad if r.grad is not None else torch.zeros_like(r))
                  for a in step if a.kind is Kind.SEND_GRAD for r in states[a.chunk].received[a.mb]]
@@ -286,7 +190,7 @@ class Executor:
                 state = states[a.chunk]
                 state.grads_in[a.mb] = [torch.empty_like(t) for t in state.outputs[a.mb]]
                 grad_recvs += [(a.peer, b) for b in state.grads_in[a.mb]]
-        header_recvs = [(a.peer, torch.zeros(_HEADER, dtype=torch.int64, device=self.device))
+        header_recvs = [(a.peer, torch.zeros(HEADER, dtype=torch.int64, device=self.device))
                         for a in step if a.kind is Kind.RECV_ACT for _ in states[a.chunk].stage_graph.recv]
         self.sends += [comm.start_exchange(headers, [], tag=_HEADER_TAG), comm.start_exchange(acts, [], tag=_ACT_TAG),
                        comm.start_exchange(grads, [], tag=_GRAD_TAG)]
@@ -297,7 +201,7 @@ class Executor:
         for a in step:
             if a.kind is Kind.RECV_ACT:
                 state = states[a.chunk]
-                state.received[a.mb] = [_from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
+                state.received[a.mb] = [from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
                 act_recvs += [(a.peer, b) for b in state.received[a.mb]]
         handles.append(comm.start_exchange([], act_recvs, tag=_ACT_TAG))
         for handle in handles:

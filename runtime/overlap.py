@@ -22,6 +22,7 @@ from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
 from hgraph.runtime.failures import comm_step
 from hgraph.runtime.reshard import start
+from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
 
 _ACTIVE = threading.local()  # the running _Pulls of this thread (simulated ranks are threads)
 
@@ -168,15 +169,6 @@ def run_iteration_overlap(
     timeline: Any = None,
 ) -> Any:
     """``executor.run_iteration`` with the overlap schedule ``sched``; same results, bit for bit."""
-    from hgraph.runtime.executor import (
-        _HEADER,
-        IterationOutput,
-        StageState,
-        _from_header,
-        _send_header,
-        shards_device,
-    )
-
     comm = current().comm
     sg = program.stage_graph
     device = shards_device(shards)
@@ -217,7 +209,7 @@ def run_iteration_overlap(
                 timeline.add("communicate_activation", f"send {entry[2]}", entry[1], time.time())
 
     def post_headers(step: tuple[Action, ...]) -> tuple[Handle, list]:
-        bufs = [(a.peer, torch.zeros(_HEADER, dtype=torch.int64, device=device))
+        bufs = [(a.peer, torch.zeros(HEADER, dtype=torch.int64, device=device))
                 for a in step if a.kind is Kind.RECV_ACT for _ in sg.recv]
         return comm.start_exchange([], bufs), bufs
 
@@ -227,7 +219,7 @@ def run_iteration_overlap(
         t0 = time.time()
         label = " + ".join(map(str, step))
         headers_out = [
-            (a.peer, _send_header(t)) for a in step if a.kind is Kind.SEND_ACT for t in outputs[a.mb]
+            (a.peer, send_header(t)) for a in step if a.kind is Kind.SEND_ACT for t in outputs[a.mb]
         ]
         if headers_out:
             sends.append((comm.start_exchange(headers_out, []), time.time(), f"headers {label}"))
@@ -244,7 +236,7 @@ def run_iteration_overlap(
                 grads = [torch.zeros_like(x) if x.grad is None else x.grad for x in received[a.mb]]
                 out += [(a.peer, g) for g in grads]
             elif a.kind is Kind.RECV_ACT:
-                received[a.mb] = [_from_header(next(header_iter)[1]) for _ in sg.recv]
+                received[a.mb] = [from_header(next(header_iter)[1]) for _ in sg.recv]
                 inn += [(a.peer, b) for b in received[a.mb]]
             elif a.kind is Kind.RECV_GRAD:
                 grads_in[a.mb] = [torch.empty_like(t) for t in outputs[a.mb]]
