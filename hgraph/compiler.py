@@ -187,15 +187,11 @@ class CompiledModel:
 
     def verify_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """``check_overlap`` whatever ``verify`` says (the offline check of a per-rank compile)."""
-        from hgraph.passes.schedule import check
-
         index = self.strategy_index(strategy)
         key = (index, tuple(micro_batches))
-        if key in self._overlap_checked:
-            return
-        programs = [self.program(index, r) for r in range(self.world_size)]
-        check(programs, [p.overlap for p in programs], [micro_batches[p.pipeline] for p in programs])
-        self._overlap_checked.add(key)
+        if key not in self._overlap_checked:
+            self.check_actions(index, micro_batches)  # the programs' actions are the overlap lowering
+            self._overlap_checked.add(key)
 
     # ------------------------------------------------------------------ building
     def _context(self, **kw: Any) -> CompileContext:

@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("products", ("hgraph.products",)),
     ("passes", ("hgraph.passes", "hgraph.passes.*")),
     # Executes a RankProgram (products only): below the compiler, whose ``simulate`` runs it.
-    ("runtime", ("hgraph.runtime.stage", "hgraph.runtime.executor", "hgraph.runtime.overlap", "hgraph.runtime.evaluate",
+    ("runtime", ("hgraph.runtime.stage", "hgraph.runtime.executor", "hgraph.runtime.evaluate",
                  "hgraph.runtime.feed", "hgraph.runtime.optimizer", "hgraph.runtime.checkpoint",
                  "hgraph.runtime.agreement", "hgraph.runtime.timeline", "hgraph.runtime.launch",
                  "hgraph.runtime", "hgraph.thread_oracle")),

@@ -12,7 +12,7 @@ from hgraph.actions import Kind
 from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.trainer import Trainer
-from hgraph.simulate import next_token_targets
+from hgraph.batch import next_token_targets
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 
