@@ -327,6 +327,7 @@ def dry_run(
     first: Callable[[int, int], bool] = lambda rank, chunk: False,
     last: Callable[[int, int], bool] = lambda rank, chunk: False,
     route: Callable[[int, Action], int] = lambda rank, action: action.chunk,
+    late: Callable[[int, Action], Sequence[int]] = lambda rank, action: (),
 ) -> None:
     """Run every rank's action list against the others; raise ``ScheduleError`` naming the rank, the
     action and the peer on a deadlock or a mismatched order.
@@ -336,7 +337,9 @@ def dry_run(
     start is a collective over ``members(rank, group)``: every member must start the same groups in
     the same order; its wait completes once all members started it. Compute needs its inputs: a
     forward the received activation (unless ``first(rank, chunk)``), a backward its forward and the
-    received gradient (unless ``last(rank, chunk)``), a weight step its input step.
+    received gradient (unless ``last(rank, chunk)``), a weight step its input step. ``late(rank, wait)``:
+    the peers a wait still exchanges with (plan rounds issued at the wait); it completes once each of
+    them has reached its own wait of that group.
     """
     step_lists = {r: steps(a) for r, a in programs.items()}
     pos = dict.fromkeys(programs, 0)
@@ -344,10 +347,13 @@ def dry_run(
     channels: dict[tuple[int, int, Kind], deque] = defaultdict(deque)
     started: dict[tuple[int, ...], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     done: dict[int, set] = defaultdict(set)
+    reached: dict[int, set[str]] = defaultdict(set)  # the waits a rank has arrived at
     progress = True
 
     def post(rank: int, step: tuple[Action, ...]) -> None:
         for a in step:
+            if a.kind in (Kind.PULL_WAIT, Kind.PUSH_WAIT):
+                reached[rank].add(f"{a.kind.value}:{a.group}")
             if a.kind in _SENDS:
                 channels[(rank, a.peer, _SENDS[a.kind])].append((route(rank, a), a))
             elif a.kind in (Kind.PULL_START, Kind.PUSH_START):
@@ -385,7 +391,8 @@ def dry_run(
             if f"{start.value}:{a.group}" not in started[group][rank]:
                 raise ScheduleError(f"rank {rank}: {a} before its {start.value}")
             slot = started[group][rank].index(f"{start.value}:{a.group}")
-            return all(len(started[group][m]) > slot for m in group)
+            peers_there = all(f"{a.kind.value}:{a.group}" in reached[p] for p in late(rank, a))
+            return peers_there and all(len(started[group][m]) > slot for m in group)
         return True
 
     while progress:
