@@ -1,4 +1,4 @@
-"""Run one rank's program for one iteration: Pull Parameters, 1F1B over micro-batches, Push Gradients.
+"""Run one rank's program for one iteration: its action list (``RankProgram.actions``), either schedule.
 
 The same code runs on real processes (``ProcessGroupComm``) and on simulated ranks
 (``ThreadComm`` in ``compiled.simulate``): all communication goes through the rank context.
