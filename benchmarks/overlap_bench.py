@@ -7,6 +7,7 @@
    ``schedule="none"`` vs ``"overlap"`` for ``4x tp1`` (ZeRO pulls/pushes) and ``2x tp1,pp2``.
    Both schedules run in the same processes, one step each in turn, so load from other programs on
    the machine affects both alike; figures are medians over the measured iterations.
+   ``losses_bit_identical``: both schedules' losses over the run are equal bit for bit.
 2. Predicted: LLaMA-7B shapes on a simulated 64-GPU cluster (8 nodes x 8), strategy ``8x tp8``: pull and
    push times per layer from the LNK topology model (``ReshardPlan.predicted_time_s``) and compute
    time per layer from the planner's A800 cost table (``T(l)`` of ``tp8,pp1``); overlap hides layer
@@ -73,6 +74,7 @@ def measure() -> dict:
                 "exposed_comm_s": worst(exposed_communication(events)),
                 "exposed_pull_push_s": worst(exposed_communication(events, PULL_PUSH)),
                 "exposed_activation_s": worst(exposed_communication(events, ("communicate_activation",))),
+                "losses": [r["loss"] for r in trainer.history[-ITERATIONS:]],
             }
     return out
 
@@ -119,6 +121,7 @@ def main() -> None:
         pull_push = none["exposed_pull_push_s"], overlap["exposed_pull_push_s"]
         rows["exposed_pull_push_reduction"] = 1 - pull_push[1] / max(pull_push[0], 1e-12)
         rows["step_speedup"] = none["step_s"] / overlap["step_s"]
+        rows["losses_bit_identical"] = none.pop("losses") == overlap.pop("losses")  # same batches, same steps
     result = {"measured_gloo_4_ranks": measured, "predicted_64_gpus": predicted_64_gpus()}
     json.dump(result, sys.stdout, indent=2)
     print()

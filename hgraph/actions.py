@@ -11,6 +11,12 @@ String form (``str(action)``, parsed back by ``parse``), ``m`` the micro-batch, 
     c.mSEND_ACT>r  c.mRECV_ACT<r           activations to the next / from the previous stage
     c.mSEND_GRAD>r c.mRECV_GRAD<r          activation gradients to the previous / from the next stage
     PULL_START:name PULL_WAIT:name PUSH_START:name PUSH_WAIT:name OPTIMIZER
+    PULL_WAIT:name@p  PUSH_START:name@b    attached: inside the compute action before them
+
+An *attached* action (``at`` set; only under ``schedule="overlap"``, lowered by ``overlap_actions``)
+runs inside the compute action it follows: a pull op before the forward's first use of parameter
+``p``, a push start as soon as every gradient of its bucket (named by its first push ``b``) is final
+in the backward. The dry run takes them in list order, right after that compute action.
 
 Consecutive SEND/RECV actions form one batched exchange (posted together, then waited), which keeps
 the blocking schedules free of deadlocks with point-to-point backends. The pipeline lowerings here
@@ -24,7 +30,7 @@ import enum
 import re
 from collections import defaultdict, deque
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from hgraph.errors import HGraphError
 
@@ -60,17 +66,18 @@ _SENDS = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
 @dataclass(frozen=True)
 class Action:
     """One step of a rank: ``kind`` on micro-batch ``mb`` of chunk ``chunk``; ``peer`` for SEND/RECV,
-    ``group`` (a parameter name) for PULL/PUSH."""
+    ``group`` (a parameter name) for PULL/PUSH; ``at`` for an action attached to the compute before it."""
 
     kind: Kind
     mb: Optional[int] = None
     chunk: int = 0
     peer: Optional[int] = None
     group: Optional[str] = None
+    at: Optional[str] = None
 
     def __str__(self) -> str:
         if self.kind in PARAMETER:
-            return f"{self.kind.value}:{self.group}"
+            return f"{self.kind.value}:{self.group}" + ("" if self.at is None else f"@{self.at}")
         if self.kind is Kind.OPTIMIZER:
             return "OPTIMIZER"
         text = f"{self.chunk}.{self.mb}{self.kind.value}"
@@ -89,7 +96,8 @@ def parse(text: str) -> Action:
         return Action(Kind.OPTIMIZER)
     head, _, name = text.partition(":")
     if name and head in {k.value for k in PARAMETER}:
-        return Action(Kind(head), group=name)
+        group, _, at = name.partition("@")
+        return Action(Kind(head), group=group, at=at or None)
     m = _PIPE.match(text)
     if m is None:
         raise ScheduleError(f"cannot parse action {text!r}; expected e.g. '0.3F', '0.1SEND_ACT>2', 'PULL_START:w'")
@@ -276,6 +284,42 @@ def with_peers(actions: Sequence[Action], peer_rank: Callable[[int], int]) -> li
     return [a if a.peer is None else replace(a, peer=peer_rank(a.peer)) for a in actions]
 
 
+def overlap_actions(
+    pipeline: Sequence[Action], pulls: Sequence[str], schedule: "OverlapOrder", pushes: Sequence[str],
+) -> list[Action]:
+    """The ``schedule="overlap"`` lowering of one rank: ``pipeline`` (its compute and activation
+    actions) with the pull/push order of ``schedule`` (a ``RankSchedule``; pull ops index ``pulls``,
+    buckets index ``pushes``) placed around it: prelude pulls first; the pulls before each
+    parameter's first use attached to the first forward, then the rest of the forward's pulls; push
+    starts attached to the last backward, bucket by bucket; the pulls this rank only sends, then
+    every push wait, at the end."""
+    def ops(seq: Sequence[tuple[str, int]], at: Optional[str] = None) -> list[Action]:
+        return [Action(Kind.PULL_START if w == "start" else Kind.PULL_WAIT, group=pulls[i], at=at) for w, i in seq]
+
+    forward = ([a for name, seq in schedule.at_use for a in ops(seq, name)] + ops(schedule.after_forward))
+    starts = [Action(Kind.PUSH_START, group=pushes[i], at=pushes[b[0]]) for b in schedule.buckets for i in b]
+    kinds = [a.kind for a in pipeline]
+    first = kinds.index(Kind.FORWARD) if Kind.FORWARD in kinds else None
+    last = len(kinds) - 1 - kinds[::-1].index(Kind.BACKWARD) if Kind.BACKWARD in kinds else None
+    out = ops(schedule.prelude)
+    for k, a in enumerate(pipeline):
+        out += [a, *(forward if k == first else []), *(starts if k == last else [])]
+    out += ([] if first is not None else [replace(a, at=None) for a in forward])
+    out += ([] if last is not None else [replace(a, at=None) for a in starts])
+    out += ops(schedule.at_end)
+    return out + [Action(Kind.PUSH_WAIT, group=pushes[i]) for b in schedule.buckets for i in b] + [Action(Kind.OPTIMIZER)]
+
+
+class OverlapOrder(Protocol):
+    """What ``overlap_actions`` reads of a ``hgraph.products.RankSchedule``."""
+
+    prelude: tuple[tuple[str, int], ...]
+    at_use: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
+    after_forward: tuple[tuple[str, int], ...]
+    at_end: tuple[tuple[str, int], ...]
+    buckets: tuple[tuple[int, ...], ...]
+
+
 # ----------------------------------------------------------------------------- dry run
 def dry_run(
     programs: Mapping[int, Sequence[Action]],
@@ -283,6 +327,7 @@ def dry_run(
     first: Callable[[int, int], bool] = lambda rank, chunk: False,
     last: Callable[[int, int], bool] = lambda rank, chunk: False,
     route: Callable[[int, Action], int] = lambda rank, action: action.chunk,
+    late: Callable[[int, Action], Sequence[int]] = lambda rank, action: (),
 ) -> None:
     """Run every rank's action list against the others; raise ``ScheduleError`` naming the rank, the
     action and the peer on a deadlock or a mismatched order.
@@ -292,7 +337,9 @@ def dry_run(
     start is a collective over ``members(rank, group)``: every member must start the same groups in
     the same order; its wait completes once all members started it. Compute needs its inputs: a
     forward the received activation (unless ``first(rank, chunk)``), a backward its forward and the
-    received gradient (unless ``last(rank, chunk)``), a weight step its input step.
+    received gradient (unless ``last(rank, chunk)``), a weight step its input step. ``late(rank, wait)``:
+    the peers a wait still exchanges with (plan rounds issued at the wait); it completes once each of
+    them has reached its own wait of that group.
     """
     step_lists = {r: steps(a) for r, a in programs.items()}
     pos = dict.fromkeys(programs, 0)
@@ -300,10 +347,13 @@ def dry_run(
     channels: dict[tuple[int, int, Kind], deque] = defaultdict(deque)
     started: dict[tuple[int, ...], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     done: dict[int, set] = defaultdict(set)
+    reached: dict[int, set[str]] = defaultdict(set)  # the waits a rank has arrived at
     progress = True
 
     def post(rank: int, step: tuple[Action, ...]) -> None:
         for a in step:
+            if a.kind in (Kind.PULL_WAIT, Kind.PUSH_WAIT):
+                reached[rank].add(f"{a.kind.value}:{a.group}")
             if a.kind in _SENDS:
                 channels[(rank, a.peer, _SENDS[a.kind])].append((route(rank, a), a))
             elif a.kind in (Kind.PULL_START, Kind.PUSH_START):
@@ -341,7 +391,8 @@ def dry_run(
             if f"{start.value}:{a.group}" not in started[group][rank]:
                 raise ScheduleError(f"rank {rank}: {a} before its {start.value}")
             slot = started[group][rank].index(f"{start.value}:{a.group}")
-            return all(len(started[group][m]) > slot for m in group)
+            peers_there = all(f"{a.kind.value}:{a.group}" in reached[p] for p in late(rank, a))
+            return peers_there and all(len(started[group][m]) > slot for m in group)
         return True
 
     while progress:

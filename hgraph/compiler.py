@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
-from hgraph.actions import PIPELINE_SCHEDULES, dry_run, wrapped_chunk
+from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
@@ -43,6 +43,7 @@ from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import recompute
+from hgraph.runtime.reshard import late_peers
 from hgraph.lnk.topology import Topology
 from hgraph.products import (
     CommSubgraph, CompileContext, CompileOptions, OverlapConfig, ParameterComm, ParameterLayouts, RankProgram,
@@ -169,12 +170,16 @@ class CompiledModel:
         programs = {r: self.program(index, r) for r in range(self.world_size)}
         bucket_ranks = {(r, pc.name): pc.pull.plan.ranks for r, p in programs.items() for pc in p.pulls}
         bucket_ranks.update({(r, pc.name): pc.push.plan.ranks for r, p in programs.items() for pc in p.pushes})
+        late = {(r, kind, pc.name): late_peers(plan, r) for r, p in programs.items()
+                for kind, pcs in ((Kind.PULL_WAIT, p.pulls), (Kind.PUSH_WAIT, p.pushes))
+                for pc in pcs for plan in [pc.pull.plan if kind is Kind.PULL_WAIT else pc.push.plan]}
         dry_run(
             {r: p.actions(micro_batches[p.pipeline]) for r, p in programs.items()},
             members=lambda r, group: bucket_ranks[(r, group)],
             first=lambda r, c: programs[r].stage == 0 and c == 0,
             last=lambda r, c: programs[r].is_last_stage and c == programs[r].vpp - 1,
             route=lambda r, a: wrapped_chunk(programs[r].pp, programs[r].stage, a),
+            late=lambda r, a: late[(r, a.kind, a.group)],
         )
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
@@ -187,15 +192,11 @@ class CompiledModel:
 
     def verify_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """``check_overlap`` whatever ``verify`` says (the offline check of a per-rank compile)."""
-        from hgraph.passes.schedule import check
-
         index = self.strategy_index(strategy)
         key = (index, tuple(micro_batches))
-        if key in self._overlap_checked:
-            return
-        programs = [self.program(index, r) for r in range(self.world_size)]
-        check(programs, [p.overlap for p in programs], [micro_batches[p.pipeline] for p in programs])
-        self._overlap_checked.add(key)
+        if key not in self._overlap_checked:
+            self.check_actions(index, micro_batches)  # the programs' actions are the overlap lowering
+            self._overlap_checked.add(key)
 
     # ------------------------------------------------------------------ building
     def _context(self, **kw: Any) -> CompileContext:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 import torch
 import torch.fx as fx
 
-from hgraph.actions import Action, Kind, pipeline_actions, pipeline_peers, with_peers
+from hgraph.actions import Action, Kind, overlap_actions, pipeline_actions, pipeline_peers, with_peers
 from hgraph.errors import HGraphError, InputError
 from hgraph.layout import AnyLayout, Layout, Partial
 from hgraph.lnk.plan import ReshardPlan
@@ -334,6 +334,14 @@ class RankProgram:
         return with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
 
     def actions(self, num_micro_batches: int) -> list[Action]:
+        """The rank's whole iteration: the ``schedule="overlap"`` lowering (``overlap_actions``) when
+        ``overlap`` is set, else ``blocking_actions``."""
+        if self.overlap is None:
+            return self.blocking_actions(num_micro_batches)
+        return overlap_actions(self.pipeline_actions(num_micro_batches), [pc.name for pc in self.pulls],
+                               self.overlap, [pc.name for pc in self.pushes])
+
+    def blocking_actions(self, num_micro_batches: int) -> list[Action]:
         """The rank's whole iteration under ``schedule="none"``: every pull (one layer's together
         under ``coalesce``), the pipeline schedule, every push, the optimizer step."""
         pulls = [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]

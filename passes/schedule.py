@@ -15,19 +15,17 @@ With ``hgraph.compile(..., schedule="overlap")`` every rank runs a ``RankSchedul
   order during the last backward, as soon as every gradient of the bucket is final (a
   post-accumulate-grad hook); all are waited at the end.
 * **Pipeline sends** (activation headers and data) are asynchronous, waited at the end of the
-  iteration; the activation headers of the next forward are received early (posted one compute
-  step ahead), so the sender never waits for the receiver to reach its step.
+  iteration (as under ``schedule="none"``).
 
 Everything here is decided from the program alone (no timing), so the order is deterministic.
-``dry_run`` executes the per-rank communication order of all ranks of a strategy against each other
-(collectives match by start order per group, point-to-point messages per pair) and raises
-``ScheduleError`` on a mismatch or a wait that could never finish, before anything runs.
+``RankProgram.actions`` lowers it into the rank's action list (``hgraph.actions.overlap_actions``),
+which the one executor runs and the one dry run (``hgraph.actions.dry_run``, through
+``CompiledModel.check_actions``) checks against every other rank before anything runs.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx
@@ -36,9 +34,6 @@ from hgraph.products import Op as Op
 from hgraph.products import OverlapConfig as OverlapConfig
 from hgraph.products import RankSchedule as RankSchedule
 from hgraph.products import layer_of as layer_of
-from hgraph.runtime.reshard import comm_steps
-from hgraph.actions import COMPUTE, Action, Kind, ScheduleError
-from hgraph.actions import steps as action_steps
 
 PULL_TAG, PUSH_TAG = 1, 2  # point-to-point tags of pull and push plans (activations: 0)
 
@@ -160,182 +155,3 @@ def overlap_graph(gm: fx.GraphModule, params: Sequence[str], use_param: Any) -> 
         node.replace_all_uses_with(ready, delete_user_cb=lambda n: n is not ready)
     graph.lint()
     return fx.GraphModule(gm, graph)
-
-
-# ----------------------------------------------------------------------------- dry run
-def rank_events(program: Any, sched: RankSchedule, num_micro_batches: int) -> list[tuple]:
-    """The communication ``program`` issues with ``sched``, in order: ``("start", key, call)`` and
-    ``("wait", key)``; ``call`` is ``("collective", kind, group)`` or ``("p2p", sends, recvs, tag)``.
-    Mirrors ``runtime.executor`` (overlap mode) step by step."""
-    rank = program.rank
-    events: list[tuple] = []
-
-    def plan_ops(kind: str, i: int, plan: Any, what: str) -> None:
-        tag = PULL_TAG if kind == "pull" else PUSH_TAG
-        calls = [(s, c if c[0] == "collective" else (*c, tag)) for s, c in comm_steps(plan, rank)]
-        at_start = bool(calls) and calls[0][0]
-        if what == "start":
-            if at_start:
-                events.append(("start", (kind, i, 0), calls[0][1]))
-            return
-        if at_start:
-            events.append(("wait", (kind, i, 0)))
-        for j, (_, call) in enumerate(calls[1:] if at_start else calls, 1 if at_start else 0):
-            events.append(("start", (kind, i, j), call))
-            events.append(("wait", (kind, i, j)))
-
-    def pull_ops(ops: Sequence[Op]) -> None:
-        for what, i in ops:
-            plan_ops("pull", i, program.pulls[i].pull.plan, what)
-
-    def start_pushes() -> None:
-        for bucket in sched.buckets:
-            for i in bucket:
-                plan_ops("push", i, program.pushes[i].push.plan, "start")
-
-    pull_ops(sched.prelude)
-    sends: list[tuple] = []
-    steps = action_steps(program.pipeline_actions(num_micro_batches))
-    last_b = max((k for k, s in enumerate(steps) if s[0].kind is Kind.BACKWARD), default=None)
-    first_f = True
-    early: set[int] = set()
-    for k, step in enumerate(steps):
-        kind = step[0].kind
-        if kind is Kind.FORWARD:
-            if first_f:
-                for _, ops in sched.at_use:
-                    pull_ops(ops)
-                pull_ops(sched.after_forward)
-                first_f = False
-        elif kind is Kind.BACKWARD:
-            if k == last_b:
-                start_pushes()
-        else:
-            hdr_out = tuple(a.peer for a in step if a.kind is Kind.SEND_ACT)
-            hdr_in = tuple(a.peer for a in step if a.kind is Kind.RECV_ACT)
-            out = tuple(a.peer for a in step if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD))
-            inn = tuple(a.peer for a in step if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD))
-            if hdr_out:  # activation headers (shapes) and data: sends are waited at the end
-                events.append(("start", ("hsend", k), ("p2p", hdr_out, (), 0)))
-                sends.append(("hsend", k))
-            if hdr_in:
-                if k not in early:
-                    events.append(("start", ("hdr", k), ("p2p", (), hdr_in, 0)))
-                early.discard(k)
-                events.append(("wait", ("hdr", k)))
-            if out:
-                events.append(("start", ("send", k), ("p2p", out, (), 0)))
-                sends.append(("send", k))
-            if inn:
-                events.append(("start", ("recv", k), ("p2p", (), inn, 0)))
-                events.append(("wait", ("recv", k)))
-            nxt = early_recv(steps, k)
-            if nxt is not None:
-                peer = next(a.peer for a in steps[k + 2] if a.kind is Kind.RECV_ACT)
-                events.append(("start", ("hdr", k + 2), ("p2p", (), (peer,), 0)))
-                early.add(k + 2)
-    if first_f:
-        for _, ops in sched.at_use:
-            pull_ops(ops)
-        pull_ops(sched.after_forward)
-    if last_b is None:
-        start_pushes()
-    pull_ops(sched.at_end)
-    events += [("wait", s) for s in sends]
-    for bucket in sched.buckets:
-        for i in bucket:
-            plan_ops("push", i, program.pushes[i].push.plan, "wait")
-    return events
-
-
-def early_recv(steps: Sequence[tuple[Action, ...]], k: int) -> Optional[int]:
-    """If comm step ``k`` is followed by one compute step and then a step that receives activations,
-    the micro-batch whose activation headers are posted at the end of step ``k`` (receives early)."""
-    if k + 2 >= len(steps) or steps[k + 1][0].kind not in COMPUTE:
-        return None
-    return next((a.mb for a in steps[k + 2] if a.kind is Kind.RECV_ACT), None)
-
-
-def dry_run(events: dict[int, list[tuple]]) -> None:
-    """Run every rank's event list against the others; raise ``ScheduleError`` if two ranks start
-    different operations at the same position on a group, or some wait can never complete.
-
-    A start never blocks. A collective's wait completes once every member started it; a
-    point-to-point wait completes once each receive's matching send (same position on that pair)
-    was started."""
-    group_log: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
-    sent: dict[tuple[int, int, int], list] = defaultdict(list)  # per (src, dst, tag): message ids
-    received: dict[tuple[int, int, int], int] = defaultdict(int)
-    pending: dict[tuple[int, Any], list] = {}  # (rank, key) -> what its wait needs
-    pos = {r: 0 for r in events}
-    progress = True
-    while progress:
-        progress = False
-        for rank, evs in events.items():
-            while pos[rank] < len(evs):
-                ev = evs[pos[rank]]
-                if ev[0] == "start":
-                    _, key, call = ev
-                    if call[0] == "collective":
-                        _, kind, group = call
-                        log = group_log[tuple(group)]
-                        slot = len(log[rank])
-                        log[rank].append((key, kind))
-                        for other, seq in log.items():
-                            if other != rank and len(seq) > slot and seq[slot][1] != kind:
-                                raise ScheduleError(
-                                    f"collective order mismatch on group {tuple(group)} at position {slot}: "
-                                    f"rank {rank} starts {kind} {key}, "
-                                    f"rank {other} starts {seq[slot][1]} {seq[slot][0]}"
-                                )
-                            if other != rank and len(seq) > slot and seq[slot][0][:2] != key[:2]:
-                                raise ScheduleError(
-                                    f"collective order mismatch on group {tuple(group)} at position {slot}: "
-                                    f"rank {rank} starts {key}, rank {other} starts {seq[slot][0]}"
-                                )
-                        pending[(rank, key)] = [("coll", tuple(group), slot)]
-                    else:
-                        _, outs, ins, tag = call
-                        need = []
-                        for dst in outs:
-                            sent[(rank, dst, tag)].append(key[:2] if tag else None)
-                        for src in ins:
-                            received[(src, rank, tag)] += 1
-                            channel = (src, rank, tag)
-                            need.append(("p2p", channel, received[channel], key[:2] if tag else None))
-                        pending[(rank, key)] = need
-                else:
-                    need = pending.get((rank, ev[1]), [])
-                    if not all(_satisfied(n, group_log, sent) for n in need):
-                        break
-                pos[rank] += 1
-                progress = True
-    stuck = {r: events[r][pos[r]] for r in events if pos[r] < len(events[r])}
-    if stuck:
-        detail = "; ".join(f"rank {r} waits {ev[1]}" for r, ev in sorted(stuck.items()))
-        raise ScheduleError(f"overlap schedule would hang: {detail}")
-
-
-def _satisfied(need: tuple, group_log: dict, sent: dict) -> bool:
-    if need[0] == "coll":
-        _, group, slot = need
-        log = group_log[group]
-        return all(len(log[m]) > slot for m in group)
-    _, channel, count, ident = need
-    log = sent[channel]
-    if len(log) < count:
-        return False
-    if log[count - 1] != ident:
-        src, dst, tag = channel
-        raise ScheduleError(
-            f"point-to-point order mismatch from rank {src} to rank {dst} (tag {tag}): message {count - 1} "
-            f"is {log[count - 1]} on the sender but {ident} on the receiver"
-        )
-    return True
-
-
-def check(
-    programs: Sequence[Any], schedules: Sequence[RankSchedule], num_micro_batches: Sequence[int]
-) -> None:
-    """Dry-run the overlap schedules of every rank of one strategy (``num_micro_batches`` per rank)."""
-    dry_run({p.rank: rank_events(p, s, m) for p, s, m in zip(programs, schedules, num_micro_batches)})

@@ -14,7 +14,9 @@ import torch
 from hgraph.runtime.context import current
 from hgraph.actions import pipeline_peers
 from hgraph.errors import InputError
-from hgraph.runtime.executor import _HEADER, RankProgram, _from_header, _send_header, pull_parameters, shards_device
+from hgraph.products import RankProgram
+from hgraph.runtime.executor import pull_parameters
+from hgraph.runtime.stage import HEADER, from_header, send_header, shards_device
 from hgraph.runtime.failures import comm_step
 
 
@@ -38,9 +40,9 @@ def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
             received: list[torch.Tensor] = []
             if prev_rank is not None:
                 with comm_step(program.rank, f"eval: receive micro-batch {mb} from rank {prev_rank}"):
-                    headers = [(prev_rank, torch.zeros(_HEADER, dtype=torch.int64, device=device)) for _ in sg.recv]
+                    headers = [(prev_rank, torch.zeros(HEADER, dtype=torch.int64, device=device)) for _ in sg.recv]
                     comm.exchange([], headers)
-                    received = [_from_header(h) for _, h in headers]
+                    received = [from_header(h) for _, h in headers]
                     comm.exchange([], [(prev_rank, b) for b in received])
             outs = sg.gm(*param_args, *[batch[name] for name in sg.inputs], *received)
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
@@ -49,6 +51,6 @@ def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
                 outs = outs[1:]
             if next_rank is not None:
                 with comm_step(program.rank, f"eval: send micro-batch {mb} to rank {next_rank}"):
-                    comm.exchange([(next_rank, _send_header(t)) for t in outs], [])
+                    comm.exchange([(next_rank, send_header(t)) for t in outs], [])
                     comm.exchange([(next_rank, t.contiguous()) for t in outs], [])
     return total if program.reports_loss else 0.0

@@ -1,4 +1,4 @@
-"""Run one rank's program for one iteration: Pull Parameters, 1F1B over micro-batches, Push Gradients.
+"""Run one rank's program for one iteration: its action list (``RankProgram.actions``), either schedule.
 
 The same code runs on real processes (``ProcessGroupComm``) and on simulated ranks
 (``ThreadComm`` in ``compiled.simulate``): all communication goes through the rank context.
@@ -10,33 +10,24 @@ pushed gradients are those of the global token-mean loss whatever the dispatch a
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from hgraph.errors import CommunicationError, InputError
 from hgraph.products import RankProgram as RankProgram
 from hgraph.products import layer_buckets as layer_buckets
 from hgraph.runtime.comm import Handle
 from hgraph.runtime.context import current
 from hgraph.runtime.failures import comm_step
-from hgraph.runtime.reshard import execute
+from hgraph.passes.schedule import PULL_TAG, PUSH_TAG, overlap_graph
+from hgraph.runtime.reshard import execute, start
+from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
 from hgraph.actions import COMPUTE, P2P, Action, Kind, steps
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
-_HEADER = 10  # dtype code, ndim, up to 8 sizes
 _ACT_TAG, _HEADER_TAG, _GRAD_TAG = 0, 3, 4  # pull and push plans of the overlap schedule use 1 and 2
-
-
-@dataclass
-class IterationOutput:
-    """What a rank contributes: its share of the summed loss and its optimizer-layout gradient shards."""
-
-    loss_sum: float
-    grad_shards: dict[str, Optional[torch.Tensor]]
-    micro_batches: int
 
 
 def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
@@ -57,107 +48,29 @@ def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> di
     """Run every Pull Parameter of ``program`` (as its action list does); returns the compute-layout
     parameters this rank holds (leaves). For forward-only uses (evaluation, graph tracing)."""
     executor = Executor(program, shards, [], 1.0)
-    executor.run([a for a in program.actions(0) if a.kind in (Kind.PULL_START, Kind.PULL_WAIT)])
+    executor.run([a for a in program.blocking_actions(0) if a.kind in (Kind.PULL_START, Kind.PULL_WAIT)])
     return executor.params
-
-
-def _send_header(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > _HEADER - 2:
-        raise CommunicationError(f"cannot send a {t.dim()}-d activation; at most {_HEADER - 2} dims")
-    h = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
-
-
-def _from_header(h: torch.Tensor) -> torch.Tensor:
-    """An empty activation buffer, on the header's device, of the dtype and shape it describes."""
-    code, ndim, *sizes = h.tolist()
-    return torch.empty(tuple(sizes[:ndim]), dtype=_DTYPES[code], device=h.device)
-
-
-def shards_device(shards: dict[str, torch.Tensor]) -> torch.device:
-    """The device this rank computes on: that of its optimizer shards (CPU if it holds none)."""
-    return next(iter(shards.values())).device if shards else torch.device("cpu")
-
-
-@dataclass
-class StageState:
-    """One stage's per-micro-batch values between forward, backward and the sends that use them."""
-
-    stage_graph: Any
-    loss_scale: float
-    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    grads_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    pending: dict[int, tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]] = field(default_factory=dict)
-    loss_total: float = 0.0
-
-    def data_args(self, batch: dict[str, torch.Tensor], mb: int) -> list[torch.Tensor]:
-        """The stage's non-parameter arguments: graph inputs from the batch, then received values."""
-        args = []
-        for name in self.stage_graph.inputs:
-            if name not in batch:
-                raise InputError(f"micro-batch {mb} lacks input {name!r}; it has {sorted(batch)}")
-            args.append(batch[name])
-        return args + self.received.get(mb, [])
-
-    def record(self, mb: int, outs: Any) -> None:
-        """Keep a forward's outputs (the loss apart) until its backward and sends."""
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        if self.stage_graph.returns_loss:
-            self.losses[mb] = outs[0]
-            outs = outs[1:]
-        self.outputs[mb] = outs
-
-    def _roots(self, mb: int) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
-        """Where the backward of ``mb`` starts: the scaled loss, or the outputs and their received grads."""
-        if self.stage_graph.returns_loss:
-            loss = self.losses.pop(mb)
-            self.loss_total += float(loss.detach())
-            return [loss * self.loss_scale], None
-        pairs = [(o, g) for o, g in zip(self.outputs.pop(mb), self.grads_in.pop(mb)) if o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def backward(self, mb: int) -> None:
-        """Backward of micro-batch ``mb``: from the scaled loss, or from the received output grads."""
-        roots, grads = self._roots(mb)
-        if roots:
-            torch.autograd.backward(roots, grads)
-        self.outputs.pop(mb, None)
-
-    def backward_input(self, mb: int) -> None:
-        """The input-gradient half (ZB ``I``): gradients of the received activations only, the graph kept
-        for ``backward_weight`` (as ``torch.distributed.pipelining``'s ``stage_backward_input``)."""
-        roots, grads = self._roots(mb)
-        self.pending[mb] = (roots, grads)
-        inputs = [r for r in self.received.get(mb, []) if r.requires_grad]
-        if roots and inputs:
-            for r, g in zip(inputs, torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)):
-                r.grad = None if g is None else g.contiguous()  # autograd may hand back an expanded view
-        self.outputs.pop(mb, None)
-
-    def backward_weight(self, mb: int, params: Sequence[torch.Tensor]) -> None:
-        """The weight-gradient half (ZB ``W``): accumulate the parameters' gradients of ``mb``. It walks
-        the kept graph again to the parameters (no per-node input-gradient cache yet)."""
-        roots, grads = self.pending.pop(mb)
-        leaves = [p for p in params if p.requires_grad]
-        if roots and leaves:
-            torch.autograd.backward(roots, grads, inputs=leaves)
 
 
 class Executor:
     """Interprets one rank's action list (``hgraph.actions``) for one iteration, one method per kind.
 
-    Blocking: a PULL/PUSH start runs its plan to the end (the wait only hands the result over), an
-    exchange posts its sends and receives together and waits them. ``on_step(when, action)`` is called
-    around every compute action (profiling); ``timeline`` records every step.
+    Blocking (``schedule="none"``): a PULL/PUSH start runs its plan to the end (the wait only hands
+    the result over). Overlapped (``overlap=True``, ``schedule="overlap"``): a start issues the plan's
+    first round (``reshard.start``), the wait completes it, and the actions attached to a compute
+    action (``Action.at``) run inside it: pull ops at the parameter's first use (the forward runs
+    ``overlap_graph``, whose use nodes call ``use``), push starts from post-accumulate-grad hooks as
+    soon as their bucket's gradients are final; finished transfers are reaped after every step.
+    An exchange posts its sends and receives together and waits the receives. ``on_step(when,
+    action)`` is called around every compute action (profiling); ``timeline`` records every step.
     """
 
     def __init__(
         self, program: RankProgram, shards: dict[str, torch.Tensor], micro_batches: Sequence[dict[str, torch.Tensor]],
-        loss_scale: float, timeline: Any = None,
+        loss_scale: float, timeline: Any = None, overlap: bool = False,
     ) -> None:
         self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
+        self.overlap = overlap
         self.comm = current().comm
         self.device = shards_device(shards)
         self.states = [StageState(sg, loss_scale) for sg in program.chunks]
@@ -166,6 +79,9 @@ class Executor:
         self.pull_buckets = {b[0].name: b for b in layer_buckets(program.pulls, program.coalesce)}
         self.push_buckets = {b[0].name: b for b in layer_buckets(program.pushes, program.coalesce)}
         self.results: dict[tuple[Kind, str], list] = {}
+        self.handles: dict[tuple[Kind, str], tuple[Handle, float]] = {}  # overlapped starts in flight
+        self.inside: list[Action] = []  # attached actions of the running compute action, not yet run
+        self.ready: set[str] = set()  # pushes of the running backward whose gradients are final
         self.stage_ranks = list(program.groups["stage"])
         self.sends: list[Handle] = []  # activation sends posted, not yet waited
 
@@ -178,62 +94,143 @@ class Executor:
             self.sends = []
 
     def run(self, actions: Sequence[Action], on_step: Optional[Callable[[str, Action], None]] = None) -> IterationOutput:
-        for step in steps(actions):
-            t0 = time.time()
-            head = step[0]
+        todo = steps(actions)
+        pipeline_end = max((k for k, s in enumerate(todo) if s[0].kind in COMPUTE | P2P), default=-1)
+        k = 0
+        while k < len(todo):
+            step, k = todo[k], k + 1
+            head, t0 = step[0], time.time()
+            attached = []
+            while head.kind in COMPUTE and k < len(todo) and todo[k][0].at is not None:
+                attached.append(todo[k][0])
+                k += 1
             if head.kind in P2P:
                 peers = ", ".join(sorted({f"rank {a.peer}" for a in step}))
                 with comm_step(self.program.rank, f"communicate_activation {' + '.join(map(str, step))} ({peers})"):
                     self.exchange(step)
                 if self.timeline is not None:
                     self.timeline.add("communicate_activation", " + ".join(map(str, step)), t0, time.time())
-                continue
-            if head.kind not in COMPUTE:
-                self.drain_sends()
-            if on_step is not None and head.kind in COMPUTE:
-                on_step("begin", head)
-            getattr(self, head.kind.name.lower())(head)
-            if on_step is not None and head.kind in COMPUTE:
-                on_step("end", head)
-            if self.timeline is not None and head.kind in COMPUTE:
-                kind = "forward" if head.kind is Kind.FORWARD else "backward"
-                self.timeline.add(kind, f"{_COMPUTE_NAMES[head.kind]} mb{head.mb}", t0, time.time())
+            elif head.kind not in COMPUTE:
+                if k - 1 > pipeline_end:
+                    self.drain_sends()
+                self.do(head)
+            else:
+                if on_step is not None:
+                    on_step("begin", head)
+                self.inside = attached
+                self.do(head)
+                for a in self.take(len(self.inside)):  # whatever the compute did not run itself
+                    self.do(a)
+                if on_step is not None:
+                    on_step("end", head)
+                if self.timeline is not None:
+                    kind = "forward" if head.kind is Kind.FORWARD else "backward"
+                    self.timeline.add(kind, f"{_COMPUTE_NAMES[head.kind]} mb{head.mb}", t0, time.time())
+            if self.overlap:
+                self.reap()
         self.drain_sends()
         reported = sum(st.loss_total for st in self.states) if self.program.reports_loss else 0.0
         pushed = {pc.name: self.grad_shards[pc.name] for pc in self.program.pushes if pc.name in self.grad_shards}
         return IterationOutput(reported, pushed, len(self.micro_batches))
 
+    def do(self, a: Action) -> None:
+        getattr(self, a.kind.name.lower())(a)
+
+    def take(self, n: int) -> list[Action]:
+        """The first ``n`` attached actions still to run, removed from ``inside``."""
+        out, self.inside = self.inside[:n], self.inside[n:]
+        return out
+
     # -- parameters
+    def holds(self, pc: Any) -> bool:
+        """Whether this rank computes with the pulled parameter ``pc`` (else it only sends it)."""
+        return any(h == (self.program.pipeline, self.program.stage) for h in pc.holders)
+
     def pull_start(self, a: Action) -> None:
         program, bucket = self.program, self.pull_buckets[a.group]
         sources = [self.shards[pc.name] if program.compute_dtype is None
                    else self.shards[pc.name].to(program.compute_dtype) for pc in bucket]
         plans = [pc.pull.plan for pc in bucket]
         t0 = time.time()
+        if self.overlap:  # no coalescing under the overlap schedule: one plan per name
+            self.handles[(Kind.PULL_START, a.group)] = (start(plans[0], sources[0], self.comm, tag=PULL_TAG), t0)
+            return
         with comm_step(program.rank, _label("pull_parameter", bucket, plans)):
             self.results[(Kind.PULL_START, a.group)] = _run_bucket(plans, sources, self.comm)
         if self.timeline is not None:
             self.timeline.add("pull_parameter", a.group, t0, time.time())
 
+    def finish(self, key: tuple[Kind, str], kind: str, plans: list[Any]) -> list:
+        """The results of the start ``key``: handed over (blocking, reaped) or waited for now."""
+        if key in self.results:
+            return self.results.pop(key)
+        handle, began = self.handles.pop(key)
+        t0 = time.time()
+        with comm_step(self.program.rank, f"{kind} {key[1]} (ranks {list(plans[0].ranks)})"):
+            out = handle.wait()
+        if self.timeline is not None:
+            end = time.time()
+            self.timeline.add("wait", f"{kind.split('_')[0]} {key[1]}", t0, end)
+            self.timeline.add(kind, key[1], began, end)
+        return [out]
+
+    def reap(self) -> None:
+        """Complete the overlapped transfers that have finished and that no compute waits for (pushes,
+        pulls this rank only sends): no blocking, nothing issued."""
+        for (kind, name), (handle, began) in list(self.handles.items()):
+            if (kind is Kind.PUSH_START or not self.holds(self.pull_buckets[name][0])) and handle.ready():
+                del self.handles[(kind, name)]
+                self.results[(kind, name)] = [handle.wait()]
+                if self.timeline is not None:
+                    label = "pull_parameter" if kind is Kind.PULL_START else "push_gradient"
+                    self.timeline.add(label, name, began, time.time())
+
     def pull_wait(self, a: Action) -> None:
-        program = self.program
-        for pc, out in zip(self.pull_buckets[a.group], self.results.pop((Kind.PULL_START, a.group))):
-            if out is not None and any(h == (program.pipeline, program.stage) for h in pc.holders):
+        bucket = self.pull_buckets[a.group]
+        outs = self.finish((Kind.PULL_START, a.group), "pull_parameter", [pc.pull.plan for pc in bucket])
+        for pc, out in zip(bucket, outs):
+            if out is not None and self.holds(pc):
                 self.params[pc.name] = out.detach().requires_grad_(True)
+
+    def use(self, placeholder: str) -> torch.Tensor:
+        """A parameter at its first use inside the forward: run the attached pull ops up to the last
+        one for it first (``overlap_graph`` calls this)."""
+        name = self.program.param_of_placeholder[placeholder]
+        last = max((i for i, a in enumerate(self.inside) if a.at == name), default=-1)
+        for a in self.take(last + 1):
+            self.do(a)
+        return self.params[name]
 
     def push_start(self, a: Action) -> None:
         program, bucket = self.program, self.push_buckets[a.group]
         grads = [program.push_source(self.params.get(pc.name)) for pc in bucket]
         plans = [pc.push.plan for pc in bucket]
         t0 = time.time()
+        if self.overlap:
+            self.handles[(Kind.PUSH_START, a.group)] = (start(
+                plans[0], grads[0], self.comm, dtype=program.push_dtype, device=self.device, tag=PUSH_TAG), t0)
+            return
         with comm_step(program.rank, _label("push_gradient", bucket, plans)):
             self.results[(Kind.PUSH_START, a.group)] = _run_bucket(
                 plans, grads, self.comm, dtype=program.push_dtype, device=self.device)
         if self.timeline is not None:
             self.timeline.add("push_gradient", a.group, t0, time.time())
 
+    def final(self, name: str) -> None:
+        """Post-accumulate-grad hook of a pushed parameter in the backward that starts pushes: start
+        the leading buckets whose gradients are all final, in order."""
+        self.ready.add(name)
+        while self.inside:
+            bucket = [a for a in self.inside if a.at == self.inside[0].at]
+            if not all(a.group in self.ready for a in bucket):
+                return
+            for a in self.take(len(bucket)):
+                self.do(a)
+
     def push_wait(self, a: Action) -> None:
-        for pc, shard in zip(self.push_buckets[a.group], self.results.pop((Kind.PUSH_START, a.group))):
+        bucket = self.push_buckets[a.group]
+        for pc, shard in zip(bucket, self.finish((Kind.PUSH_START, a.group), "push_gradient",
+                                                 [pc.push.plan for pc in bucket])):
             self.grad_shards[pc.name] = None if shard is None else shard.to(self.shards[pc.name].dtype)
 
     def optimizer(self, a: Action) -> None:
@@ -250,13 +247,29 @@ class Executor:
         sg = state.stage_graph
 
         def run(mb: int) -> None:
-            param_args = [self.params[program.param_of_placeholder[name]] for name in sg.params]
-            state.record(mb, sg.gm(*param_args, *state.data_args(self.micro_batches[mb], mb)))
+            data = state.data_args(self.micro_batches[mb], mb)
+            if not self.inside:
+                state.record(mb, sg.gm(*[self.params[program.param_of_placeholder[n]] for n in sg.params], *data))
+                return
+            _ACTIVE.executor = self  # the parameters are None here: the use nodes fill them in
+            try:
+                state.record(mb, _overlap_module(sg.gm, sg.params)(*([None] * len(sg.params)), *data))
+            finally:
+                _ACTIVE.executor = None
 
         self._compute(a, run)
 
     def backward(self, a: Action) -> None:
-        self._compute(a, self.states[a.chunk].backward)
+        hooks = []
+        if self.inside:  # push starts attached: their gradients are final in this backward
+            self.ready = {x.group for x in self.inside if self.params.get(x.group) is None}
+            hooks = [self.params[x.group].register_post_accumulate_grad_hook(lambda _p, n=x.group: self.final(n))
+                     for x in self.inside if self.params.get(x.group) is not None]
+        try:
+            self._compute(a, self.states[a.chunk].backward)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def backward_input(self, a: Action) -> None:
         self._compute(a, self.states[a.chunk].backward_input)
@@ -276,7 +289,7 @@ class Executor:
         order whatever the mix of a step."""
         states, comm = self.states, self.comm
         outputs = [(a, t) for a in step if a.kind is Kind.SEND_ACT for t in states[a.chunk].outputs[a.mb]]
-        headers = [(a.peer, _send_header(t)) for a, t in outputs]
+        headers = [(a.peer, send_header(t)) for a, t in outputs]
         acts = [(a.peer, t.detach()) for a, t in outputs]
         grads = [(a.peer, r.grad if r.grad is not None else torch.zeros_like(r))
                  for a in step if a.kind is Kind.SEND_GRAD for r in states[a.chunk].received[a.mb]]
@@ -286,7 +299,7 @@ class Executor:
                 state = states[a.chunk]
                 state.grads_in[a.mb] = [torch.empty_like(t) for t in state.outputs[a.mb]]
                 grad_recvs += [(a.peer, b) for b in state.grads_in[a.mb]]
-        header_recvs = [(a.peer, torch.zeros(_HEADER, dtype=torch.int64, device=self.device))
+        header_recvs = [(a.peer, torch.zeros(HEADER, dtype=torch.int64, device=self.device))
                         for a in step if a.kind is Kind.RECV_ACT for _ in states[a.chunk].stage_graph.recv]
         self.sends += [comm.start_exchange(headers, [], tag=_HEADER_TAG), comm.start_exchange(acts, [], tag=_ACT_TAG),
                        comm.start_exchange(grads, [], tag=_GRAD_TAG)]
@@ -297,7 +310,7 @@ class Executor:
         for a in step:
             if a.kind is Kind.RECV_ACT:
                 state = states[a.chunk]
-                state.received[a.mb] = [_from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
+                state.received[a.mb] = [from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
                 act_recvs += [(a.peer, b) for b in state.received[a.mb]]
         handles.append(comm.start_exchange([], act_recvs, tag=_ACT_TAG))
         for handle in handles:
@@ -314,6 +327,22 @@ _COMPUTE_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKW
                   Kind.BACKWARD_WEIGHT: "backward_weight"}
 
 
+_ACTIVE = threading.local()  # the executor whose forward runs an overlap graph (simulated ranks are threads)
+_OVERLAP_GRAPHS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule]" = weakref.WeakKeyDictionary()
+
+
+def _use_param(placeholder: str) -> torch.Tensor:
+    """Graph node of ``overlap_graph``: the parameter, its attached pull ops run at its first use."""
+    return _ACTIVE.executor.use(placeholder)
+
+
+def _overlap_module(gm: torch.fx.GraphModule, params: Sequence[str]) -> torch.fx.GraphModule:
+    """The stage graph with use nodes at each parameter's first use, built once per graph."""
+    if gm not in _OVERLAP_GRAPHS:
+        _OVERLAP_GRAPHS[gm] = overlap_graph(gm, params, _use_param)
+    return _OVERLAP_GRAPHS[gm]
+
+
 def run_iteration(
     program: RankProgram,
     shards: dict[str, torch.Tensor],
@@ -324,13 +353,10 @@ def run_iteration(
 ) -> IterationOutput:
     """Run the rank's action list (``program.actions``) for this pipeline's micro-batches.
 
-    Under ``schedule="overlap"`` (``program.overlap`` set) the overlap runtime runs instead
-    (``runtime/overlap.py``), unless ``on_step`` asks for per-step hooks (profiling): those need the
-    blocking order. ``timeline`` (a ``runtime.timeline.Timeline``) records intervals.
+    Under ``schedule="overlap"`` that is the overlap lowering, run overlapped, unless ``on_step``
+    asks for per-step hooks (profiling): those get the blocking list (``program.blocking_actions``).
+    ``timeline`` (a ``runtime.timeline.Timeline``) records intervals.
     """
-    if program.overlap is not None and on_step is None:
-        from hgraph.runtime.overlap import run_iteration_overlap
-
-        return run_iteration_overlap(program, program.overlap, shards, micro_batches, loss_scale, timeline)
-    executor = Executor(program, shards, micro_batches, loss_scale, timeline)
-    return executor.run(program.actions(len(micro_batches)), on_step)
+    overlap = program.overlap is not None and on_step is None
+    actions = program.actions(len(micro_batches)) if overlap else program.blocking_actions(len(micro_batches))
+    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap).run(actions, on_step)

@@ -118,6 +118,15 @@ def comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     return plan.memo[key]
 
 
+def late_peers(plan: ReshardPlan, rank: int) -> tuple[int, ...]:
+    """The ranks ``rank`` still exchanges with in ``plan`` after its start (rounds issued by ``wait``)."""
+    peers: set[int] = set()
+    for at_start, call in comm_steps(plan, rank):
+        if not at_start:
+            peers.update(call[2] if call[0] == "collective" else (*call[1], *call[2]))
+    return tuple(sorted(peers - {rank}))
+
+
 def _comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
     out: list[tuple] = []
     first = plan.first_round

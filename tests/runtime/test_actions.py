@@ -111,6 +111,24 @@ def test_dry_run_catches_swapped_collectives():
         dry_run({0: good, 1: swapped}, members)
 
 
+def test_dry_run_waits_of_plans_with_later_rounds_need_the_peer_at_its_wait():
+    """Two pulls started on both ranks, waited in opposite orders: fine if their plans finish at the
+    start, a deadlock when the waits still exchange with the peer (rounds issued by ``wait``)."""
+    members = lambda rank, group: (0, 1)  # noqa: E731
+    rank0 = [parse(x) for x in "PULL_START:a PULL_START:b PULL_WAIT:a PULL_WAIT:b".split()]
+    rank1 = [parse(x) for x in "PULL_START:a PULL_START:b PULL_WAIT:b PULL_WAIT:a".split()]
+    dry_run({0: rank0, 1: rank1}, members)
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at PULL_WAIT:a; rank 1 waits at PULL_WAIT:b"):
+        dry_run({0: rank0, 1: rank1}, members, late=lambda rank, a: (1 - rank,))
+
+
+def test_attached_actions_round_trip_and_list():
+    text = "PULL_START:embed.weight 0.0F PULL_WAIT:embed.weight@embed.weight 0.0B PUSH_START:w@w PUSH_WAIT:w"
+    actions = [parse(x) for x in text.split()]
+    assert actions[2] == Action(Kind.PULL_WAIT, group="embed.weight", at="embed.weight")
+    assert line(actions) == text
+
+
 def test_interleaved_needs_whole_rounds():
     with pytest.raises(ScheduleError, match="divisible by pp=2; got 3"):
         interleaved_1f1b(2, 2, 0, 3)

@@ -7,9 +7,9 @@ import torch
 import hgraph
 from hgraph.errors import HGraphError, InputError
 from hgraph.models import Llama, LlamaConfig
-from hgraph.passes.schedule import OverlapConfig, check, dry_run, rank_events
+from hgraph.passes.schedule import OverlapConfig
 from hgraph.runtime.comm import run_threads
-from hgraph.actions import ScheduleError
+from hgraph.actions import Action, Kind, ScheduleError, dry_run, format_actions, parse
 from hgraph.runtime.trainer import Trainer
 
 WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
@@ -118,34 +118,61 @@ def test_inflight_cap_waits_early():
         assert 0 <= inflight <= 1
 
 
+def _dry_run(compiled, programs, lists):
+    """``hgraph.actions.dry_run`` of ``lists`` with the compiled programs' groups and stage ends."""
+    members = {(p.rank, pc.name): pc.pull.plan.ranks for p in programs.values() for pc in p.pulls}
+    dry_run(lists, members=lambda r, g: members[(r, g)], first=lambda r, c: programs[r].stage == 0,
+            last=lambda r, c: programs[r].is_last_stage)
+
+
+def test_overlap_lowering_places_pulls_and_pushes_around_the_pipeline():
+    """The overlap order as actions: prelude pulls, waits attached to the first forward at each
+    parameter's first use, push starts attached to the last backward, waits at the end."""
+    compiled = small_compiled(prefetch_layers=1, bucket_bytes=1 << 30)
+    program = compiled.program(0, 0)
+    actions = program.actions(2)
+    assert [parse(str(a)) for a in actions] == actions  # string round-trip, attached ones too
+    kinds = [a.kind for a in actions]
+    first_f, last_b = kinds.index(Kind.FORWARD), len(kinds) - 1 - kinds[::-1].index(Kind.BACKWARD)
+    assert actions[0] == Action(Kind.PULL_START, group="embed.weight")
+    assert all(a.at is None and a.kind is Kind.PULL_START for a in actions[:first_f])
+    attached = actions[first_f + 1:first_f + 1 + sum(a.at is not None and a.kind in (Kind.PULL_START, Kind.PULL_WAIT)
+                                                       for a in actions)]
+    assert str(attached[-1]) == "PULL_WAIT:lm_head.weight@lm_head.weight"
+    assert [a.at for a in attached if a.kind is Kind.PULL_WAIT] == [a.group for a in attached if a.kind is Kind.PULL_WAIT]
+    pushes = [a for a in actions[last_b + 1:] if a.kind is Kind.PUSH_START]
+    assert [a.group for a in pushes] == [pc.name for pc in program.pushes]
+    assert {a.at for a in pushes} == {program.pushes[0].name}  # one bucket when bucket_bytes is huge
+    assert [a.kind for a in actions[-len(pushes) - 1:]] == [Kind.PUSH_WAIT] * len(pushes) + [Kind.OPTIMIZER]
+    assert "PULL_WAIT:embed.weight@embed.weight" in format_actions(actions)
+
+
 def test_dry_run_catches_mismatched_collective_order():
     compiled = small_compiled("4x tp1")
-    programs = [compiled.program(0, r) for r in range(4)]
-    events = {p.rank: rank_events(p, p.overlap, 2) for p in programs}
-    dry_run(events)  # the real schedule is fine
-    starts = [k for k, e in enumerate(events[1]) if e[0] == "start" and e[1][0] == "pull"]
+    programs = {r: compiled.program(0, r) for r in range(4)}
+    lists = {r: p.actions(2) for r, p in programs.items()}
+    _dry_run(compiled, programs, lists)  # the real schedule is fine
+    starts = [k for k, a in enumerate(lists[1]) if a.kind is Kind.PULL_START]
     a, b = starts[0], starts[1]
-    events[1][a], events[1][b] = events[1][b], events[1][a]
+    lists[1][a], lists[1][b] = lists[1][b], lists[1][a]
     with pytest.raises(ScheduleError, match="mismatch"):
-        dry_run(events)
+        _dry_run(compiled, programs, lists)
     assert issubclass(ScheduleError, HGraphError)
 
 
 def test_dry_run_catches_a_wait_that_never_completes():
     compiled = small_compiled("4x tp1")
-    programs = [compiled.program(0, r) for r in range(4)]
-    events = {p.rank: rank_events(p, p.overlap, 1) for p in programs}
-    first = next(k for k, e in enumerate(events[2]) if e[0] == "start")
-    events[2] = events[2][:first]  # rank 2 never starts its pulls
-    with pytest.raises(ScheduleError, match="hang"):
-        dry_run(events)
+    programs = {r: compiled.program(0, r) for r in range(4)}
+    lists = {r: p.actions(1) for r, p in programs.items()}
+    lists[2] = lists[2][:next(k for k, a in enumerate(lists[2]) if a.kind is Kind.PULL_START)]  # never starts its pulls
+    with pytest.raises(ScheduleError, match="deadlocks: rank 0 waits at PULL_WAIT"):
+        _dry_run(compiled, programs, lists)
 
 
 def test_check_runs_at_compile_time_and_in_trainer():
     compiled = small_compiled("tp1,pp2")
     assert compiled.options.schedule == "overlap"
-    programs = [compiled.program(0, r) for r in range(2)]
-    check(programs, [p.overlap for p in programs], [5, 5])
+    compiled.verify_overlap(0, [5])
 
 
 def test_bad_config_is_rejected():
