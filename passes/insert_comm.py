@@ -61,17 +61,24 @@ def parameter_layouts(
     stage mesh.
     """
     out: dict[str, ParameterLayouts] = {}
+    held: dict[int, tuple[tuple[tuple[int, int], ...], tuple]] = {}  # id(holders) -> holders, their meshes
+    unions: dict[tuple, tuple[AnyLayout, AnyLayout]] = {}  # parameters of equal shape and placement share them
     for name, holders in users.items():
-        compute, grads = [], []
-        for pipeline_index, stage in holders:
-            pipeline = strategy.pipelines[pipeline_index]
-            mesh = pipeline.stage_mesh
-            ranks = pipeline.stage_ranks(stage)
-            compute.append(_layout(shapes[name], ranks, mesh, specs[mesh][name]))
-            grads.append(_layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
-        out[name] = ParameterLayouts(
-            name, tuple(holders), optimizer_layouts[name], _union(compute, "duplicate"), _union(grads, "partial")
-        )
+        if id(holders) not in held:
+            meshes = tuple(dict.fromkeys(strategy.pipelines[i].stage_mesh for i, _ in holders))
+            held[id(holders)] = (tuple(holders), meshes)
+        holder_tuple, meshes = held[id(holders)]
+        key = (id(holders), shapes[name], tuple(specs[m][name] for m in meshes), tuple(grad_specs[m][name] for m in meshes))
+        if key not in unions:
+            compute, grads = [], []
+            for pipeline_index, stage in holder_tuple:
+                pipeline = strategy.pipelines[pipeline_index]
+                mesh = pipeline.stage_mesh
+                ranks = pipeline.stage_ranks(stage)
+                compute.append(_layout(shapes[name], ranks, mesh, specs[mesh][name]))
+                grads.append(_layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
+            unions[key] = (_union(compute, "duplicate"), _union(grads, "partial"))
+        out[name] = ParameterLayouts(name, holder_tuple, optimizer_layouts[name], *unions[key])
     return out
 
 
@@ -94,9 +101,12 @@ def plan_parameters(
         def plan(src: AnyLayout, dst: AnyLayout, size: int) -> Any:
             return solve_rank(src, dst, rank, topology, itemsize=size)
     out: dict[str, ParameterComm] = {}
+    plans: dict[tuple, tuple[Any, Any]] = {}  # layers of equal layouts (shared objects) share their plans
     for name, lay in layouts.items():
-        pull_plan = plan(lay.optimizer, lay.compute, itemsize)
-        push_plan = plan(lay.grads, lay.optimizer, push_itemsize or itemsize)
+        key = (lay.optimizer, id(lay.compute), id(lay.grads))
+        if key not in plans:
+            plans[key] = (plan(lay.optimizer, lay.compute, itemsize), plan(lay.grads, lay.optimizer, push_itemsize or itemsize))
+        pull_plan, push_plan = plans[key]
         out[name] = ParameterComm(
             name=name,
             holders=lay.holders,
