@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.planner.terms", "hgraph.planner.correction", "hgraph.planner.machine",
                  "hgraph.planner.bubble")),
     # What compiled programs and plans execute with: communicators, the custom ops, the reshard
-    # interpreter, recompute regions, 1F1B action lists. Passes insert calls to these ops.
+    # interpreter, recompute regions. Passes insert calls to these ops.
     ("kernels", ("hgraph.runtime.failures", "hgraph.runtime.comm", "hgraph.runtime.context",
                  "hgraph.runtime.attention_kernels", "hgraph.runtime.collectives",
                  "hgraph.runtime.vocab_parallel", "hgraph.runtime.packed_attention", "hgraph.runtime.ops",
