@@ -2,9 +2,10 @@
 
 The built-in passes, in order, and the graph each one (and every user pass anchored at it) sees::
 
-    annotate, localize    the local program of a (cp, tp) stage mesh
+    precision, annotate,  the local program of a (cp, tp) stage mesh (precision: a reduced
+    localize              compute dtype computes as torch.autocast does)
     partition             that program, once per pipeline scheme (cp, tp, pp); cuts ctx.stages
-    precision, recompute  each stage program (ctx.stage)
+    recompute             each stage program (ctx.stage)
     insert_comm           once per strategy (ctx.strategy), on the local program of its first
                           pipeline: the Pull/Push layouts of every parameter from the stage programs into
                           ctx.parameter_layouts (each rank plans its part later)
@@ -39,9 +40,9 @@ PassFn = Callable[[fx.GraphModule, "CompileContext"], fx.GraphModule]
 
 # The built-in passes by level, in order; a level's graph is described in the module docstring.
 LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("mesh", ("annotate", "localize")),
+    ("mesh", ("precision", "annotate", "localize")),
     ("pipeline", ("partition",)),
-    ("stage", ("precision", "recompute")),
+    ("stage", ("recompute",)),
     ("strategy", ("insert_comm",)),
     ("rank", ("schedule",)),
 )
