@@ -37,9 +37,9 @@ import hgraph
 from hgraph.models import tiny_hf_llama
 from hgraph.planner.batches import read_lengths, sample_path
 from hgraph.planner.memory import MemoryRegression
-from hgraph.runtime import attention_kernels
-from hgraph.runtime.comm import ThreadComm, ThreadWorld
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels import attention_kernels
+from hgraph.runtime.kernels.comm import ThreadComm, ThreadWorld
+from hgraph.training.trainer import Trainer
 
 SHARED_LENGTHS = Path("/work/shared/data/wikipedia_lengths.txt")
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hgraph.errors import HGraphError
-from hgraph.runtime import attention_kernels as kernels
-from hgraph.runtime import ops
-from hgraph.runtime import packed_attention as packed_attention_module
+from hgraph.core.errors import HGraphError
+from hgraph.runtime.kernels import attention_kernels as kernels
+from hgraph.core.batch import load_balance_indices
+from hgraph.runtime.kernels import packed_attention as packed_attention_module
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -81,7 +81,7 @@ def test_flex_with_local_queries_against_gathered_keys_on_cpu():
     lengths = (12, 20)
     s = sum(lengths)
     q, k, v = torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
-    chosen = ops.load_balance_indices(s, 2, 1)
+    chosen = load_balance_indices(s, 2, 1)
     with torch.no_grad():
         got = kernels.flex(q[:, :, chosen], k, v, _packed(lengths), chosen, None, False)
     torch.testing.assert_close(got, _by_hand(q, k, v, lengths)[:, :, chosen], rtol=1e-5, atol=1e-5)
