@@ -41,9 +41,10 @@ import hgraph
 from hgraph.models import tiny_hf_llama
 from hgraph.planner.batches import read_lengths, sample_path
 from hgraph.planner.memory import MemoryRegression
-from hgraph.runtime import attention_kernels, ops
-from hgraph.runtime.comm import ThreadComm, ThreadWorld
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels import attention_kernels
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.runtime.kernels.comm import ThreadComm, ThreadWorld
+from hgraph.training.trainer import Trainer
 
 SHARED_LENGTHS = Path("/work/shared/data/wikipedia_lengths.txt")
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -295,7 +296,7 @@ def attention_variants(lengths: list[int], device: torch.device) -> dict:
         kernel = attention_kernels.choose_kernel(device, dtype, variant=attention_kernels.AttentionVariant(**variant))
         _sync(device)
         start = time.perf_counter()
-        got = ops.packed_attention(q, k, v, positions, enable_gqa=True, **variant)
+        got = packed_attention(q, k, v, positions, enable_gqa=True, **variant)
         grads = torch.autograd.grad(got, (q, k, v), upstream)
         _sync(device)
         seconds = time.perf_counter() - start

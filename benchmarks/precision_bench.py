@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
-from hgraph.zoo import zoo_config
+from hgraph.models.zoo import zoo_config
 
 BF16 = torch.bfloat16
 

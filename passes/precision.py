@@ -25,8 +25,9 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.products import CompileContext
-from hgraph.runtime import ops
+from hgraph.program.products import CompileContext
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy
 
 aten = torch.ops.aten
 
@@ -37,7 +38,7 @@ LOWER_PRECISION = frozenset({
     aten.conv1d, aten.conv2d, aten.conv3d, aten.conv_transpose1d, aten.conv_transpose2d,
     aten.conv_transpose3d, aten.convolution, aten._convolution, aten.scaled_dot_product_attention,
 })
-LOWER_PRECISION_CALLS = frozenset({ops.packed_attention})
+LOWER_PRECISION_CALLS = frozenset({packed_attention})
 LOWER_PRECISION_NAMES = frozenset({"transformers::grouped_mm_fallback"})  # HF's expert matmul
 FP32 = frozenset({
     aten.pow, aten.acos, aten.asin, aten.cosh, aten.sinh, aten.tan, aten.exp, aten.expm1, aten.log,
@@ -51,7 +52,7 @@ FP32 = frozenset({
     aten.multi_margin_loss, aten.multilabel_margin_loss, aten.cosine_embedding_loss,
     aten.triplet_margin_loss,
 })
-FP32_CALLS = frozenset({ops.vocab_parallel_cross_entropy})
+FP32_CALLS = frozenset({vocab_parallel_cross_entropy})
 PROMOTE = frozenset({
     aten.addcdiv, aten.addcmul, aten.atan2, aten.bilinear, aten.cross, aten.dot, aten.grid_sampler,
     aten.index_put, aten.scatter_add, aten.tensordot,

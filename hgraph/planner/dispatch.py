@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
 from hgraph.planner.packing import Packing, first_fit_decreasing, pack
 from hgraph.planner.timing import PipelineCost
 
@@ -237,7 +237,7 @@ class Assigner:
 
 
 class PipelineShape(Protocol):
-    """What ``default_dispatch`` reads of a pipeline (``hgraph.strategy.Pipeline``)."""
+    """What ``default_dispatch`` reads of a pipeline (``hgraph.core.strategy.Pipeline``)."""
 
     size: int
     pp: int
@@ -252,7 +252,7 @@ def default_dispatch(
     at most ``micro_batch_tokens`` (a longer sequence gets a micro-batch of its own), at least ``pp``
     of them when there are enough sequences so the pipeline fills. An interleaved pipeline (``vpp >
     1``) gets whole rounds of ``pp`` where micro-batches of several sequences can be split (else its
-    schedule leaves the missing ones out, ``hgraph.actions.interleaved_1f1b``)."""
+    schedule leaves the missing ones out, ``hgraph.schedule.actions.interleaved_1f1b``)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     load = [0.0] * len(pipelines)
     assigned: list[list[int]] = [[] for _ in pipelines]

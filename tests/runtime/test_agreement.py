@@ -4,9 +4,9 @@ by statistics (up to summation order), integer and bool tensors (GPT-BigCode's c
 import pytest
 import torch
 
-from hgraph.errors import TrainingError
+from hgraph.core.errors import TrainingError
 from hgraph.runtime.agreement import check_same_parameters
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.comm import run_threads
 
 
 def tensors(rank, change=None):

@@ -12,14 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from hgraph.batch import pack_micro_batch
-from hgraph.errors import HGraphError
+from hgraph.core.batch import pack_micro_batch
+from hgraph.core.errors import HGraphError
 from hgraph.frontend import trace
-from hgraph.runtime import attention_kernels as kernels
-from hgraph.runtime import ops
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.context import RankContext, rank_context
-from hgraph.zoo import zoo_model
+from hgraph.runtime.kernels import attention_kernels as kernels
+from hgraph.core.batch import load_balance_indices
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.models.zoo import zoo_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 ENV = "HGRAPH_ATTENTION_KERNEL"
@@ -77,7 +78,7 @@ def test_sdpa_kernel_forward_and_backward_equal_dense_attention_per_document(mon
                                                                              softcap):
     monkeypatch.setenv(ENV, "sdpa")
     q, k, v = inputs(packing)
-    out = ops.packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap))
+    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap))
     want = dense_per_document(q, k, v, packing, window, softcap)
     torch.testing.assert_close(out, want)
     grad = torch.randn_like(out)
@@ -90,7 +91,7 @@ def test_sdpa_kernel_forward_and_backward_equal_dense_attention_per_document(mon
 def test_flex_kernel_forward_equals_dense_attention_per_document(monkeypatch, packing, window, softcap):
     monkeypatch.setenv(ENV, "flex")
     q, k, v = inputs(packing, dtype=torch.float32)
-    out = ops.packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap))
+    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap))
     torch.testing.assert_close(out, dense_per_document(q, k, v, packing, window, softcap), rtol=1e-5, atol=1e-5)
     with pytest.raises(HGraphError, match="no backward on CPU"):  # the recompute inside the backward op
         out.sum().backward()
@@ -110,7 +111,7 @@ def test_kernels_with_local_queries_against_gathered_keys(kernel, window, softca
     """The context-parallel case: the queries are a load-balanced subset of the stream."""
     packing = [[12, 20], [25, 7]]
     q, k, v = (t.detach().float() for t in inputs(packing))
-    chosen = ops.load_balance_indices(32, 2, 1)
+    chosen = load_balance_indices(32, 2, 1)
     variant = kernels.AttentionVariant(window=window, softcap=softcap)
     with torch.no_grad():
         got = kernels.attend(kernel, q[:, :, chosen], k, v, positions_of(packing), chosen, None, True, variant)
@@ -130,9 +131,9 @@ def test_context_parallel_attention_with_a_variant_on_two_ranks(window, softcap)
 
     def body(comm):
         with rank_context(RankContext(comm.rank, comm, {"cp": (0, 1)})):
-            idx = ops.load_balance_indices(16, 2, comm.rank)
+            idx = load_balance_indices(16, 2, comm.rank)
             lq, lk, lv = (t.detach()[:, :, idx].requires_grad_(True) for t in (q, k, v))
-            out = ops.packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True,
+            out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True,
                                        **variant_kwargs(window, softcap))
             return (idx, out, *torch.autograd.grad(out, (lq, lk, lv), grad[:, :, idx]))
 
@@ -237,7 +238,7 @@ def test_variant_values_and_names_are_checked():
         kernels.AttentionVariant(softcap=-1.0)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(HGraphError, match="unknown attention variant sinks; the variants are window, softcap"):
-        ops.packed_attention(q, q, q, torch.arange(4)[None], sinks=q)
+        packed_attention(q, q, q, torch.arange(4)[None], sinks=q)
     assert str(kernels.AttentionVariant(window=4, softcap=2.0)) == "window=4, softcap=2.0"
 
 

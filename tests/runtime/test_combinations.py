@@ -22,8 +22,8 @@ from test_trainer_oracles import tiny_cost_model
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
-from hgraph.runtime.trainer import Trainer
-from hgraph.zoo import zoo_model
+from hgraph.training.trainer import Trainer
+from hgraph.models.zoo import zoo_model
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 PACKED_TOKENS = 32
