@@ -22,7 +22,7 @@ PACKAGE_DIRS = {"hgraph": ROOT / "hgraph", "hgraph.passes": ROOT / "passes", "hg
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("hgraph.errors", "hgraph.layout", "hgraph.strategy", "hgraph.zero", "hgraph.seeding",
               "hgraph.batch", "hgraph.models", "hgraph.model_info", "hgraph.data", "hgraph.data.*",
-              "hgraph.train_config", "hgraph.compile_cache", "hgraph.actions")),
+              "hgraph.train_config", "hgraph.compile_cache", "hgraph.actions", "hgraph.flops")),
     ("lnk", ("hgraph.lnk.plan", "hgraph.lnk.pieces", "hgraph.lnk.collectives", "hgraph.lnk.solver",
              "hgraph.lnk.rank_plan", "hgraph.lnk.topology")),
     ("planner", ("hgraph.planner.analytic", "hgraph.planner.assign", "hgraph.planner.baselines",
@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.planner.bubble")),
     # What compiled programs and plans execute with: communicators, the custom ops, the reshard
     # interpreter, recompute regions. Passes insert calls to these ops.
-    ("kernels", ("hgraph.runtime.failures", "hgraph.runtime.comm", "hgraph.runtime.context",
+    ("kernels", ("hgraph.runtime.failures", "hgraph.runtime.preemption", "hgraph.runtime.comm", "hgraph.runtime.context",
                  "hgraph.runtime.attention_kernels", "hgraph.runtime.collectives",
                  "hgraph.runtime.vocab_parallel", "hgraph.runtime.packed_attention", "hgraph.runtime.ops",
                  "hgraph.runtime.recompute", "hgraph.runtime.reshard", "hgraph.runtime.coalesce",
@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime", ("hgraph.runtime.stage", "hgraph.runtime.executor", "hgraph.runtime.evaluate",
                  "hgraph.runtime.feed", "hgraph.runtime.optimizer", "hgraph.runtime.checkpoint",
                  "hgraph.runtime.agreement", "hgraph.runtime.timeline", "hgraph.runtime.launch",
+                 "hgraph.runtime.metrics", "hgraph.runtime.checkpoint_manager",
                  "hgraph.runtime", "hgraph.thread_oracle")),
     ("show", ("hgraph.show",)),
     ("compiler", ("hgraph.compiler",)),
