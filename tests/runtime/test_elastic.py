@@ -1,5 +1,6 @@
 """Long runs survive what clusters do to them, and continue exactly: a rank killed under
-``torchrun --max-restarts 1`` (the job restarts itself from its newest checkpoint), and SIGTERM
+``torchrun --max-restarts 1`` (the job restarts itself from its newest checkpoint; ``hgraph train`` and
+the Python script pattern of ``examples/train_llama.py``), and SIGTERM
 (every rank finishes the iteration, checkpoints, exits 0; a second run resumes). The oracle is the same
 ``hgraph train`` config run without interruption: the exported model must be equal bit for bit (gloo),
 and so must every loss of the iterations trained again."""
@@ -10,8 +11,8 @@ import signal
 import pytest
 
 from long_run_tools import (
-    assert_bitwise_equal, complete, finish, hgraph_train, history, load_export, running, tail, torchrun_train,
-    torchrun_worker, train_config, wait_for,
+    ROOT, TORCHRUN, assert_bitwise_equal, complete, finish, hgraph_train, history, load_export, running, tail,
+    torchrun_train, torchrun_worker, train_config, wait_for,
 )
 from hgraph.runtime.metrics import read_jsonl
 
@@ -107,3 +108,38 @@ def test_sigterm_to_one_torchrun_worker_stops_every_rank_after_the_same_iteratio
         out = finish(agent, log, 600)
     assert agent.returncode == 0, out[-4000:]
     assert_continues_exactly(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_python_script_pattern_restarts_under_torchrun_and_continues_exactly(tmp_path):
+    """``examples/train_llama.py`` (init_from_env, CheckpointManager.resume, checkpoints.step) under
+    ``torchrun --max-restarts 1``: rank 1 killed after the second checkpoint; the job finishes on its
+    own with the weights of an uninterrupted run, bit for bit."""
+    script = str(ROOT / "examples" / "train_llama.py")
+    common = ["--iterations", "30", "--strategies", "tp2", "2x tp1", "--checkpoint-interval", "2"]
+    ref_log = tmp_path / "ref.txt"
+    with running([TORCHRUN, "--standalone", "--nproc-per-node", "2", script, *common,
+                  "--checkpoint-dir", str(tmp_path / "ref-ckpt"), "--out", str(tmp_path / "ref")], ref_log) as proc:
+        out = finish(proc, ref_log, 600)
+    assert proc.returncode == 0, out[-4000:]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.txt"
+    with running([TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval",
+                  "0.1", script, *common, "--checkpoint-dir", str(ckpt), "--out", str(tmp_path / "run")],
+                 log) as agent:
+        wait_for("the second checkpoint", lambda: complete(ckpt, 4), agent, log, 600)
+        os.kill(torchrun_worker(agent.pid, 1), signal.SIGKILL)
+        out = finish(agent, log, 600)
+    assert agent.returncode == 0, out[-4000:]
+    assert "resumed at iteration" in out, out[-4000:]
+    from safetensors.torch import load_file
+
+    assert_bitwise_equal(load_file(str(tmp_path / "run" / "model.safetensors")),
+                         load_file(str(tmp_path / "ref" / "model.safetensors")))
+    losses = {}  # every iteration's printed loss equals the uninterrupted run's (redone ones included)
+    for text in (out, ref_log.read_text()):
+        for line in text.splitlines():
+            if line.startswith("iter ") and " loss " in line:
+                i, loss = line.split()[1], line.split()[3]
+                losses.setdefault(int(i), set()).add(loss)
+    assert sorted(losses) == list(range(30)) and all(len(v) == 1 for v in losses.values())
