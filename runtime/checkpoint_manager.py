@@ -31,6 +31,7 @@ import json
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -106,6 +107,7 @@ class CheckpointManager:
         self._error: Optional[BaseException] = None
         self._pending: Optional[Path] = None
         self.saved: list[Path] = []  # checkpoints this manager completed, oldest first
+        self.write_seconds: list[float] = []  # how long each write took (snapshot to commit)
 
     def __str__(self) -> str:
         mode = "asynchronous" if self.async_write else "synchronous"
@@ -139,30 +141,32 @@ class CheckpointManager:
         path = self.directory / step_name(trainer.iteration)
         if trainer.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
         snap = checkpoint.snapshot(trainer, extra)
         background = self.async_write and isinstance(trainer.comm, ProcessGroupComm)
         if not background:
             checkpoint.write(snap, path, trainer.comm)
-            self._completed(path, trainer.rank)
+            self._completed(path, trainer.rank, started)
             return path
         if self._side is None:
             self._side = _SideComm()  # collective: every rank reaches its first save together
         self._pending = path
-        self._thread = threading.Thread(target=self._write, args=(snap, path), name="hgraph-checkpoint",
+        self._thread = threading.Thread(target=self._write, args=(snap, path, started), name="hgraph-checkpoint",
                                         daemon=True)
         self._thread.start()
         if blocking:
             self.wait()
         return path
 
-    def _write(self, snap: checkpoint.Snapshot, path: Path) -> None:
+    def _write(self, snap: checkpoint.Snapshot, path: Path, started: float) -> None:
         try:
             checkpoint.write(snap, path, self._side)
-            self._completed(path, snap.rank)
+            self._completed(path, snap.rank, started)
         except BaseException as exc:  # noqa: BLE001 - raised in the training thread by wait()
             self._error = exc
 
-    def _completed(self, path: Path, rank: int) -> None:
+    def _completed(self, path: Path, rank: int, started: float) -> None:
+        self.write_seconds.append(time.perf_counter() - started)
         self.saved.append(path)
         if rank == 0 and self.keep:
             for _, old in complete_steps(self.directory)[: -self.keep]:
