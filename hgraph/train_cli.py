@@ -253,8 +253,7 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
             checkpoints.save(trainer)
     if checkpoints is not None:
         checkpoints.close()  # the write in flight is complete (or its error raised) before we return
-    if trainer.metrics is not None:
-        trainer.metrics.close()
+    trainer.close()
     exported = export(trainer, model, cfg.export_dir) if cfg.export_dir and not preempted else None
     tokens = sum(h["tokens"] for h in trainer.history)
     return {"history": trainer.history, "evals": evals, "summary": {

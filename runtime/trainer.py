@@ -5,7 +5,9 @@ The planner (or the given strategy with a default dispatch) decides which pipeli
 sequences, packed into which micro-batches; each rank builds its own micro-batches from that
 decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
 token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
-same gradients as one device.
+same gradients as one device. One all-reduce closes every iteration: the loss, whether some rank was
+asked to stop (SIGTERM, ``trainer.stop_requested``) and, with ``metrics=MetricsConfig(...)``, every
+rank's peak memory and exposed communication for rank 0's metrics writer.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from hgraph.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.planner.plan import Dispatch
+from hgraph.runtime import preemption
 from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.comm import Communicator
 from hgraph.runtime.context import RankContext, rank_context
-from hgraph.runtime import preemption
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
@@ -323,6 +325,11 @@ class Trainer:
                  "-" if d.predicted_ms is None else f"{d.predicted_ms:.1f}", record["measured_ms"])
         self.iteration += 1
         return loss
+
+    def close(self) -> None:
+        """Flush and close the metrics files (rank 0); training on reopens them."""
+        if self.metrics is not None:
+            self.metrics.close()
 
     def gather_timeline(self, dst: int = 0) -> list[Any]:
         """Every rank's timeline events on rank ``dst`` (``[]`` elsewhere); call on every rank."""

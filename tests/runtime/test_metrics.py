@@ -86,8 +86,7 @@ def test_metrics_are_written_per_iteration_and_read_back_by_tensorboard(tmp_path
                                  planner=_planner(compiled, strategies), lr_scheduler=schedule)
         for batch in data:
             trainer.step(batch)
-        if trainer.metrics is not None:
-            trainer.metrics.close()
+        trainer.close()
         return trainer.history
 
     history = run_threads(body, 2, timeout=300)[0]
