@@ -52,7 +52,8 @@ def test_two_torchrun_agents_train_like_one_process_with_tp_inside_nodes_and_nod
         assert int(r["env"]["LOCAL_RANK"]) == r["rank"] - 2 * node[r["rank"]]  # node-major global ranks
         assert r["device_index"] == int(r["env"]["LOCAL_RANK"])  # a node's GPUs are indexed locally
         for group in r["tp_groups"]:
-            assert len(group) == 2 and len({node[m] for m in group}) == 1, (r["rank"], group)  # inside a node
+            assert r["rank"] in group and len({node[m] for m in group}) == 1, (r["rank"], group)  # inside a node
+    assert {len(g) for r in ranks for g in r["tp_groups"]} == {1, 2}  # tp2 groups (and the tp1 of 2x tp1)
     # node-local caches: each node's directory holds the plans of its own two ranks, nobody else's
     by_dir = {}
     for r in ranks:
