@@ -278,7 +278,10 @@ def run(args: argparse.Namespace) -> int:
         best = str(homogeneous_tuned(cost_model, cfg.world_size, batches)[0].strategy)
         print(f"      --compare: training again on the best homogeneous strategy {best}")
         base_cfg = DemoConfig(**{**asdict(cfg), "candidates": (best,)})
+        t3 = time.perf_counter()
         comparison = launch(_rank_train, cfg.world_size, args=(base_cfg,), timeout=args.timeout)[0]
+        comparison["wall_s"] = time.perf_counter() - t3
+        print(f"      --compare took {comparison['wall_s']:.1f} s (start, compile, train)")
     print("[4/4] writing the run folder")
     summary = write_artifacts(out, cfg, cost_model, result, comparison, train_s)
     print(_summary_text(summary))
@@ -331,7 +334,7 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         base_steady = base[1:] if len(base) > 1 else base
         base_s = sum(h["seconds"] for h in base_steady)
         summary["homogeneous"] = {"strategy": base[0]["strategy"], "step_s_total_after_first": base_s,
-                                  "loss_last": base[-1]["loss"]}
+                                  "loss_last": base[-1]["loss"], "wall_s": comparison.get("wall_s")}
         summary["measured_speedup"] = base_s / measured if measured else None
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(_summary_text(summary) + "\n")
