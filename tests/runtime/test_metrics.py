@@ -138,6 +138,7 @@ def _memory_and_stop():
     return [h["peak_memory_bytes"] for h in trainer.history], stops
 
 
+@pytest.mark.slow  # gloo processes; make test covers the metrics on simulated ranks and through hgraph train
 @pytest.mark.timeout(600)
 def test_peak_memory_per_rank_and_one_ranks_stop_request_reach_every_rank():
     results = hgraph.launch(_memory_and_stop, 2, timeout=500)
