@@ -37,10 +37,10 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.errors import CheckpointError, HGraphError
+from hgraph.core.errors import CheckpointError, HGraphError
 from hgraph.runtime import checkpoint
-from hgraph.runtime.comm import ProcessGroupComm
-from hgraph.runtime.failures import comm_timeout
+from hgraph.runtime.kernels.comm import ProcessGroupComm
+from hgraph.runtime.kernels.failures import comm_timeout
 
 STEP = re.compile(r"^step-(\d+)$")
 

@@ -5,7 +5,7 @@ rank 0 writes one record with
 
 * ``loss``, ``grad_norm`` (before clipping), ``lr`` (the rate this step used);
 * ``tokens``, ``seconds`` (the whole step, planning included), ``tokens_per_s``;
-* ``tflops`` (model FLOPs of the batch, ``hgraph.flops``, over the step time, all ranks together),
+* ``tflops`` (model FLOPs of the batch, ``hgraph.core.flops``, over the step time, all ranks together),
   ``mfu`` (``tflops / (peak_tflops * world_size)``; ``None`` without a declared ``peak_tflops``);
 * ``peak_memory_mb``: per rank, the peak during this iteration (resident set size on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA);
@@ -34,8 +34,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.errors import InputError
-from hgraph.flops import ModelFlops
+from hgraph.core.errors import InputError
+from hgraph.core.flops import ModelFlops
 
 JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"

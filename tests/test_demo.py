@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hgraph.cli import main
+from hgraph.cli.command import main
 
 
 def test_demo_end_to_end(tmp_path, monkeypatch, capsys):

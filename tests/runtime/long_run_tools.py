@@ -22,12 +22,12 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def train_config(tmp: Path, name: str, iterations: int = 8, interval: int = 2, **top) -> Path:
-    """An HF-free tiny Llama (``hgraph.demo:tiny_model``) on the embedded stdlib corpus, two strategies
+    """An HF-free tiny Llama (``hgraph.cli.demo:tiny_model``) on the embedded stdlib corpus, two strategies
     taken in turn, a warmup + cosine schedule, checkpoints every ``interval`` iterations (all kept),
     resume on, export at the end; everything under ``tmp/name``."""
     run = tmp / name
     cfg = {
-        "model": "hgraph.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2,
+        "model": "hgraph.cli.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2,
         "iterations": iterations, "lr": 3e-3, "warmup": 2, "lr_schedule": "cosine", "weight_decay": 0.01,
         "data": {"paths": ["hgraph:stdlib"], "tokenizer": "hgraph:stdlib", "context": 96,
                  "tokens_per_iteration": 384, "window": 16},

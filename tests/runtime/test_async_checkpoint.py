@@ -15,7 +15,7 @@ import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import checkpoint
 from hgraph.runtime.checkpoint_manager import CheckpointManager, complete_steps, latest
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.comm import run_threads
 
 STRATEGIES = ["2x tp1", "tp2"]
 WRITE_DELAY = 1.5  # seconds every background write is held back, so that it is surely still in flight

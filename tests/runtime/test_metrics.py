@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import hgraph
-from hgraph.flops import ModelFlops
+from hgraph.core.flops import ModelFlops
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.planner.correction import OnlineCorrection
@@ -21,9 +21,9 @@ from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 from hgraph.runtime import preemption
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.metrics import MetricsConfig, read_jsonl
-from hgraph.strategy import Strategy
+from hgraph.core.strategy import Strategy
 
 
 def hf_llama():
