@@ -36,8 +36,10 @@ P = Partial()
 class StridedShard(Shard):
     """A shard of a merged dim: the dim is ``[split_factor, rest]`` flattened and only ``rest`` is cut.
 
-    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives; unflattening it back
-    recovers ``Shard`` of the ``s`` dim. Used on the cp mesh dim only (see the module docstring).
+    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives (or of ``[b, s, h]``
+    with heads cut on tp: Gated DeltaNet's per-head norm over ``[b·s·h, d]`` rows); unflattening it
+    back recovers ``Shard`` of the cut dim. ``localize`` gathers it on tp in order (all-gather, then
+    the rank-major pieces moved back between the ``split_factor`` rows); on cp it is never gathered.
     """
 
     split_factor: int = 1
