@@ -3,10 +3,14 @@
 Models spell the same computation in different ways; the frontend rewrites a freshly exported graph
 (in place) so that:
 
+* ``no_grad`` and autocast-off blocks, which export wraps in higher-order ops, are inlined
+  (``hgraph.grad_regions``);
 * metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
 * no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
   ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
-* an in-place op on a fresh tensor used nowhere else (``out += attn``) is its functional form, and
+* an in-place write into a tensor the model created (``out += attn``, MLA's keys filled slice by
+  slice with ``copy_``, a router's ``mask.scatter_``) is its functional form
+  (``hgraph.functionalize``), and
   ``x @ W.T`` of a 2-d parameter is ``linear(x, W)``; batch and sequence sizes are read from
   ``input_ids`` (so every pipeline stage can compute them);
 * every causal self-attention is ``hgraph.runtime.ops.packed_attention(q, k, v, position_ids)``:
@@ -21,6 +25,10 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   ``enable_gqa=True``. Attention written out by hand (``hgraph.eager_attention``: HuggingFace's eager
   attention, Gemma 2's logit soft-capping) is treated the same way, its soft-cap kept.
 
+Linear-attention layers get the packed positions too (``hgraph.linear_attention``): Gated DeltaNet's
+delta rule becomes ``packed_gated_delta_rule`` and each causal depthwise convolution over the sequence
+``packed_causal_conv1d``, both restarting at every document.
+
 Attention with dropout, a mask of another kind (padding, ALiBi) or no causality stays as it is.
 """
 
@@ -34,6 +42,9 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hgraph.eager_attention import match_eager_attention
+from hgraph.functionalize import functionalize_fresh_writes
+from hgraph.grad_regions import inline_grad_regions
+from hgraph.linear_attention import packed_sequence_mixers
 from hgraph.mask_probe import NOT_CAUSAL, block_causal
 from hgraph.runtime.ops import packed_attention
 
@@ -46,6 +57,7 @@ _SDPA = aten.scaled_dot_product_attention.default
 def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     """Rewrite ``gm`` in place (see the module docstring); ``example_args`` are its inputs."""
     graph = gm.graph
+    inline_grad_regions(gm)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTIONS:
             graph.erase_node(node)
@@ -55,8 +67,8 @@ def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
     _sizes_from_inputs(graph)
+    functionalize_fresh_writes(graph)
     for node in list(graph.nodes):
-        _functional_in_place(node)
         _weight_matmul_as_linear(graph, node)
     _packed_attention(gm, example_args)
     graph.eliminate_dead_code()
@@ -137,29 +149,6 @@ def _sizes_from_inputs(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _fresh(node: Any) -> bool:
-    """A computed tensor that aliases nothing (not an input, not a view)."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function"):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and all(r.alias_info is None for r in schema.returns)
-
-
-def _functional_in_place(node: fx.Node) -> None:
-    """``a.add_(b)`` on a fresh ``a`` used only here (Falcon's ``mlp_out += attn_out``) -> ``a + b``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return
-    name = target.overloadpacket.__name__
-    if not name.endswith("_") or name.startswith("_") or not node.args:
-        return
-    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
-    self_arg = node.args[0]
-    if functional is None or not _fresh(self_arg) or len(self_arg.users) != 1:
-        return
-    node.target = functional
-
-
 def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
     """``x @ W.T`` with ``W`` a 2-d parameter (Falcon's ``FalconLinear``) -> ``linear(x, W)``, so the
     rules see a linear layer (column/row parallel) rather than a product with a transposed tensor."""
@@ -222,6 +211,7 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     for (node, a), window in zip(masked, windows):
         if window is not NOT_CAUSAL:
             _replace(gm.graph, node, a, positions, window)
+    packed_sequence_mixers(gm, positions)
 
 
 def _data_inputs(node: fx.Node) -> set[fx.Node]:

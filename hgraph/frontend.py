@@ -46,6 +46,7 @@ from torch import fx, nn
 
 from hgraph.canonicalize import canonicalize
 from hgraph.errors import InputError, TraceError
+from hgraph.linear_attention import hf_kernels
 
 INPUT_NAMES = ("input_ids", "position_ids", "targets")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
@@ -337,7 +338,7 @@ def _export(
     wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], spec: Any
 ) -> torch.export.ExportedProgram:
     try:
-        with _quiet():
+        with _quiet(), hf_kernels(wrapper.model):
             return torch.export.export(wrapper, inputs, dynamic_shapes=spec)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
         raise _trace_error(exc, wrapper) from exc

@@ -41,6 +41,7 @@ from hgraph.rules.base import (
     ShardingOptions,
     SizeArg,
     Spec,
+    StridedShard,
     example_size,
     local_shape,
     op_name,
@@ -180,6 +181,22 @@ class _Builder(LowerContext):
                 spec = with_placement(spec, m, Replicate())
                 s = spec[m]
                 value.meta["hgraph_spec"] = spec
+            if m == TP and s != t and isinstance(s, StridedShard):  # gather, then put the pieces in order
+                gathered_partial = m in fix and isinstance(t, Replicate)
+                gathered = with_placement(spec, m, Replicate())
+                value = self._comm(ops.all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
+                value = self._unstride(value, s, self.options.degrees[m], like)
+                spec = gathered
+                s = spec[m]
+                value.meta["hgraph_spec"] = spec
+            if m == TP and s != t and isinstance(t, StridedShard):  # whole first, then own strided pieces
+                if not isinstance(s, Replicate):
+                    value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
+                    spec = with_placement(spec, m, Replicate())
+                value = self._own_strided(value, t, name, like)
+                spec = with_placement(spec, m, t)
+                value.meta["hgraph_spec"] = spec
+                s = t
             if s != t and isinstance(t, InterleavedShard):  # whole on every rank first, then own chunks
                 if not isinstance(s, Replicate):
                     value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
@@ -224,6 +241,21 @@ class _Builder(LowerContext):
         items = [self.graph.call_function(operator.getitem, (parts, i)) for i in range(len(local) * degree)]
         order = [items[r * len(local) + b] for b in range(len(local)) for r in range(degree)]
         return self.graph.call_function(torch.ops.aten.cat.default, (order, p.dim))
+
+    def _unstride(self, gathered: fx.Node, p: StridedShard, degree: int, like: fx.Node) -> fx.Node:
+        """Rank-major pieces ``[rank][split_factor][rest/degree]`` of a gathered strided dim ->
+        ``[split_factor][rest]`` (``rest`` is static: the example's size over the split factor)."""
+        rest = _global_shape(like)[p.dim] // p.split_factor
+        grouped = self.graph.call_function(torch.ops.aten.unflatten.int, (gathered, p.dim, [degree, -1, rest // degree]))
+        moved = self.graph.call_function(torch.ops.aten.transpose.int, (grouped, p.dim, p.dim + 1))
+        return self.graph.call_function(torch.ops.aten.flatten.using_ints, (moved, p.dim, p.dim + 2))
+
+    def _own_strided(self, whole: fx.Node, p: StridedShard, name: str, like: fx.Node) -> fx.Node:
+        """This rank's cut of the ``rest`` part of every ``split_factor`` row (no communication)."""
+        rest = _global_shape(like)[p.dim] // p.split_factor
+        rows = self.graph.call_function(torch.ops.aten.unflatten.int, (whole, p.dim, [-1, rest]))
+        mine = self.graph.call_function(ops.split, (rows, name, p.dim + 1))
+        return self.graph.call_function(torch.ops.aten.flatten.using_ints, (mine, p.dim, p.dim + 1))
 
     def _own_chunks(self, whole: fx.Node, p: InterleavedShard, name: str) -> fx.Node:
         """This rank's chunk of every block of a replicated value, concatenated (no communication)."""

@@ -36,11 +36,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # interpreter, recompute regions. Passes insert calls to these ops.
     ("kernels", ("hgraph.runtime.failures", "hgraph.runtime.comm", "hgraph.runtime.context",
                  "hgraph.runtime.attention_kernels", "hgraph.runtime.collectives",
-                 "hgraph.runtime.vocab_parallel", "hgraph.runtime.packed_attention", "hgraph.runtime.ops",
+                 "hgraph.runtime.vocab_parallel", "hgraph.runtime.packed_attention", "hgraph.runtime.linear_attention",
+                 "hgraph.runtime.ops",
                  "hgraph.runtime.recompute", "hgraph.runtime.reshard", "hgraph.runtime.coalesce",
                  "hgraph.lnk.simulate", "hgraph.lnk")),
     ("rules", ("hgraph.rules", "hgraph.rules.*")),
-    ("frontend", ("hgraph.eager_attention", "hgraph.mask_probe", "hgraph.canonicalize", "hgraph.frontend")),
+    ("frontend", ("hgraph.eager_attention", "hgraph.mask_probe", "hgraph.functionalize", "hgraph.grad_regions",
+                  "hgraph.linear_attention", "hgraph.canonicalize",
+                  "hgraph.frontend", "hgraph.router_loss")),
     ("products", ("hgraph.products",)),
     ("passes", ("hgraph.passes", "hgraph.passes.*")),
     # Executes a RankProgram (products only): below the compiler, whose ``simulate`` runs it.
