@@ -35,8 +35,9 @@ from torch import nn
 
 from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
-from hgraph.errors import HGraphError, InputError, StrategyError
+from hgraph.errors import HGraphError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
+from hgraph.router_loss import loss_for
 from hgraph.layout import InterleavedShard, Layout
 from hgraph.model_info import model_dims as model_dims
 from hgraph.model_info import validate_strategies as validate_strategies
@@ -545,12 +546,8 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
-    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise InputError(
-            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
-            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
-            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
-        )
+    if loss_fn is None:
+        loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"
