@@ -77,10 +77,15 @@ def _causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return F.conv1d(x, weight, bias, padding=k - 1, groups=x.shape[1])[..., : x.shape[-1]]
 
 
+def conv_per_document(x: Tensor, weight: Tensor, bias: Optional[Tensor], position_ids: Optional[Tensor]) -> Tensor:
+    """``_causal_conv1d`` of every document alone (the kernel of both custom ops below)."""
+    return _per_document(lambda t: _causal_conv1d(t, weight, bias), [x], position_ids, 2)
+
+
 @torch.library.custom_op("hgraph::causal_conv1d", mutates_args=())
 def _conv_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], position_ids: Optional[Tensor]) -> Tensor:
     with torch.no_grad():
-        return _per_document(lambda t: _causal_conv1d(t, weight, bias), [x], position_ids, 2).contiguous()
+        return conv_per_document(x, weight, bias, position_ids).contiguous()
 
 
 @_conv_op.register_fake
@@ -95,7 +100,7 @@ def _conv_backward_op(
     leaves = [t.detach().requires_grad_(True) for t in (x, weight)]
     b = bias.detach().requires_grad_(True) if bias is not None else None
     with _autograd_inside_op():
-        out = _per_document(lambda t: _causal_conv1d(t, leaves[1], b), [leaves[0]], position_ids, 2)
+        out = conv_per_document(leaves[0], leaves[1], b, position_ids)
         grads = torch.autograd.grad(out, [*leaves, *([b] if b is not None else [])], grad)
     return [g.contiguous() for g in grads]
 
@@ -181,7 +186,9 @@ def chunk_gated_delta_rule(
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
 
-def _rule_per_document(q, k, v, g, beta, position_ids, chunk_size: int, l2norm: bool) -> Tensor:
+def rule_per_document(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, position_ids: Optional[Tensor],
+                      chunk_size: int, l2norm: bool) -> Tensor:
+    """``chunk_gated_delta_rule`` of every document alone (the kernel of both custom ops below)."""
     return _per_document(lambda *t: chunk_gated_delta_rule(*t, chunk_size, l2norm), [q, k, v, g, beta], position_ids, 1)
 
 
@@ -189,7 +196,7 @@ def _rule_per_document(q, k, v, g, beta, position_ids, chunk_size: int, l2norm: 
 def _rule_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, position_ids: Optional[Tensor],
              chunk_size: int, l2norm: bool) -> Tensor:
     with torch.no_grad():
-        return _rule_per_document(q, k, v, g, beta, position_ids, chunk_size, l2norm).contiguous()
+        return rule_per_document(q, k, v, g, beta, position_ids, chunk_size, l2norm).contiguous()
 
 
 @_rule_op.register_fake
@@ -203,7 +210,7 @@ def _rule_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, 
                       position_ids: Optional[Tensor], chunk_size: int, l2norm: bool) -> list[Tensor]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
     with _autograd_inside_op():
-        out = _rule_per_document(*leaves, position_ids, chunk_size, l2norm)
+        out = rule_per_document(*leaves, position_ids, chunk_size, l2norm)
         grads = torch.autograd.grad(out, leaves, grad)
     return [t.contiguous() for t in grads]
 
