@@ -53,6 +53,7 @@ from hgraph.runtime import ops
 if TYPE_CHECKING:
     from hgraph.products import CompileContext
 
+aten = torch.ops.aten
 _DROPPED_META = ("val", "tensor_meta", "hgraph_decision", "hgraph_grad_reduce")
 
 
@@ -164,8 +165,31 @@ class _Builder(LowerContext):
         src = node.meta.get("hgraph_spec")
         key = (node, dst, fix)
         if key not in self.cache:
-            self.cache[key] = self._transitions(self.env[node], src, dst, fix, node.name, node)
+            local = self._local_broadcast(node, src, dst)
+            self.cache[key] = local if local is not None else self._transitions(self.env[node], src, dst, fix, node.name, node)
         return self.cache[key]
+
+    def _local_broadcast(self, node: fx.Node, src: Spec, dst: Spec) -> Optional[fx.Node]:
+        """``expand`` of a size-1 dim, asked for cut on that dim over tp (MLA's shared rope key expanded
+        to every head): each rank expands to its own heads — no split, whose adjoint would gather every
+        head's gradient; the input's gradient (a sum over local heads) is summed over tp instead."""
+        if node.op != "call_function" or node.target is not aten.expand.default or src != (dst[CP], Replicate()):
+            return None
+        cut, source = dst[TP], node.args[0]
+        if not (type(cut) is Shard and isinstance(source, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)):
+            return None
+        shape, in_shape = _global_shape(node), _global_shape(source)
+        lead = len(shape) - len(in_shape)
+        d = cut.dim % len(shape)
+        if d < lead or in_shape[d - lead] != 1 or shape[d] % self.options.tp or source.meta.get("hgraph_spec") != src:
+            return None
+        sizes = [-1] * len(shape)
+        sizes[d] = shape[d] // self.options.tp
+        summed = self._comm(ops.grad_all_reduce, (self.env[source], "tp"), src, src, source.name, source)
+        local = self.graph.call_function(aten.expand.default, (summed, sizes))
+        local.meta["hgraph_spec"] = dst
+        local.meta["hgraph_note"] = "expanded to this rank's heads"
+        return local
 
     def _transitions(self, value: fx.Node, src: Spec, dst: Spec, fix: frozenset, tensor: str, like: fx.Node) -> fx.Node:
         spec = src
