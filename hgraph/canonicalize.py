@@ -7,7 +7,7 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   (``hgraph.grad_regions``);
 * metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
 * no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
-  ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
+  ``x[:, :]``, ``x * 1.0`` and ``x + 0``, and the 1-d empty tensors ``cat`` skips;
 * an in-place write into a tensor the model created (``out += attn``, MLA's keys filled slice by
   slice with ``copy_``, a router's ``mask.scatter_``) is its functional form
   (``hgraph.functionalize``), and
@@ -62,6 +62,8 @@ def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         if node.op == "call_function" and node.target in _ASSERTIONS:
             graph.erase_node(node)
     for node in list(graph.nodes):
+        _drop_empty_cat_inputs(node)
+    for node in list(graph.nodes):
         source = _identity_source(node)
         if source is not None:
             node.replace_all_uses_with(source)
@@ -90,6 +92,20 @@ def _same_tensor_type(a: Any, b: Any) -> bool:
 
 def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _drop_empty_cat_inputs(node: fx.Node) -> None:
+    """``cat([torch.tensor([]), k], dim)`` (GraniteMoE's empty key cache): ``cat`` skips a 1-d empty
+    tensor, so it is dropped from the list (rules then see tensors of one rank)."""
+    if node.op != "call_function" or node.target != aten.cat.default:
+        return
+    tensors = list(node.args[0])
+    out = _val(node)
+    kept = [t for t in tensors if not (isinstance(_val(t), torch.Tensor) and _val(t).dim() == 1
+                                       and _val(t).shape[0] == 0 and out is not None and out.dim() > 1)]
+    if len(kept) == len(tensors) or not kept:
+        return
+    node.args = (kept, *node.args[1:])
 
 
 def _identity_source(node: fx.Node) -> fx.Node | None:

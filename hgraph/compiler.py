@@ -35,7 +35,7 @@ from torch import nn
 
 from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
-from hgraph.errors import HGraphError, StrategyError
+from hgraph.errors import HGraphError, StrategyError, TraceError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.router_loss import loss_for
 from hgraph.layout import InterleavedShard, Layout
@@ -595,6 +595,12 @@ def compile(
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
             traced = trace(source, example_inputs, loss_fn)
+        if not traced.dynamic:
+            raise TraceError(
+                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
+                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
+                "write that computation without Python control flow over sizes (or supply a layer that does)"
+            )
         own = _own_rank(world) if rank == "auto" else rank
         return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
 

@@ -12,8 +12,12 @@ Two steps, like attention's (``canonicalize``):
   and Mamba's ``conv1d(x)[..., :seq_len]``), the ``position_ids``: ``packed_gated_delta_rule`` and
   ``packed_causal_conv1d`` run every document alone.
 
-Anything else that carries state along the sequence (Mamba's selective scan, written out in ATen ops)
-is not recognised; ``unpackable_mixers`` names such layers so that packing them is refused.
+Other layers that carry a state along the sequence — Mamba's selective scan (Bamba, Falcon-H1, Jamba,
+Nemotron-H), MiniMax's lightning attention — are written out in ATen ops with Python loops over the
+length; hgraph has no kernel that restarts them at a document and no trace that serves every length.
+``refuse_unsupported_mixers`` names such a layer before tracing (``TraceError``): a layer with a
+selective-scan decay parameter ``A_log`` or a lightning-attention ``slope_rate`` whose modeling module
+has none of the reference kernels above.
 """
 
 from __future__ import annotations
@@ -68,6 +72,31 @@ def hf_kernels(model: nn.Module) -> Iterator[None]:
     finally:
         for module, name, original in saved:
             setattr(module, name, original)
+
+
+_RECURRENT_STATE = ("A_log", "slope_rate")  # a layer's own tensors that mark a recurrence over the sequence
+
+
+def refuse_unsupported_mixers(model: nn.Module) -> None:
+    """Raise ``TraceError`` naming the first recurrent sequence-mixing layer of ``model`` that hgraph
+    cannot run over packed documents (module docstring); do nothing when there is none."""
+    for path, module in model.named_modules():
+        own = {name for name, _ in module.named_parameters(recurse=False)} | {
+            name for name, _ in module.named_buffers(recurse=False)}
+        if not own & set(_RECURRENT_STATE):
+            continue
+        namespace = sys.modules.get(type(module).__module__)
+        if namespace is not None and any(callable(getattr(namespace, name, None)) for name in _REPLACED):
+            continue  # a Gated DeltaNet: its kernel is replaced while tracing
+        kind = "lightning-attention" if "slope_rate" in own else "state-space (selective scan)"
+        raise TraceError(
+            f"cannot trace {type(model).__name__}: module '{path}' ({type(module).__name__}) is a {kind} layer, "
+            "which carries a state along the sequence; hgraph has no kernel that restarts it at every packed "
+            "document (its reference code loops over the length in Python, so no trace serves every length). "
+            "Supported recurrent layers: Gated DeltaNet (Qwen3-Next, Qwen3.5) and causal depthwise convolutions; "
+            "train this family without hgraph until a packed kernel for this layer is added "
+            "(hgraph.linear_attention)"
+        )
 
 
 def _val(node: Any) -> Any:
@@ -129,4 +158,4 @@ def _swap(graph: fx.Graph, node: fx.Node, target: Any, args: tuple, kwargs: dict
     return new
 
 
-__all__ = ["hf_kernels", "packed_sequence_mixers"]
+__all__ = ["hf_kernels", "packed_sequence_mixers", "refuse_unsupported_mixers"]
