@@ -1,7 +1,9 @@
-"""Two zoo families in their default configs trained for 3 iterations by ``hgraph.Trainer`` on 4 real
+"""Zoo families in their default configs trained for 3 iterations by ``hgraph.Trainer`` on 4 real
 gloo processes, switching strategy every iteration, equal to single-process ``torch.optim.AdamW`` on
 the unmodified model: Mistral (sliding window shorter than the longest sequences, grouped-query
-attention) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token).
+attention), Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token), and two mixtures of experts on
+the strategies their routing allows: Qwen3-MoE and DeepSeek-V3 (MLA, grouped sigmoid router with
+score correction, shared experts, dense first layers).
 
 The first step's gradients are compared directly (AdamW's first ``exp_avg`` is ``(1 - beta1) * grad``
 on both sides), the parameters after every step with a tolerance derived from Adam itself: the
@@ -25,6 +27,7 @@ from hgraph.runtime.trainer import Trainer
 from hgraph.zoo import zoo_model
 
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x cp2"]
+MOE_STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]  # routing needs every token: no cp
 ITERATIONS = 3
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-8
@@ -70,22 +73,27 @@ def first_step_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def hgraph_run(family: str):
+def hgraph_run(family: str, strategies: list[str]):
     """Runs on every rank (module level so spawned processes can import it)."""
     model = zoo_model(family).eval()
-    compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 256, (1, 8)))
+    compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 256, (1, 8)))
     trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
     losses, params, grads = [], [], None
     for i, batch in enumerate(batches(model.config.vocab_size)):
-        losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))
+        losses.append(trainer.step(batch, strategy=i % len(strategies)))
         grads = grads or first_step_gradients(trainer)
         params.append(trainer.full_parameters())
     return losses, params, grads
 
 
-@pytest.mark.parametrize("family", ["mistral", pytest.param("phi3", marks=pytest.mark.slow)])
-def test_trained_on_gloo_processes_equals_adamw(family):
-    results = hgraph.launch(hgraph_run, 4, args=(family,), timeout=400)
+@pytest.mark.parametrize("family, strategies", [
+    ("mistral", STRATEGIES),
+    pytest.param("phi3", STRATEGIES, marks=pytest.mark.slow),
+    ("qwen3_moe", MOE_STRATEGIES),  # 16 experts, top-8, softmax router
+    pytest.param("deepseek_v3", MOE_STRATEGIES, marks=pytest.mark.slow),  # MLA, grouped sigmoid router, shared experts
+])
+def test_trained_on_gloo_processes_equals_adamw(family, strategies):
+    results = hgraph.launch(hgraph_run, 4, args=(family, strategies), timeout=600)
     ref_losses, ref_params, ref_grads = reference_run(family)
     for losses, params, grads in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
