@@ -1,4 +1,4 @@
-"""Rules for linear-attention layers over packed sequences (``hgraph.runtime.linear_attention``).
+"""Rules for linear-attention layers over packed sequences (``hgraph.runtime.kernels.linear_attention``).
 
 ``packed_gated_delta_rule(q, k, v, g, beta, position_ids)`` (q, k ``[b, s, hk, dk]``; v ``[b, s, hv,
 dv]``; g, beta ``[b, s, hv]``): every head has its own memory, so tp splits the heads — contiguous
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from hgraph.layout import InterleavedShard, Partial, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Shard
 from hgraph.rules.base import CP, TP, R, Decision, RuleInput, interleave_aware
 from hgraph.rules.registry import register
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.linear_attention import packed_causal_conv1d, packed_gated_delta_rule
+
 
 
 def _refuse_cp(rin: RuleInput, tensors: list[fx.Node], seq_dim: int, what: str) -> None:
@@ -65,5 +66,5 @@ def causal_conv1d_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return Decision(output=(R, out), inputs=inputs, note="channels over tp" if out != R else "")
 
 
-register(ops.packed_gated_delta_rule, gated_delta_rule_rule)
-register(ops.packed_causal_conv1d, causal_conv1d_rule)
+register(packed_gated_delta_rule, gated_delta_rule_rule)
+register(packed_causal_conv1d, causal_conv1d_rule)

@@ -4,7 +4,7 @@
 MoE routers use them on ``[tokens, experts]`` tables (``scores.gather(1, topk_idx)``,
 ``group_mask.scatter_(1, group_idx, 1)``, Llama 4's ``full_like(-inf).scatter_(1, idx, top)``), HF's
 eager experts add each expert's output back with ``index_add_``, and functionalised writes into
-fresh buffers (``hgraph.functionalize``) become ``slice_scatter`` / ``select_scatter``.
+fresh buffers (``hgraph.frontend.functionalize``) become ``slice_scatter`` / ``select_scatter``.
 
 One rule shape covers them all. The *indexed dim* (``dim``) is read or written at data-dependent (or
 sliced) positions, so the tensor indexed along it must be whole there: on tp it is gathered first, on
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Partial, Placement, Shard
+from hgraph.core.layout import Partial, Placement, Shard
 from hgraph.rules.base import CP, MESH_DIMS, P, R, Decision, RuleInput
 from hgraph.rules.registry import register
 

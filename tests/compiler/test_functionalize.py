@@ -1,5 +1,5 @@
 """In-place writes into fresh tensors and export's no-grad / autocast regions become plain functional
-graphs (``hgraph.functionalize``, ``hgraph.grad_regions``), equal to the model in loss and gradients,
+graphs (``hgraph.frontend.functionalize``, ``hgraph.frontend.grad_regions``), equal to the model in loss and gradients,
 and compile to programs equal to the model on tp and cp."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.errors import TraceError
+from hgraph.core.errors import TraceError
 from hgraph.frontend import trace
 
 VOCAB, HIDDEN = 32, 16

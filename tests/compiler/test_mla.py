@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.layout import Replicate, Shard
-from hgraph.zoo import zoo_model
+from hgraph.core.layout import Replicate, Shard
+from hgraph.models.zoo import zoo_model
 
 EXAMPLE = (2, 8)
 NETWORK = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "grad_all_reduce"}  # split moves nothing

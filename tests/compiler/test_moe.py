@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.errors import ShardingRuleError
-from hgraph.layout import InterleavedShard, Replicate, Shard
+from hgraph.core.errors import ShardingRuleError
+from hgraph.core.layout import InterleavedShard, Replicate, Shard
 from hgraph.rules.base import TP
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts_per_tok=2, max_position_embeddings=64, use_cache=False, pad_token_id=None,
@@ -87,7 +87,7 @@ def test_context_parallel_routing_is_refused_clearly():
 @pytest.mark.parametrize("strategy", ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"])
 def test_auxiliary_loss_equals_the_models_own_loss(strategy):
     """With ``output_router_logits`` the model adds ``router_aux_loss_coef · aux_loss`` of each forward to
-    its loss (``hgraph.router_loss``). Each row of the batch is one micro-batch, so the oracle is the
+    its loss (``hgraph.frontend.router_loss``). Each row of the batch is one micro-batch, so the oracle is the
     model's own loss (HF's ``labels=`` path, aux term included) of each row, weighted by its tokens."""
     model = tiny_mixtral()
     model.config.output_router_logits = True

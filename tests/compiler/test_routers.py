@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import hgraph
 from hgraph.rules import lookup, register
 from hgraph.rules.base import Decision
-from hgraph.batch import next_token_targets
-from hgraph.zoo import zoo_model
+from hgraph.core.batch import next_token_targets
+from hgraph.models.zoo import zoo_model
 
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]
 

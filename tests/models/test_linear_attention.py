@@ -3,7 +3,7 @@ restart at every document, so a packed row equals its documents run alone throug
 — loss and every gradient, fp32, on tp+dp, tp x pp and dp x pp; context parallelism of the recurrence
 is refused naming it. A planted bug (the convolution not restarted at a boundary) is caught.
 
-Documents are packed as training packs them (``hgraph.batch.pack_micro_batch``: positions restart at 0,
+Documents are packed as training packs them (``hgraph.core.batch.pack_micro_batch``: positions restart at 0,
 each document's last token predicts nothing), several per row, one longer than the delta rule's
 64-token chunks and all longer than the 4-token convolution."""
 
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import hgraph
-from hgraph.batch import pack_micro_batch
-from hgraph.errors import ShardingRuleError
-from hgraph.runtime import linear_attention
-from hgraph.zoo import zoo_model
+from hgraph.core.batch import pack_micro_batch
+from hgraph.core.errors import ShardingRuleError
+from hgraph.runtime.kernels import linear_attention
+from hgraph.models.zoo import zoo_model
 
 ROWS = [(5, 17, 9, 40), (70, 1)]  # documents per row (two rows: one micro-batch each)
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 from rule_harness import Sample
 
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.linear_attention import packed_causal_conv1d, packed_gated_delta_rule
+from hgraph.runtime.kernels.packed_attention import packed_attention
 
 aten = torch.ops.aten
 Make = Callable[[torch.Generator], Sample]
@@ -353,10 +354,10 @@ CASES: dict[str, list[Case]] = {
         case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
-    "hgraph.runtime.packed_attention.packed_attention": [case(ops.packed_attention, _attention_inputs)],
+    "hgraph.runtime.kernels.packed_attention.packed_attention": [case(packed_attention, _attention_inputs)],
     # ---------------------------------------------------------------- linear_attention.py
-    "hgraph.runtime.linear_attention.packed_gated_delta_rule": [case(ops.packed_gated_delta_rule, _delta_rule_inputs)],
-    "hgraph.runtime.linear_attention.packed_causal_conv1d": [case(ops.packed_causal_conv1d, _conv_inputs)],
+    "hgraph.runtime.kernels.linear_attention.packed_gated_delta_rule": [case(packed_gated_delta_rule, _delta_rule_inputs)],
+    "hgraph.runtime.kernels.linear_attention.packed_causal_conv1d": [case(packed_causal_conv1d, _conv_inputs)],
     "aten.scaled_dot_product_attention": [
         case(aten.scaled_dot_product_attention.default,
              lambda g: Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4)), {"is_causal": True}),
