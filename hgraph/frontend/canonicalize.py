@@ -17,13 +17,16 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
   ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
   ``position_ids`` alone (HuggingFace builds one to detect packed sequences) once the mask is checked
-  to be exactly that block-causal mask — or its sliding window, ``window=w`` — on probe inputs longer
-  than every length constant of the mask computation (a probe no longer than the window would see
+  to be exactly that block-causal mask — or its sliding window, ``window=w``, or Llama 4's chunks,
+  ``chunk=c`` — on probe inputs longer than every length constant of the mask computation (a probe no longer than the window would see
   plain causality); the dense mask computation then disappears. A mask whose constants would need a
   probe longer than 8192 tokens keeps its computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
   ``enable_gqa=True``. Attention written out by hand (``hgraph.frontend.eager_attention``: HuggingFace's eager
-  attention, Gemma 2's logit soft-capping) is treated the same way, its soft-cap kept.
+  attention, Gemma 2's logit soft-capping, gpt-oss's attention sinks) is treated the same way, its
+  soft-cap or sinks kept. A mask computed from the sizes alone (gpt-oss, GraniteMoE never look at
+  positions) describes one document per row: proved on unpacked rows, it becomes packed attention with
+  that variant, which runs each packed document as the model runs it alone.
 
 Linear-attention layers get the packed positions too (``hgraph.frontend.capture.linear_attention``): Gated DeltaNet's
 delta rule becomes ``packed_gated_delta_rule`` and each causal depthwise convolution over the sequence
@@ -41,7 +44,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hgraph.frontend.eager_attention import match_eager_attention
+from hgraph.frontend.eager_attention import match_eager_attention, match_sink_attention
 from hgraph.frontend.functionalize import functionalize_fresh_writes
 from hgraph.frontend.grad_regions import inline_grad_regions
 from hgraph.frontend.linear_attention import packed_sequence_mixers
@@ -205,11 +208,11 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     positions = _position_input(gm)
     if positions is None:
         return
-    causal, masked = [], []
+    causal, masked, sized = [], [], []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node)
+        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node) or match_sink_attention(node)
         if a is None:
             continue
         q_len, k_len = _val(a["query"]).shape[-2], _val(a["key"]).shape[-2]
@@ -219,14 +222,20 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         if a["is_causal"] and a["attn_mask"] is None:
             causal.append((node, a))
         elif a["attn_mask"] is not None and not a["is_causal"]:
-            if _data_inputs(a["attn_mask"]) <= {positions}:
+            inputs = _data_inputs(a["attn_mask"])
+            if inputs == {positions}:
                 masked.append((node, a))
-    windows = block_causal(gm, [a["attn_mask"] for _, a in masked], positions, example_args) if masked else []
+            elif not inputs:  # built from sizes alone: one document per row (gpt-oss, GraniteMoE)
+                sized.append((node, a))
     for node, a in causal:
-        _replace(gm.graph, node, a, positions, None)
-    for (node, a), window in zip(masked, windows):
-        if window is not NOT_CAUSAL:
-            _replace(gm.graph, node, a, positions, window)
+        _replace(gm.graph, node, a, positions, {})
+    for group, unpacked in ((masked, False), (sized, True)):
+        if not group:
+            continue
+        variants = block_causal(gm, [a["attn_mask"] for _, a in group], positions, example_args, unpacked=unpacked)
+        for (node, a), variant in zip(group, variants):
+            if variant is not NOT_CAUSAL:
+                _replace(gm.graph, node, a, positions, variant)
     packed_sequence_mixers(gm, positions)
 
 
@@ -267,7 +276,7 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
     return kv, repeat
 
 
-def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, window: int | None) -> None:
+def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, variant: dict[str, int]) -> None:
     key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
     folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
     if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
@@ -277,10 +286,10 @@ def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.No
         kwargs["scale"] = a["scale"]
     if enable_gqa:
         kwargs["enable_gqa"] = True
-    if window is not None:
-        kwargs["window"] = window
-    if a.get("softcap") is not None:
-        kwargs["softcap"] = a["softcap"]
+    kwargs.update(variant)
+    for name in ("softcap", "sinks"):
+        if a.get(name) is not None:
+            kwargs[name] = a[name]
     with graph.inserting_before(node):
         new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
     new.meta = dict(node.meta)

@@ -11,60 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hgraph
-from hgraph.core.batch import pack_micro_batch
+from packed_documents import alone, documents, mismatch, packed
 from hgraph.core.errors import ShardingRuleError
 from hgraph.runtime.kernels import linear_attention
 from hgraph.models.zoo import zoo_model
 
-ROWS = [(5, 17, 9, 40), (70, 1)]  # documents per row (two rows: one micro-batch each)
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]
-
-
-def documents(vocab: int) -> list[list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    return [[torch.randint(0, vocab, (n,), generator=g) for n in row] for row in ROWS]
-
-
-def packed(rows: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each row packed, padded to one length with an ignored segment (positions restarting at 0)."""
-    batches = [pack_micro_batch(row) for row in rows]
-    length = max(b["input_ids"].shape[1] for b in batches)
-    out: dict[str, list[torch.Tensor]] = {"input_ids": [], "position_ids": [], "targets": []}
-    for b in batches:
-        pad = length - b["input_ids"].shape[1]
-        out["input_ids"].append(F.pad(b["input_ids"], (0, pad)))
-        out["position_ids"].append(torch.cat([b["position_ids"], torch.arange(pad)[None]], 1))
-        out["targets"].append(F.pad(b["targets"], (0, pad), value=-100))
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-def alone(model, rows):
-    """The oracle: the unmodified model run on each document by itself (token-mean loss, gradients)."""
-    docs = [d for row in rows for d in row if len(d) > 1]
-    tokens = sum(len(d) - 1 for d in docs)
-    model.zero_grad()
-    total = 0.0
-    for d in docs:
-        loss = F.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="sum") / tokens
-        loss.backward()
-        total += loss.item()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    return torch.tensor(total), grads
-
-
-def mismatch(compiled, strategy, batch, ref) -> str:
-    loss, grads = compiled.simulate(strategy, batch["input_ids"], batch["targets"], batch["position_ids"])
-    ref_loss, ref_grads = ref
-    worst = ""
-    for name, want in [("loss", ref_loss), *ref_grads.items()]:
-        got = loss if name == "loss" else grads[name]
-        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
-            worst = f"{name}: max abs error {(got - want).abs().max().item():.2e}"
-    return worst
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])

@@ -70,16 +70,16 @@ EXPECTED: dict[str, dict[str, str]] = {
     "qwen3_next": {CP: RECURRENCE_CP},
     "qwen3_5": {CP: RECURRENCE_CP},
     "qwen3_5_moe": {CP: RECURRENCE_CP},
-    "gpt_oss": {CP: EAGER_CP},  # attention sinks: eager attention with a dense mask (issue 27's kernels)
-    "llama4": {CP: EAGER_CP},  # chunked attention: dense mask from position ids (issue 27's kernels)
+    "gpt_oss": {CP: MOE_CP},  # attention sinks, sliding/full layers: packed attention (sinks, window)
+    "llama4": {CP: MOE_CP},  # chunked and full layers: packed attention (chunk)
     "gemma4": {},
     "olmo3": {},
     "smollm3": {},
     "ministral": {},
     "granite": {},
     "olmoe": {CP: MOE_CP},
-    "granitemoe": {CP: EAGER_CP},
-    "granitemoeshared": {CP: EAGER_CP},
+    "granitemoe": {CP: MOE_CP},
+    "granitemoeshared": {CP: MOE_CP},
     "phimoe": {CP: MOE_CP},
     "ernie4_5_moe": {CP: MOE_CP},
     "hunyuan_v1_moe": {CP: MOE_CP},

@@ -100,6 +100,13 @@ def _positions() -> torch.Tensor:
     return torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two packed sequences
 
 
+def _sink_attention_inputs(g: torch.Generator) -> Sample:
+    """gpt-oss's learned sink logit per query head (a parameter, cut with the heads), Llama 4's chunks."""
+    return Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), _positions()),
+                  {"sinks": rand(g, 4), "chunk": 3}, names=("q", "k", "v", "position_ids", "p_sinks"),
+                  params=frozenset({"p_sinks"}))
+
+
 def _delta_rule_inputs(g: torch.Generator) -> Sample:
     """Gated DeltaNet: 4 k heads serving 8 v heads, three packed documents per row."""
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
@@ -354,7 +361,10 @@ CASES: dict[str, list[Case]] = {
         case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
-    "hgraph.runtime.kernels.packed_attention.packed_attention": [case(packed_attention, _attention_inputs)],
+    "hgraph.runtime.kernels.packed_attention.packed_attention": [
+        case(packed_attention, _attention_inputs),
+        case(packed_attention, _sink_attention_inputs, "sinks, chunks"),
+    ],
     # ---------------------------------------------------------------- linear_attention.py
     "hgraph.runtime.kernels.linear_attention.packed_gated_delta_rule": [case(packed_gated_delta_rule, _delta_rule_inputs)],
     "hgraph.runtime.kernels.linear_attention.packed_causal_conv1d": [case(packed_causal_conv1d, _conv_inputs)],
