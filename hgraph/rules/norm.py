@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.layout import Partial, Shard
-from hgraph.rules.base import CP, P, R, Decision, RuleInput
+from hgraph.rules.base import CP, P, R, Decision, RuleInput, interleave_aware
 from hgraph.rules.elementwise import pointwise_rule
 from hgraph.rules.registry import register
 
@@ -133,6 +133,8 @@ register(aten.max, max_min_rule)
 register(aten.min, max_min_rule)
 for _op in (aten.argmax, aten.argmin):
     register(_op, arg_reduction_rule)
+for _rule in (reduction_rule, softmax_rule, norm_rule):
+    interleave_aware(_rule)  # a kept dim keeps its shard as it is; a reduced one is gathered or summed
 for _op in (aten.sum, aten.mean, aten.amax, aten.amin, aten.logsumexp, aten.prod):
     register(_op, reduction_rule)
 for _op in (aten._softmax, aten.softmax, aten._log_softmax, aten.log_softmax):
