@@ -42,7 +42,7 @@ def attention_traffic(compiled, model) -> dict[str, dict[str, int]]:
     return traffic
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("glm4_moe_lite", marks=pytest.mark.slow)])
 def test_mla_moves_the_head_sharded_minimum(family):
     model = zoo_model(family).eval()
     config = model.config
@@ -56,7 +56,7 @@ def test_mla_moves_the_head_sharded_minimum(family):
         assert entry == {"forward": forward, "backward": backward, "all_reduce": 1, "grad_all_reduce": 3}, module
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("glm4_moe_lite", marks=pytest.mark.slow)])
 def test_mla_weights_are_duplicated_down_and_head_parallel_up(family):
     model = zoo_model(family).eval()
     compiled = hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 256, EXAMPLE))

@@ -84,7 +84,8 @@ def test_context_parallel_routing_is_refused_clearly():
         hgraph.compile(model, ["cp2"], example_inputs=ids)
 
 
-@pytest.mark.parametrize("strategy", ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"])
+@pytest.mark.parametrize("strategy", [pytest.param("tp2 + 2x tp1", marks=pytest.mark.slow), "tp2,pp2",
+                                      pytest.param("2x tp1,pp2", marks=pytest.mark.slow)])
 def test_auxiliary_loss_equals_the_models_own_loss(strategy):
     """With ``output_router_logits`` the model adds ``router_aux_loss_coef · aux_loss`` of each forward to
     its loss (``hgraph.frontend.router_loss``). Each row of the batch is one micro-batch, so the oracle is the

@@ -90,7 +90,7 @@ def family(request):
     return request.param, compiled, packed(rows), alone(model, rows)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "tp2,pp2" else pytest.param(s, marks=pytest.mark.slow) for s in STRATEGIES])
 def test_packed_documents_equal_each_document_alone(family, strategy):
     name, compiled, batch, ref = family
     assert mismatch(compiled, strategy, batch, ref) == "", name

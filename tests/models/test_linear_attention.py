@@ -21,7 +21,7 @@ from hgraph.models.zoo import zoo_model
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def family(request):
     model = zoo_model(request.param).eval()
     rows = documents(model.config.vocab_size)
@@ -30,7 +30,7 @@ def family(request):
     return request.param, compiled, batch, alone(model, rows)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s if s == "tp2,pp2" else pytest.param(s, marks=pytest.mark.slow) for s in STRATEGIES])
 def test_packed_documents_equal_each_document_alone(family, strategy):
     name, compiled, batch, ref = family
     assert mismatch(compiled, strategy, batch, ref) == "", name

@@ -89,7 +89,7 @@ def hgraph_run(family: str, strategies: list[str]):
 @pytest.mark.parametrize("family, strategies", [
     ("mistral", STRATEGIES),
     pytest.param("phi3", STRATEGIES, marks=pytest.mark.slow),
-    ("qwen3_moe", MOE_STRATEGIES),  # 16 experts, top-8, softmax router
+    pytest.param("qwen3_moe", MOE_STRATEGIES, marks=pytest.mark.slow),  # 16 experts, top-8, softmax router
     pytest.param("deepseek_v3", MOE_STRATEGIES, marks=pytest.mark.slow),  # MLA, grouped sigmoid router, shared experts
 ])
 def test_trained_on_gloo_processes_equals_adamw(family, strategies):
