@@ -14,8 +14,8 @@ Reported: each iteration's loss in both runs (from ``metrics.jsonl``), whether t
 largest difference, whether the exported models are equal bit for bit, the wall time of each job, the
 restart's cost (``restart_cost_s``: from the kill until the restarted job has printed the iteration the
 killed one had reached; ``extra_wall_s``: the job's wall time over the uninterrupted one's) and its parts
-(kill to "resumed from": torchrun's restart, process start, compile and checkpoint load; then the
-iterations trained again). Noisy machines: compare within one run only.
+(kill to "resumed from": torchrun stopping the surviving rank, ``torchrun_stop_s`` of it, then process
+start, compile and checkpoint load; then the iterations trained again). Noisy machines: compare within one run only.
 """
 
 from __future__ import annotations
@@ -110,6 +110,19 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float) -> float:
     return time.monotonic()
 
 
+def torchrun_stop_s(out: str) -> Optional[float]:
+    """Seconds from torchrun's SIGTERM to the surviving workers until it reported the failure (both log
+    lines carry torchrun's timestamp), i.e. how long the surviving ranks took to exit."""
+    stamps = {}
+    for line in out.splitlines():
+        for key, marker in (("sigterm", "closing signal SIGTERM"), ("failed", "failed (exitcode")):
+            if marker in line and key not in stamps:
+                clock = line.split()[1]  # "W1202 00:13:44.749000 pid file:line] ..."
+                h, m, sec = clock.split(":")
+                stamps[key] = int(h) * 3600 + int(m) * 60 + float(sec)
+    return stamps["failed"] - stamps["sigterm"] if len(stamps) == 2 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=16)
@@ -162,6 +175,7 @@ def main() -> None:
         "restart_cost_s": caught_up - killed_at,
         "kill_to_resumed_s": resumed_at - killed_at,
         "resumed_to_caught_up_s": caught_up - resumed_at,
+        "torchrun_stop_s": torchrun_stop_s(out),
         "losses": losses,
     }
     print(json.dumps(report, indent=1))
