@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.program.products import CompileContext
+from hgraph.program.context import CompileContext
 from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy
 
 
