@@ -5,8 +5,8 @@ Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes trans
 steps compute products with the typed functions named; results cached; see docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp):  annotate -> localize                             = local program
-      per (cp, tp, pp):         partition step (``partition``); per stage: precision -> recompute
+      per stage mesh (cp, tp):  precision -> annotate -> localize                = local program
+      per (cp, tp, pp):         partition step (``partition``); per stage: recompute
                                                                                  = stage programs
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
@@ -58,7 +58,7 @@ from hgraph.passes.backward import JointGraphs, rank_joint
 from hgraph.passes.localize import localize
 from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
-from hgraph.passes.precision import fp32_loss
+from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.program.options import CompileOptions
 from hgraph.program.context import CompileContext
@@ -72,7 +72,7 @@ VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to t
 
 
 def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    return fp32_loss(gm, ctx) if ctx.stage is not None and ctx.stage.returns_loss else gm
+    return autocast(gm, ctx)
 
 
 def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -269,8 +269,7 @@ class CompiledModel:
         return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
-        traced copy holds them in the compute dtype)."""
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from."""
         named = dict(self.model.named_parameters())
         return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 

@@ -6,7 +6,6 @@ What is compiled and how is ``hgraph.compiler.compiled_model``; the options and 
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -14,10 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hgraph.compiler.compiled_model import COMPILE_LOCK, CompiledModel, gc_paused
-from hgraph.core.errors import InputError, StrategyError
+from hgraph.core.errors import StrategyError, TraceError
 from hgraph.core.model_info import model_dims, validate_strategies
 from hgraph.core.strategy import Pipeline, Strategy, as_strategies
 from hgraph.frontend.capture import trace
+from hgraph.frontend.router_loss import loss_for
 from hgraph.lnk.topology import Topology
 from hgraph.program.options import OverlapConfig, RecomputeConfig, compile_options
 
@@ -48,8 +48,10 @@ def compile(
 
     ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
     ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
-    ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
-    ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
+    ``disable``: names of built-in passes to skip. ``compute_dtype``: mixed precision as ``torch.autocast``
+    computes it (e.g. ``torch.bfloat16``: parameters pulled in bf16, halving Pull bytes; matmuls and
+    attention in bf16; buffers, norms, softmax, rotary application and the loss in fp32; see
+    ``hgraph.passes.precision``). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.program.options.OverlapConfig`` (prefetched pulls, early pushes; same results).
     ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
@@ -75,25 +77,24 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
-    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise InputError(
-            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
-            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
-            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
-        )
+    if loss_fn is None:
+        loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     options = compile_options(
         strategies, compute_dtype=compute_dtype, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel,
         schedule=schedule, layer_costs=layer_costs, topology=topology, recompute=recompute,
         reduce_dtype=reduce_dtype, coalesce=coalesce, pipeline_schedule=pipeline_schedule,
     )
-    # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
-    # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
-    source = model
-    if options.compute_dtype is not None and options.compute_dtype != torch.float32:
-        source = copy.deepcopy(model).to(options.compute_dtype)
+    # The user's model is traced as it is (fp32); a reduced compute_dtype is applied by the precision
+    # pass as torch.autocast would apply it (hgraph.passes.precision).
     with COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with gc_paused():
-            traced = trace(source, example_inputs, loss_fn)
+            traced = trace(model, example_inputs, loss_fn)
+        if not traced.dynamic:
+            raise TraceError(
+                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
+                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
+                "write that computation without Python control flow over sizes (or supply a layer that does)"
+            )
         own = _own_rank(world) if rank == "auto" else rank
         return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
 

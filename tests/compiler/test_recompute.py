@@ -10,8 +10,7 @@ import torch
 import hgraph
 from hgraph.core.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
-from hgraph.passes.recompute import regions
-from hgraph.program.options import RecomputeConfig
+from hgraph.passes.recompute import RecomputeConfig, regions
 from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime.kernels import packed_attention as packed_attention_module
 from hgraph.core.batch import next_token_targets

@@ -6,7 +6,7 @@ import torch
 from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.program.options import RecomputeConfig
+from hgraph.passes.recompute import RecomputeConfig
 from hgraph.training.trainer import Trainer
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
