@@ -37,6 +37,7 @@ from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, pl
 from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
+from hgraph.meta import is_meta_model, materialize_buffers
 from hgraph.layout import InterleavedShard, Layout
 from hgraph.model_info import model_dims as model_dims
 from hgraph.model_info import validate_strategies as validate_strategies
@@ -347,7 +348,13 @@ class CompiledModel:
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
-        traced copy holds them in the compute dtype)."""
+        traced copy holds them in the compute dtype). A model built on meta holds no values: its
+        shards come from ``Trainer(weights=...)`` or its own initialisation instead."""
+        if is_meta_model(self.model):
+            raise InputError(
+                f"{type(self.model).__name__} holds no parameter values (built on the meta device or released): "
+                "give the Trainer weights=PATH (a safetensors checkpoint) or let it initialise the model layer by layer"
+            )
         named = dict(self.model.named_parameters())
         return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 
@@ -592,6 +599,7 @@ def compile(
     )
     # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
     # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
+    materialize_buffers(model)  # built on meta: recompute rotary tables etc. before the dtype copy
     source = model
     if compute_dtype is not None and compute_dtype != torch.float32:
         source = copy.deepcopy(model).to(compute_dtype)
