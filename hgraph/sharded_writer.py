@@ -1,8 +1,8 @@
 """Write a safetensors checkpoint tensor by tensor, in HF's sharded format when it is large.
 
 The names, dtypes and shapes are known before any value (they are the model's), so each file's
-header is written first and every tensor's bytes are appended the moment it arrives: the writer
-holds one tensor at a time, whatever the size of the shard or the model. ``plan_shards`` groups the
+header is written first and every tensor's bytes are written at their offset the moment they arrive
+(in any order): the writer holds one tensor at a time, whatever the size of the shard or the model. ``plan_shards`` groups the
 tensors, in order, into files of at most ``max_shard_bytes`` (a larger tensor gets a file alone),
 as ``save_pretrained(max_shard_size=...)`` does. One file is ``model.safetensors``; several are
 ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json`` (``metadata.total_size``
@@ -66,32 +66,38 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[
 
 
 class _File:
-    """One safetensors file: header written at once, tensors appended in header order."""
+    """One safetensors file: its header written at once, each tensor written at its offset when it
+    arrives (in any order); closed when the last one is in."""
 
     def __init__(self, path: Path, specs: list[TensorSpec]) -> None:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
+        offsets, offset = {}, 0
         for spec in specs:
             if spec.dtype not in CODES:
                 raise InputError(f"cannot write tensor '{spec.name}' of dtype {spec.dtype} to safetensors")
             header[spec.name] = {"dtype": CODES[spec.dtype], "shape": list(spec.shape),
                                  "data_offsets": [offset, offset + spec.nbytes]}
+            offsets[spec.name] = offset
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        self.path, self.pending = path, list(specs)
+        self.path = path
+        self.offsets = {name: 8 + len(raw) + at for name, at in offsets.items()}
         self.fh = open(path, "wb")
         self.fh.write(len(raw).to_bytes(8, "little") + raw)
+        self.fh.truncate(8 + len(raw) + offset)
 
     def write(self, spec: TensorSpec, value: torch.Tensor) -> None:
-        self.fh.write(value.detach().to(device="cpu", dtype=spec.dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
-        self.pending.pop(0)
-        if not self.pending:
+        data = value.detach().to(device="cpu", dtype=spec.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.fh.seek(self.offsets.pop(spec.name))
+        self.fh.write(data)
+        if not self.offsets:
             self.fh.close()
 
 
 class ShardedWriter:
-    """Writes ``specs`` into ``directory`` as their values arrive (``write`` in order, then ``close``)."""
+    """Writes ``specs`` into ``directory`` as their values arrive (``write`` each once, in any order,
+    then ``close``); a file is open from its first tensor to its last."""
 
     def __init__(self, directory: Union[str, os.PathLike], specs: Sequence[TensorSpec],
                  max_shard_bytes: Union[int, str] = DEFAULT_SHARD_SIZE) -> None:
@@ -100,27 +106,26 @@ class ShardedWriter:
         self.shards = plan_shards(specs, parse_size(max_shard_bytes))
         n = len(self.shards)
         self.names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self.queue = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
-        self.position = 0
-        self.file: Optional[_File] = None
+        self.pending = {spec.name: (i, spec) for i, shard in enumerate(self.shards) for spec in shard}
+        self.files: dict[int, _File] = {}
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """Append tensor ``name`` (the next one in order); its values are cast to the planned dtype."""
-        if self.position >= len(self.queue) or self.queue[self.position][1].name != name:
-            expected = self.queue[self.position][1].name if self.position < len(self.queue) else "nothing"
-            raise InputError(f"ShardedWriter got tensor '{name}', expected {expected!r}")
-        shard, spec = self.queue[self.position]
+        """Write tensor ``name`` (planned, not yet written); its values are cast to the planned dtype."""
+        if name not in self.pending:
+            raise InputError(f"ShardedWriter got tensor '{name}', which is not planned or already written")
+        shard, spec = self.pending[name]
         if tuple(value.shape) != spec.shape:
             raise InputError(f"tensor '{name}' has shape {tuple(value.shape)}, planned {spec.shape}")
-        if self.file is None or self.file.path.name != self.names[shard]:
-            self.file = _File(self.directory / self.names[shard], self.shards[shard])
-        self.file.write(spec, value)
-        self.position += 1
+        del self.pending[name]
+        if shard not in self.files:
+            self.files[shard] = _File(self.directory / self.names[shard], self.shards[shard])
+        self.files[shard].write(spec, value)
 
     def close(self) -> list[Path]:
         """Check every tensor arrived, write the index of a sharded checkpoint; returns the files written."""
-        if self.position != len(self.queue):
-            raise InputError(f"ShardedWriter closed after {self.position} of {len(self.queue)} tensors")
+        if self.pending:
+            raise InputError(f"ShardedWriter closed with {len(self.pending)} tensors not written, e.g. "
+                             f"{next(iter(self.pending))!r}")
         files = [self.directory / name for name in self.names]
         if len(self.shards) > 1:
             weight_map = {spec.name: self.names[i] for i, shard in enumerate(self.shards) for spec in shard}
