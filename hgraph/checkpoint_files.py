@@ -188,13 +188,13 @@ class SafetensorsCheckpoint:
             except OSError as exc:
                 raise CheckpointError(f"cannot open {stored.file}: {exc.strerror or exc}") from None
         out = torch.empty([hi - lo for lo, hi in box], dtype=DTYPES[stored.dtype])
-        target = out.reshape(-1).view(torch.uint8).numpy()
+        target = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         itemsize = out.element_size()
         strides = [math.prod(shape[d + 1:]) * itemsize for d in range(len(shape))]
         whole = len(shape)  # dims from ``whole`` on are read in full
         while whole > 0 and box[whole - 1] == (0, shape[whole - 1]):
             whole -= 1
-        run = (box[whole - 1][1] - box[whole - 1][0]) * strides[whole - 1] if whole else target.size
+        run = (box[whole - 1][1] - box[whole - 1][0]) * strides[whole - 1] if whole else target.nbytes
         outer = itertools.product(*(range(lo, hi) for lo, hi in box[: max(whole - 1, 0)]))
         first = box[whole - 1][0] * strides[whole - 1] if whole else 0
         for k, index in enumerate(outer):

@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
@@ -90,7 +90,7 @@ class _File:
     def write(self, spec: TensorSpec, value: torch.Tensor) -> None:
         data = value.detach().to(device="cpu", dtype=spec.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
         self.fh.seek(self.offsets.pop(spec.name))
-        self.fh.write(data)
+        self.fh.write(memoryview(data))
         if not self.offsets:
             self.fh.close()
 

@@ -108,7 +108,7 @@ def test_index_pointing_at_a_missing_file(compiled, good, tmp_path):
     victim = index["weight_map"][Q]
     os.remove(tmp_path / victim)
     for message in errors(compiled, [tmp_path, tmp_path]):
-        assert f"puts tensor '" in message and f"in {victim}, which is missing from {tmp_path}" in message
+        assert "puts tensor '" in message and f"in {victim}, which is missing from {tmp_path}" in message
 
 
 def test_a_failure_on_one_rank_stops_every_rank(compiled, good, tmp_path):
@@ -121,3 +121,30 @@ def test_a_failure_on_one_rank_stops_every_rank(compiled, good, tmp_path):
 def test_no_such_path(compiled, tmp_path):
     for message in errors(compiled, [tmp_path / "nope", tmp_path / "nope"]):
         assert "nope: no such file or directory" in message
+
+
+def _trainer_error(compiled, **per_rank):
+    """Each thread rank's TrainingError message (keyword values are per-rank lists)."""
+    from hgraph.errors import TrainingError
+
+    def rank(comm):
+        try:
+            hgraph.Trainer(compiled, comm=comm, **{k: v[comm.rank] for k, v in per_rank.items()})
+        except TrainingError as exc:
+            return str(exc)
+        return None
+
+    return run_threads(rank, 2, timeout=120)
+
+
+def test_ranks_reading_different_checkpoints_raise(compiled, good, tmp_path):
+    """The agreement check compares shard fingerprints: each rank also fingerprints the next rank's
+    shard from its own source, so two files that differ anywhere are caught with no full tensor."""
+    other = single_file(tmp_path, good, lambda t: t[Q].mul_(-1))
+    for message in _trainer_error(compiled, weights=[good, other]):
+        assert message is not None and "holds a different model than rank" in message and Q in message
+
+
+def test_ranks_initialising_with_different_seeds_raise(compiled):
+    for message in _trainer_error(compiled, init_seed=[0, 1]):
+        assert message is not None and "holds a different model than rank" in message

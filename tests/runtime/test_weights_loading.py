@@ -137,3 +137,27 @@ def test_weights_load_by_slices_on_thread_ranks(checkpoints):
     paths = {key: path for key, path in checkpoints.items() if key[0] == "llama"}
     ranks = run_threads(lambda comm: {key: meta_trainers(key[0], 2, p, comm) for key, p in paths.items()}, 2, timeout=600)
     check(ranks[0], paths)
+
+
+def test_release_model_frees_an_eager_models_parameters():
+    """release_model=True: once sharded, the eager model holds no parameter storage; training and the
+    model's state (names, buffers, trained values) are those of a run that keeps it."""
+    def run(release):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(llama_config()).eval()
+        compiled = hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 256, (1, 8)))
+
+        def rank(comm):
+            trainer = hgraph.Trainer(compiled, lr=1e-2, comm=comm, release_model=release)
+            loss = trainer.step(batch(), strategy=0)
+            return loss, trainer.state_dict()
+
+        out = run_threads(rank, 2, timeout=300)
+        return out[0], all(p.is_meta for p in model.parameters())
+
+    (kept_loss, kept), kept_meta = run(False)
+    (loss, state), released = run(True)
+    assert released and not kept_meta
+    assert loss == kept_loss and set(state) == set(kept)
+    for name, value in state.items():
+        assert torch.equal(value, kept[name]), name
