@@ -34,11 +34,6 @@ from hgraph.errors import InputError
 InitCall = Callable[[nn.Module, Callable[[], Any]], None]  # around(module, call): runs ``call`` for ``module``
 
 
-def meta_parameters(model: nn.Module) -> list[str]:
-    """Names of ``model``'s parameters on the meta device (tied ones once)."""
-    return [name for name, p in model.named_parameters() if p.is_meta]
-
-
 def is_meta_model(model: nn.Module) -> bool:
     """True when some parameter of ``model`` holds no storage (built or released on meta)."""
     return any(p.is_meta for p in model.parameters())
@@ -88,11 +83,6 @@ def _hf_pretrained() -> Any:
     """``transformers.PreTrainedModel`` if transformers is loaded (an HF model means it is), else None."""
     module = sys.modules.get("transformers")
     return getattr(module, "PreTrainedModel", None) if module is not None else None
-
-
-def is_hf_model(model: nn.Module) -> bool:
-    base = _hf_pretrained()
-    return base is not None and isinstance(model, base)
 
 
 def init_calls(model: nn.Module, around: InitCall) -> None:
@@ -215,6 +205,6 @@ def release_parameters(model: nn.Module) -> None:
 
 
 __all__ = [
-    "Touches", "fake_parameters", "init_calls", "is_hf_model", "is_meta_model", "materialize_buffers",
-    "meta_parameters", "release_parameters", "storage_key",
+    "Touches", "fake_parameters", "init_calls", "is_meta_model", "materialize_buffers", "release_parameters",
+    "storage_key",
 ]
