@@ -1,5 +1,5 @@
 """A model built on meta, loaded with ``Trainer(weights=...)`` by slices on real gloo processes: its
-``state_dict()`` is the checkpoint bit for bit (fp32; bf16 upcast exactly), under strategies with tp,
+``state_dict()`` is the checkpoint bit for bit (fp32; bf16 and fp16 upcast exactly), under strategies with tp,
 pp and cp, for HF Llama (sharded checkpoint with an index) and GPT-2 (one file, tied embeddings, a
 fused qkv projection whose optimizer layout is cut block by block); it trains like the unmodified
 model; and without weights it is initialised by the contract of ``hgraph.layerwise_init``."""
@@ -97,10 +97,12 @@ def checkpoints(tmp_path_factory):
     llama = transformers.LlamaForCausalLM(llama_config())
     llama.save_pretrained(root / "llama", max_shard_size="100KB")
     llama.to(torch.bfloat16).save_pretrained(root / "llama_bf16", max_shard_size="100KB")
+    llama.to(torch.float16).save_pretrained(root / "llama_fp16", max_shard_size="100KB")
     transformers.GPT2LMHeadModel(gpt2_config()).save_pretrained(root / "gpt2")
     assert os.path.isfile(root / "llama" / "model.safetensors.index.json")
     assert os.path.isfile(root / "gpt2" / "model.safetensors")
-    return {("llama", "fp32"): root / "llama", ("llama", "bf16"): root / "llama_bf16", ("gpt2", "fp32"): root / "gpt2"}
+    return {("llama", "fp32"): root / "llama", ("llama", "bf16"): root / "llama_bf16", ("llama", "fp16"): root / "llama_fp16",
+            ("gpt2", "fp32"): root / "gpt2"}
 
 
 def check(results: dict, paths: dict) -> None:
@@ -134,7 +136,7 @@ def test_weights_load_by_slices_on_gloo(world, checkpoints):
 
 def test_weights_load_by_slices_on_thread_ranks(checkpoints):
     """The default run's version: simulated ranks, HF Llama fp32 and bf16 shards."""
-    paths = {key: path for key, path in checkpoints.items() if key[0] == "llama"}
+    paths = {key: path for key, path in checkpoints.items() if key in (("llama", "fp32"), ("llama", "bf16"))}
     ranks = run_threads(lambda comm: {key: meta_trainers(key[0], 2, p, comm) for key, p in paths.items()}, 2, timeout=600)
     check(ranks[0], paths)
 
