@@ -6,8 +6,8 @@ against the eager path, and the scale figure of a 7B compile (prints JSON).
     python benchmarks/big_model_bench.py --only scale         # the 7B compile alone
 
 1. Checkpoint: an HF Llama (hidden 2048, ``--layers`` 16, vocab 32000, ffn 5632, 16 heads, 4 KV heads:
-   0.84B parameters) is built on meta, initialised layer by layer (``hgraph.layerwise_init``) and
-   written as bf16 HF shards of 500 MB with an index (``hgraph.sharded_writer``); the benchmark never
+   0.84B parameters) is built on meta, initialised layer by layer (``hgraph.frontend.layerwise_init``) and
+   written as bf16 HF shards of 500 MB with an index (``hgraph.core.sharded_writer``); the benchmark never
    holds the model.
 2. Meta path, per strategy (``tp4``, ``tp2,pp2``): 4 gloo ranks each build the model on meta, compile,
    ``Trainer(weights=DIR)`` and run ``--steps`` steps. Per rank: peak RSS (``ru_maxrss``) and its
@@ -93,8 +93,8 @@ def write_checkpoint(config: dict, path: Path) -> dict:
     """Build on meta, initialise layer by layer, write bf16 HF shards; never holds the model."""
     import transformers
 
-    from hgraph.layerwise_init import initialize
-    from hgraph.sharded_writer import ShardedWriter, TensorSpec
+    from hgraph.frontend.layerwise_init import initialize
+    from hgraph.core.sharded_writer import ShardedWriter, TensorSpec
 
     start = time.perf_counter()
     with torch.device("meta"):

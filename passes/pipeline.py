@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
-from hgraph.errors import HGraphError, InputError
+from hgraph.core.errors import HGraphError, InputError
 
 if TYPE_CHECKING:
-    from hgraph.products import CompileContext
+    from hgraph.program.products import CompileContext
 
 log = logging.getLogger("hgraph.passes")
 

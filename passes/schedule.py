@@ -18,8 +18,8 @@ With ``hgraph.compile(..., schedule="overlap")`` every rank runs a ``RankSchedul
   iteration (as under ``schedule="none"``).
 
 Everything here is decided from the program alone (no timing), so the order is deterministic.
-``RankProgram.actions`` lowers it into the rank's action list (``hgraph.actions.overlap_actions``),
-which the one executor runs and the one dry run (``hgraph.actions.dry_run``, through
+``RankProgram.actions`` lowers it into the rank's action list (``hgraph.schedule.actions.overlap_actions``),
+which the one executor runs and the one dry run (``hgraph.schedule.actions.dry_run``, through
 ``CompiledModel.check_actions``) checks against every other rank before anything runs.
 """
 
@@ -30,10 +30,10 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-from hgraph.products import Op as Op
-from hgraph.products import OverlapConfig as OverlapConfig
-from hgraph.products import RankSchedule as RankSchedule
-from hgraph.products import layer_of as layer_of
+from hgraph.program.products import Op as Op
+from hgraph.program.products import OverlapConfig as OverlapConfig
+from hgraph.program.products import RankSchedule as RankSchedule
+from hgraph.program.products import layer_of as layer_of
 
 PULL_TAG, PUSH_TAG = 1, 2  # point-to-point tags of pull and push plans (activations: 0)
 

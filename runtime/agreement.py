@@ -21,8 +21,8 @@ from typing import Mapping
 
 import torch
 
-from hgraph.errors import TrainingError
-from hgraph.runtime.comm import Communicator, Group
+from hgraph.core.errors import TrainingError
+from hgraph.runtime.kernels.comm import Communicator, Group
 
 _SAMPLES = 64
 _CHUNK = 1 << 12
@@ -53,7 +53,7 @@ _ADVICE = (
     "all ranks must start from the same parameters. Build the model with a fixed seed in every process "
     "(torch.manual_seed(seed) before construction, or hgraph.models.Llama(seed=...)), give every rank the same "
     "weights= checkpoint and init_seed; on simulated ranks (threads share torch's global RNG) build it once "
-    "outside run_threads or through hgraph.seeding.seeded_model(key, seed, build)"
+    "outside run_threads or through hgraph.core.seeding.seeded_model(key, seed, build)"
 )
 
 

@@ -2,12 +2,12 @@
 
 Three sources, in this order of precedence:
 
-* ``weights=PATH`` (``hgraph.checkpoint_files.SafetensorsCheckpoint``): every rank checks the
+* ``weights=PATH`` (``hgraph.core.checkpoint_files.SafetensorsCheckpoint``): every rank checks the
   checkpoint's headers against the model (names, shapes, dtypes, file sizes), then reads only the
   boxes of its own shards (and of its witness shards, below), upcast exactly to fp32. Persistent
   buffers the checkpoint holds are loaded too. The model's own values, if it has any, are not used.
 * a model built on meta, without ``weights``: the model's own initialisation run one module at a
-  time (``hgraph.layerwise_init``, from ``seed``); each parameter is cut into shards and dropped as
+  time (``hgraph.frontend.layerwise_init``, from ``seed``); each parameter is cut into shards and dropped as
   soon as it is final.
 * an eagerly built model: its tensors, cut (the model's own copy is the only full one).
 
@@ -24,13 +24,13 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from hgraph.checkpoint_files import SafetensorsCheckpoint
-from hgraph.errors import CheckpointError, HGraphError, InputError
-from hgraph.layerwise_init import initialize
-from hgraph.layout import Layout
-from hgraph.meta import is_meta_model
+from hgraph.core.checkpoint_files import SafetensorsCheckpoint
+from hgraph.core.errors import CheckpointError, HGraphError, InputError
+from hgraph.frontend.layerwise_init import initialize
+from hgraph.core.layout import Layout
+from hgraph.frontend.meta import is_meta_model
 from hgraph.runtime.agreement import check_same_shards, fingerprints
-from hgraph.runtime.comm import Communicator
+from hgraph.runtime.kernels.comm import Communicator
 
 PathLike = Union[str, "os.PathLike[str]"]
 

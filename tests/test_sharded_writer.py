@@ -1,4 +1,4 @@
-"""``hgraph.sharded_writer``: files that safetensors and ``SafetensorsCheckpoint`` read back exactly,
+"""``hgraph.core.sharded_writer``: files that safetensors and ``SafetensorsCheckpoint`` read back exactly,
 whatever order the tensors arrive in; shards of at most the limit (a larger tensor alone)."""
 
 import json
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hgraph.checkpoint_files import SafetensorsCheckpoint
-from hgraph.errors import InputError
-from hgraph.sharded_writer import ShardedWriter, TensorSpec, parse_size, plan_shards
+from hgraph.core.checkpoint_files import SafetensorsCheckpoint
+from hgraph.core.errors import InputError
+from hgraph.core.sharded_writer import ShardedWriter, TensorSpec, parse_size, plan_shards
 
 
 def tensors() -> dict[str, torch.Tensor]:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from hgraph.cli import main
-from hgraph.train_cli import ModelSpec, length_batches, synthetic_sequence
-from hgraph.train_config import read_config
+from hgraph.cli.command import main
+from hgraph.cli.train_cli import ModelSpec, length_batches, synthetic_sequence
+from hgraph.training.train_config import read_config
 
 MODEL = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}

@@ -1,4 +1,4 @@
-"""The contract of ``hgraph.layerwise_init.initialize``: on a model built on meta, every parameter gets,
+"""The contract of ``hgraph.frontend.layerwise_init.initialize``: on a model built on meta, every parameter gets,
 bit for bit, what the model's own scheme gives the same model materialised whole in one process
 (``to_empty``, re-tie, ``torch.manual_seed(seed)``, HF ``initialize_weights()`` / every module's
 ``reset_parameters()``), while never more than one layer's parameters exist at once."""
@@ -8,9 +8,9 @@ import torch
 import transformers
 from torch import nn
 
-from hgraph.errors import InputError
-from hgraph.layerwise_init import initialize
-from hgraph.meta import materialize_buffers
+from hgraph.core.errors import InputError
+from hgraph.frontend.layerwise_init import initialize
+from hgraph.frontend.meta import materialize_buffers
 from hgraph.models import Llama, LlamaConfig
 
 

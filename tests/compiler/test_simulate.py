@@ -6,7 +6,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig, tiny_hf_gpt2, tiny_hf_llama
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 STRATEGIES = [
     "tp1",  # one rank: the trivial program

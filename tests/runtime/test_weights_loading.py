@@ -2,7 +2,7 @@
 ``state_dict()`` is the checkpoint bit for bit (fp32; bf16 and fp16 upcast exactly), under strategies with tp,
 pp and cp, for HF Llama (sharded checkpoint with an index) and GPT-2 (one file, tied embeddings, a
 fused qkv projection whose optimizer layout is cut block by block); it trains like the unmodified
-model; and without weights it is initialised by the contract of ``hgraph.layerwise_init``."""
+model; and without weights it is initialised by the contract of ``hgraph.frontend.layerwise_init``."""
 
 import os
 
@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 import hgraph
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.comm import run_threads
 
 STRATEGIES = {2: ["tp2", "tp1,pp2", "cp2"], 4: ["tp4", "tp2,pp2", "tp2,cp2"]}
 

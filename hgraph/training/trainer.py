@@ -1,0 +1,379 @@
+"""``hgraph.Trainer``: one training iteration per ``step`` on every rank, any strategy each time.
+
+Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors).
+The planner (or the given strategy with a default dispatch) decides which pipeline runs which
+sequences, packed into which micro-batches; each rank builds its own micro-batches from that
+decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
+token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
+same gradients as one device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
+from hgraph.core.errors import CheckpointError, InputError, TrainingError
+from hgraph.core.layout import Layout, Replicate
+from hgraph.lnk import solve
+from hgraph.planner.dispatch import default_dispatch
+from hgraph.planner.plan import Dispatch
+from hgraph.frontend.meta import release_parameters
+from hgraph.runtime.kernels.comm import Communicator
+from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.initial_shards import PathLike, initial_shards
+from hgraph.runtime.optimizer import ShardedAdamW
+from hgraph.runtime.kernels.reshard import default_comm, execute
+from hgraph.runtime.timeline import Timeline, gather_events
+
+if TYPE_CHECKING:
+    from hgraph.compiler.compiled_model import CompiledModel
+    from hgraph.planner.assign import Planner
+
+log = logging.getLogger("hgraph.trainer")
+
+
+def params_without_gradient(traced: Any) -> frozenset[str]:
+    """FQNs that never get a gradient: frozen (``requires_grad=False``) or not on the loss's path.
+
+    The optimizer skips them, as ``torch.optim.AdamW`` skips a parameter whose ``.grad`` is ``None``
+    (the Push of such a parameter still runs, carrying zeros, so every rank issues the same plans).
+    """
+    graph = traced.graph_module.graph
+    stack = [n for n in graph.nodes if n.op == "output"]
+    reaches_loss: set[str] = set()
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            if node.name not in reaches_loss:
+                reaches_loss.add(node.name)
+                stack.append(node)
+    params = traced.params()
+    return frozenset(
+        fqn
+        for placeholder, fqn in traced.param_names.items()
+        if placeholder not in reaches_loss or not params[fqn].requires_grad
+    )
+
+
+class Trainer:
+    """Trains a ``CompiledModel`` with a sharded AdamW; construct and call it on every rank."""
+
+    def __init__(
+        self,
+        compiled: "CompiledModel",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: Optional[float] = None,
+        planner: Optional["Planner"] = None,
+        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+        comm: Optional[Communicator] = None,
+        micro_batch_tokens: int = 4096,
+        timeline: bool = False,
+        device: Union[str, torch.device, None] = None,
+        weights: Optional[PathLike] = None,
+        init_seed: int = 0,
+        release_model: bool = False,
+    ) -> None:
+        """``weights``: a safetensors checkpoint (a file, a directory with ``model.safetensors``, or an HF
+        sharded checkpoint with ``model.safetensors.index.json``) the fp32 master shards are read from,
+        each rank reading only its slices. Without it, a model built on the meta device is initialised
+        by its own scheme one module at a time from ``init_seed`` (``hgraph.frontend.layerwise_init`` states the
+        contract); an eagerly built model's values are used. ``release_model``: once the shards exist,
+        free the storage of the model's parameters (they become meta tensors), so no full copy stays
+        in the process. See docs/big_models.md."""
+        self.compiled = compiled
+        self.comm = comm if comm is not None else default_comm()
+        # Shards, micro-batches and every tensor handed to a collective live here (default: the
+        # communicator's device, i.e. this rank's GPU under NCCL, else CPU).
+        self.device = torch.device(device) if device is not None else self.comm.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.comm.world_size != compiled.world_size:
+            raise InputError(
+                f"the program was compiled for {compiled.world_size} ranks but this world has "
+                f"{self.comm.world_size}; launch with world_size={compiled.world_size}"
+            )
+        self.rank = self.comm.rank
+        self.world = tuple(range(compiled.world_size))
+        self.planner = planner
+        self.grad_clip = grad_clip
+        self.micro_batch_tokens = micro_batch_tokens
+        layouts = compiled.optimizer_layouts
+        shards = initial_shards(compiled, self.rank, self.comm, self.world, self.device, weights, init_seed)
+        replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
+        self.optimizer = ShardedAdamW(shards, lr, betas, eps, weight_decay, replicated)
+        del shards
+        if release_model:
+            self.comm.barrier(self.world)  # simulated ranks share the model: every one has cut its shards
+            for model in (compiled.model, compiled.traced.model):
+                release_parameters(model)
+        self.frozen = params_without_gradient(compiled.traced)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.iteration = 0
+        self.history: list[dict[str, Any]] = []
+        self.data: Any = None  # the TokenLoader of step_data; its position is saved with the checkpoint
+        self._feed_batch: Optional[Sequence[torch.Tensor]] = None  # rank 0: the batch being fed
+        # timeline=True: this rank's intervals of every step (runtime/timeline.py); gather_timeline()
+        self.timeline: Optional[Timeline] = Timeline(self.rank) if timeline else None
+        from hgraph.core.model_info import model_dims
+
+        self.vocab: Optional[int] = model_dims(compiled.model).get("vocab")
+
+    # ------------------------------------------------------------------ planning
+    def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
+        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given)."""
+        if strategy is None and self.planner is not None:
+            # Rank 0 plans and broadcasts: planners may use time budgets, so ranks planning on their
+            # own could disagree and then wait on each other forever.
+            payload = b""
+            if self.rank == 0:
+                plan = self.planner.plan(list(lengths))
+                payload = plan.dispatch(self.compiled.strategy_index(plan.strategy)).encode()
+            return Dispatch.decode(self._broadcast_bytes(payload))
+        index = self.compiled.strategy_index(0 if strategy is None else strategy)
+        pipelines = self.compiled.strategies[index].pipelines
+        return Dispatch(index, default_dispatch(pipelines, lengths, self.micro_batch_tokens))
+
+    def _broadcast_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's ``payload`` on every rank."""
+        if len(self.world) == 1:
+            return payload
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        size = self.comm.broadcast(size, 0, self.world)
+        buf = torch.zeros(int(size[0]), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        return bytes(self.comm.broadcast(buf, 0, self.world).tolist())
+
+    # ------------------------------------------------------------------ training
+    def step(self, sequences: Sequence[torch.Tensor], strategy: Union[int, Any, None] = None) -> float:
+        """One iteration on the global batch ``sequences``; returns the token-mean loss."""
+        start = time.perf_counter()
+        lengths = self._check_sequences(sequences)
+        return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), start)
+
+    def step_data(self, loader: Any, strategy: Union[int, Any, None] = None) -> Optional[float]:
+        """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
+        reads it, every rank receives just its pipeline's tokens); ``None`` when the data are over.
+        ``save`` then stores the loader's position."""
+        from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+        start = time.perf_counter()
+        self.data = loader
+        lengths = share_lengths(self, lambda: self._checked(loader.next_batch()))
+        if lengths is None:
+            return None
+        d = self.dispatch(lengths, strategy)
+        return self._train_on(lengths, scatter_sequences(self, d, lengths), d, start)
+
+    def evaluate(self, batches: Optional[Sequence[Sequence[torch.Tensor]]],
+                 strategy: Union[int, Any, None] = None) -> float:
+        """Token-mean loss over ``batches`` (held out: forward only, no gradients, parameters and
+        optimizer untouched), with any compiled strategy. Rank 0's ``batches`` count; other ranks
+        may pass ``None`` and receive only their pipeline's tokens."""
+        from hgraph.runtime.evaluate import forward_iteration
+        from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+        todo = iter(batches or []) if self.rank == 0 else iter(())
+        loss_sum, tokens = 0.0, 0
+        while True:
+            lengths = share_lengths(self, lambda: self._checked(next(todo)))
+            if lengths is None:
+                break
+            d = self.dispatch(lengths, strategy)
+            mbs = self._local_micro_batches(d, scatter_sequences(self, d, lengths))
+            program = self.compiled.program(d.strategy_index, self.rank)
+            with rank_context(RankContext(self.rank, self.comm, program.groups)):
+                loss_sum += forward_iteration(program, self.optimizer.shards, mbs)
+            tokens += sum(n - 1 for n in lengths)
+        if tokens == 0:
+            raise InputError("evaluate got no batch; give rank 0 at least one held-out batch")
+        total = self.comm.all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=self.device), self.world)
+        return float(total) / tokens
+
+    def _checked(self, sequences: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        self._check_sequences(sequences)
+        return sequences
+
+    def _check_sequences(self, sequences: Sequence[torch.Tensor]) -> list[int]:
+        """The lengths of a valid batch; ``InputError`` naming the first bad sequence otherwise."""
+        if not sequences:
+            raise InputError("trainer.step got an empty batch; give at least one sequence")
+        lengths = []
+        for i, s in enumerate(sequences):
+            if not isinstance(s, torch.Tensor) or s.dim() != 1 or s.dtype != torch.long:
+                raise InputError(f"sequence {i} must be a 1-D LongTensor of token ids, got {type(s).__name__} "
+                                 f"{getattr(s, 'dtype', '')} {tuple(getattr(s, 'shape', ()))}")
+            if len(s) < 2:
+                raise InputError(f"sequence {i} has {len(s)} token(s); need at least 2 to predict a next token")
+            if self.vocab is not None and (int(s.min()) < 0 or int(s.max()) >= self.vocab):
+                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+                raise InputError(f"sequence {i} holds token id {bad}; ids must be in 0..{self.vocab - 1} (the vocabulary)")
+            lengths.append(len(s))
+        return lengths
+
+    def _local_micro_batches(self, d: Dispatch, sequences: Any) -> list[dict[str, torch.Tensor]]:
+        """This rank's packed micro-batches of dispatch ``d`` (``sequences[i]`` for its pipeline's i)."""
+        program = self.compiled.program(d.strategy_index, self.rank)
+        align = micro_batch_align(program.groups, self.compiled.options.sequence_parallel)
+        buffers = {
+            ph: self.compiled.traced.buffers()[fqn].to(self.device)
+            for ph, fqn in self.compiled.traced.buffer_names.items()
+        }
+        rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in d.micro_batches[program.pipeline]]
+        return local_micro_batches(rows, program.groups, self.rank, buffers, self.device)
+
+    def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
+        """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
+        run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
+        program = self.compiled.program(d.strategy_index, self.rank)
+        tokens = sum(l - 1 for l in lengths)
+        mbs = self._local_micro_batches(d, sequences)
+        if program.overlap is not None:  # dry run of this dispatch's communication order (cached)
+            self.compiled.check_overlap(d.strategy_index, [len(m) for m in d.micro_batches])
+        if self.timeline is not None:
+            self.timeline.iteration = self.iteration
+        with rank_context(RankContext(self.rank, self.comm, program.groups)):
+            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=self.timeline)
+        loss_sum = torch.tensor([out.loss_sum], dtype=torch.float64, device=self.device)
+        loss = float(self.comm.all_reduce(loss_sum, self.world)) / tokens
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"non-finite loss {loss} at iteration {self.iteration}; optimizer state left unchanged "
+                "(lower the learning rate or check the data)"
+            )
+        grads = {n: None if n in self.frozen else g for n, g in out.grad_shards.items()}
+        optimizer_start = time.perf_counter()
+        norm = self.optimizer.global_grad_norm(grads, self.comm, self.world)
+        if not math.isfinite(norm):
+            raise TrainingError(
+                f"non-finite gradient norm {norm} at iteration {self.iteration} (loss {loss}); optimizer state "
+                "left unchanged (lower the learning rate, clip gradients or use a wider compute dtype)"
+            )
+        scale = 1.0
+        if self.grad_clip is not None and norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)
+        self.optimizer.apply(grads, scale)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        end = time.perf_counter()
+        record = {
+            "iteration": self.iteration,
+            "loss": loss,
+            "strategy": str(self.compiled.strategies[d.strategy_index]),
+            "strategy_index": d.strategy_index,
+            "grad_norm": norm,
+            "predicted_ms": d.predicted_ms,
+            "predicted_raw_ms": None if d.prediction is None else d.prediction.total_ms,
+            "prediction": None if d.prediction is None else asdict(d.prediction),
+            "measured_ms": (end - run_start) * 1e3,
+            "optimizer_ms": (end - optimizer_start) * 1e3,
+            "seconds": end - start,
+            "lengths": lengths,
+            "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
+        }
+        self.history.append(record)
+        observe = getattr(self.planner, "observe", None)
+        if self.rank == 0 and observe is not None and d.prediction is not None:
+            observe(d.prediction, record["measured_ms"])  # online correction of the cost model
+        log.info("iter %d loss %.4f strategy %s %.3fs predicted %s ms measured %.1f ms", self.iteration, loss,
+                 record["strategy"], record["seconds"],
+                 "-" if d.predicted_ms is None else f"{d.predicted_ms:.1f}", record["measured_ms"])
+        self.iteration += 1
+        return loss
+
+    def gather_timeline(self, dst: int = 0) -> list[Any]:
+        """Every rank's timeline events on rank ``dst`` (``[]`` elsewhere); call on every rank."""
+        if self.timeline is None:
+            raise InputError("this Trainer records no timeline; construct it with timeline=True")
+        return gather_events(self.timeline.events, self.comm, dst)
+
+    def iter_parameters(self, dst: Optional[int] = None) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        """Every parameter in full (fp32), one at a time, gathered from the optimizer shards onto rank
+        ``dst`` alone (``None``: onto every rank); ranks that receive nothing get ``None``. Call on every
+        rank and consume it whole: each step is a collective."""
+        ranks = self.world if dst is None else (dst,)
+        for fqn, shard in self.optimizer.shards.items():
+            src = self.compiled.optimizer_layouts[fqn]
+            dst_layout = Layout(src.shape, ranks, (len(ranks),), (Replicate(),))
+            yield fqn, execute(solve(src, dst_layout), shard.detach(), self.comm)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
+        return {fqn: value for fqn, value in self.iter_parameters() if value is not None}
+
+    def save(self, path: str, extra: Optional[dict[str, Any]] = None) -> Any:
+        """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``), with the data position of
+        the loader ``step_data`` reads; call on every rank."""
+        from hgraph.runtime import checkpoint
+
+        return checkpoint.save(self, path, extra)
+
+    def load(self, path: str, data: Any = None) -> dict[str, Any]:
+        """Resume from a checkpoint, resharding if the world or layouts changed; returns its ``extra``.
+        ``data``: the ``TokenLoader`` to put back at the saved position (then read by ``step_data``)."""
+        from hgraph.runtime import checkpoint
+
+        extra = checkpoint.load(self, path)
+        if data is not None:
+            state = checkpoint.read_manifest(path).get("data")
+            if state is None:
+                raise CheckpointError(f"checkpoint {path} holds no data position (it was saved before any "
+                                      "step_data); resume the data another way or pass data=None")
+            data.load_state_dict(state)
+            self.data = data
+        return extra
+
+    def state_items(self, dtype: Optional[torch.dtype] = None, dst: Optional[int] = None,
+                    aliases: bool = True) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        """The unmodified model's ``state_dict`` entries one at a time, in its order: parameters gathered
+        from the optimizer shards as they come (one in full at a time), buffers as the model holds
+        them; each on CPU in its dtype in the model (or ``dtype``). Only rank ``dst`` receives values
+        (``None``: every rank); elsewhere they are ``None``. ``aliases=False`` leaves out the second and
+        later names of a tied parameter. Call on every rank and consume it whole."""
+        model = self.compiled.model
+        canonical = {id(p): fqn for fqn, p in model.named_parameters()}
+        refs = model.state_dict(keep_vars=True)
+        names = Counter(canonical[id(ref)] for ref in refs.values() if id(ref) in canonical)
+        layouts = self.compiled.optimizer_layouts
+        ranks = self.world if dst is None else (dst,)
+        receive = self.rank in ranks
+        held: dict[str, Optional[torch.Tensor]] = {}  # gathered values of tied parameters, for their aliases
+        for name, ref in refs.items():
+            fqn = canonical.get(id(ref))
+            if fqn is None:
+                value: Optional[torch.Tensor] = ref.detach().to("cpu").clone() if receive else None
+            elif fqn in held:
+                if not aliases:
+                    continue
+                value = held[fqn]
+            else:
+                src = layouts[fqn]
+                plan = solve(src, Layout(src.shape, ranks, (len(ranks),), (Replicate(),)))
+                value = execute(plan, self.optimizer.shards[fqn].detach(), self.comm)
+                if value is not None:
+                    value = value.to(device="cpu", dtype=dtype or ref.dtype)
+                if names[fqn] > 1:
+                    held[fqn] = value
+            if fqn is None and value is not None and dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            yield name, value
+
+    def state_dict(self, dtype: Optional[torch.dtype] = None, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """The unmodified model's ``state_dict`` with the trained parameters: the model's own names
+        (tied aliases included), full tensors on CPU, each in its dtype in the model (or ``dtype``);
+        buffers as the model holds them. Gathered tensor by tensor (``state_items``) onto every rank,
+        or with ``dst`` onto that rank alone (the others get ``{}``). Call on every rank."""
+        items = self.state_items(dtype, dst)
+        out = {name: value for name, value in items if value is not None}
+        return out if dst is None or self.rank == dst else {}
