@@ -11,12 +11,15 @@ position-weighted sum of a fixed sample, which catches permuted values). One all
 fingerprints (three numbers per parameter and rank) then compares, for every parameter and rank, the
 shard its owner holds with what the rank before it read for it: every part of every parameter is seen
 by two ranks, round the ring, so any two sources that differ on any shard are caught. Buffers, held
-whole by every rank, are compared whole. A difference raises ``TrainingError`` on every rank, naming
-the first differing tensor and ranks.
+whole by every rank, are compared whole (``check_same_parameters``): floating ones by the same
+statistics, integer and bool ones (GPT-BigCode's causal-mask buffer, position tables) by a hash of
+their bytes, exactly. A difference raises ``TrainingError`` on every rank, naming the first differing
+tensor and ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping
 
 import torch
@@ -31,10 +34,17 @@ _RTOL = 1e-9
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors), 3]`` float64: sum, 2-norm and a position-weighted sample sum of each tensor."""
+    """``[len(tensors), 3]`` float64: per floating tensor its sum, 2-norm and a position-weighted sample
+    sum; per other tensor (integer, bool, complex) three 32-bit words of a hash of its bytes (``exact_rows``)."""
     rows = []
     for value in tensors.values():
         t = value.detach()
+        if not t.is_floating_point():
+            data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            digest = hashlib.blake2b(data + str(t.dtype).encode(), digest_size=12).digest()
+            rows.append(torch.tensor([int.from_bytes(digest[i : i + 4], "little") for i in (0, 4, 8)],
+                                     dtype=torch.float64))
+            continue
         flat = t.reshape(-1)
         step = max(1, flat.numel() // _SAMPLES)
         sample = flat[::step][:_SAMPLES].to(torch.float64)
@@ -57,10 +67,17 @@ _ADVICE = (
 )
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row: fingerprints equal up to float64 summation order (a sum may cancel: measured against the norm)."""
+def exact_rows(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Which rows of ``fingerprints`` are hashes (compared exactly)."""
+    return torch.tensor([not t.is_floating_point() for t in tensors.values()], dtype=torch.bool)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Per row: fingerprints equal; statistics up to float64 summation order (a sum may cancel: measured
+    against the norm), hashes (``exact`` rows) exactly."""
     scale = b.abs() + b[:, 1:2].abs()
-    return ((a == b) | ((a - b).abs() <= _RTOL * scale) | (a.isnan() & b.isnan())).all(dim=1)
+    close = ~exact[:, None] & ((a - b).abs() <= _RTOL * scale)
+    return ((a == b) | close | (a.isnan() & b.isnan())).all(dim=1)
 
 
 def check_same_shards(
@@ -72,12 +89,11 @@ def check_same_shards(
     took of the same shards, and all ranks hold equal ``buffers``."""
     if len(group) == 1:
         return
-    mine = torch.cat([own, witness, fingerprints(buffers)])
-    every = comm.all_gather(mine.to(device), group).cpu()  # [ranks, 2 * params + buffers, 3]
-    n = len(names)
+    every = comm.all_gather(torch.cat([own, witness]).to(device), group).cpu()  # [ranks, 2 * params, 3]
+    n, floating = len(names), torch.zeros(len(names), dtype=torch.bool)
     for i, rank in enumerate(group):
         owner = (i + 1) % len(group)
-        same = _equal(every[i, n:2 * n], every[owner, :n])
+        same = _equal(every[i, n:], every[owner, :n], floating)
         if not bool(same.all()):
             k = int((~same).nonzero()[0])
             more = f" (and {int((~same).sum()) - 1} more)" if int((~same).sum()) > 1 else ""
@@ -86,9 +102,30 @@ def check_same_shards(
                 f"sum {float(every[owner, k, 0]):.6g}, rank {rank}'s source gives {float(every[i, n + k, 0]):.6g} for "
                 "the same part; " + _ADVICE
             )
-    ref = every[0, 2 * n:]
+    check_same_parameters(buffers, comm, group, device)
+
+
+def check_same_parameters(
+    tensors: Mapping[str, torch.Tensor], comm: Communicator, group: Group, device: torch.device
+) -> None:
+    """Raise ``TrainingError`` on every rank of ``group`` unless all hold equal ``tensors`` (whole)."""
+    if len(group) == 1 or not tensors:
+        return
+    every = comm.all_gather(fingerprints(tensors).to(device), group).cpu()  # [ranks, tensors, 3]
+    exact = exact_rows(tensors)
     for i, rank in enumerate(group[1:], start=1):
-        same = _equal(every[i, 2 * n:], ref)
+        same = _equal(every[i], every[0], exact)
         if not bool(same.all()):
-            k = int((~same).nonzero()[0])
-            raise TrainingError(f"rank {rank} holds a different buffer '{list(buffers)[k]}' than rank {group[0]}; " + _ADVICE)
+            bad = [name for name, ok in zip(tensors, same.tolist()) if not ok]
+            k = list(tensors).index(bad[0])
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise TrainingError(
+                f"rank {rank} holds a different model than rank {group[0]}: '{bad[0]}'{more} differs "
+                f"({_described(every[i, k], every[0, k], not bool(exact[k]))}); " + _ADVICE
+            )
+
+
+def _described(other: torch.Tensor, ref: torch.Tensor, statistics: bool) -> str:
+    if statistics:
+        return f"sum {float(other[0]):.6g} vs {float(ref[0]):.6g}"
+    return "its bytes differ"

@@ -4,8 +4,8 @@ Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes trans
 steps compute products with the typed functions named; results cached; see docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp):  annotate -> localize                             = local program
-      per (cp, tp, pp):         partition step (``partition``); per stage: precision -> recompute
+      per stage mesh (cp, tp):  precision -> annotate -> localize                = local program
+      per (cp, tp, pp):         partition step (``partition``); per stage: recompute
                                                                                  = stage programs
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
@@ -38,9 +38,10 @@ from torch import nn
 from hgraph.compiler.overlap_order import rank_schedule
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.schedule.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
-from hgraph.core.errors import HGraphError, InputError, StrategyError
+from hgraph.core.errors import HGraphError, InputError, StrategyError, TraceError
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel, trace
-from hgraph.frontend.meta import is_meta_model, materialize_buffers
+from hgraph.frontend.meta import is_meta_model
+from hgraph.frontend.router_loss import loss_for
 from hgraph.core.layout import InterleavedShard, Layout
 from hgraph.core.model_info import model_dims as model_dims
 from hgraph.core.model_info import validate_strategies as validate_strategies
@@ -49,7 +50,7 @@ from hgraph.passes.partition import partition
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
-from hgraph.passes.precision import fp32_loss
+from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.runtime.kernels.reshard import late_peers
 from hgraph.lnk.topology import Topology
@@ -76,7 +77,7 @@ VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to t
 
 
 def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    return fp32_loss(gm, ctx) if ctx.stage is not None and ctx.stage.returns_loss else gm
+    return autocast(gm, ctx)
 
 
 def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -330,9 +331,9 @@ class CompiledModel:
         return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
-        traced copy holds them in the compute dtype). A model built on meta holds no values: its
-        shards come from ``Trainer(weights=...)`` or its own initialisation instead."""
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from. A model
+        built on meta holds no values: its shards come from ``Trainer(weights=...)`` or its own
+        initialisation instead."""
         if is_meta_model(self.model):
             raise InputError(
                 f"{type(self.model).__name__} holds no parameter values (built on the meta device or released): "
@@ -516,8 +517,10 @@ def compile(
 
     ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
     ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
-    ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
-    ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
+    ``disable``: names of built-in passes to skip. ``compute_dtype``: mixed precision as ``torch.autocast``
+    computes it (e.g. ``torch.bfloat16``: parameters pulled in bf16, halving Pull bytes; matmuls and
+    attention in bf16; buffers, norms, softmax, rotary application and the loss in fp32; see
+    ``hgraph.passes.precision``). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.program.products.OverlapConfig`` (prefetched pulls, early pushes; same results).
     ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
@@ -543,12 +546,8 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
-    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise InputError(
-            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
-            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
-            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
-        )
+    if loss_fn is None:
+        loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"
@@ -588,15 +587,18 @@ def compile(
         coalesce=coalesce,
         pipeline_schedule=pipeline_schedule,
     )
-    # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
-    # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
-    materialize_buffers(model)  # built on meta: recompute rotary tables etc. before the dtype copy
-    source = model
-    if compute_dtype is not None and compute_dtype != torch.float32:
-        source = copy.deepcopy(model).to(compute_dtype)
+    # The user's model is traced as it is (fp32; a meta model on fake tensors, its construction-time
+    # buffers recomputed by trace); a reduced compute_dtype is applied by the precision pass as
+    # torch.autocast would apply it (hgraph.passes.precision).
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
-            traced = trace(source, example_inputs, loss_fn)
+            traced = trace(model, example_inputs, loss_fn)
+        if not traced.dynamic:
+            raise TraceError(
+                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
+                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
+                "write that computation without Python control flow over sizes (or supply a layer that does)"
+            )
         own = _own_rank(world) if rank == "auto" else rank
         return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
 
