@@ -26,8 +26,9 @@ against the eager path, and the scale figure of a 7B compile (prints JSON).
 3. Eager path (v0.1: every rank ``from_pretrained`` in fp32, compile, ``Trainer``) at each of
    ``--compare-layers`` and at ``--layers``, next to the meta path at that size under ``tp4``; a run
    whose rough prediction exceeds the memory available now is not started, and the row says so, with
-   its predicted per-rank peak: the meta run's prediction + the fp32 model (4 B per parameter) + its
-   traced bf16 copy (2 B, under a bf16 compute dtype), the terms the eager runs that fit match.
+   its predicted per-rank peak: the meta run's prediction + the fp32 model (4 B per parameter), the
+   term the eager runs that fit match (the model is traced as it is, fp32: bf16 is the precision
+   pass's autocast casts, no copy).
 4. Scale: Llama-7B shapes (32 layers, hidden 4096, vocab 32000) built on meta and compiled for rank 0
    of world 64 (4 strategies) in a fresh process: wall and CPU seconds, peak RSS.
 """
@@ -167,11 +168,10 @@ def run_rank(spec: dict) -> dict:
 
 def rough_total(numel: int, world: int, itemsize: int, eager: bool) -> int:
     """A pre-launch estimate of all ranks' memory together, to decide whether a run may start: the
-    prediction's terms with a 0.6 GiB baseline; the eager path adds the fp32 model and, under a bf16
-    compute dtype, the traced bf16 copy of it."""
+    prediction's terms with a 0.6 GiB baseline; the eager path adds the fp32 model."""
     per_rank = 16 * numel / world + 2 * itemsize * numel / world + 0.6 * GiB
     if eager:
-        per_rank += 4 * numel + (2 * numel if itemsize == 2 else 0)
+        per_rank += 4 * numel
     return int(world * per_rank)
 
 
@@ -257,7 +257,7 @@ def main() -> None:
             meta = [m for m in result["runs"] if m["path"] == "meta" and m["ran"]
                     and (m["layers"], m["strategy"]) == (e["layers"], e["strategy"])]
             if e["path"] == "eager" and not e["ran"] and meta:
-                extra = (4 + (2 if args.compute_dtype == "bf16" else 0)) * e["params"] / GiB
+                extra = 4 * e["params"] / GiB
                 e["predicted_peak_gib"] = [round(r["predicted_gib"] + extra, 3) for r in meta[0]["ranks"]]
                 e["meta_measured_over_eager_predicted"] = round(
                     max(r["peak_gib"] / p for r, p in zip(meta[0]["ranks"], e["predicted_peak_gib"])), 3)

@@ -87,7 +87,7 @@ def test_construction_time_buffers_are_recomputed(build):
         assert not value.is_meta and torch.equal(value, want[name]), name
 
 
-def test_buffers_follow_a_compute_dtype_as_the_eager_model():
+def test_meta_and_eager_give_identical_buffers_and_programs_under_a_compute_dtype():
     eager = hgraph.compile(built(hf_llama, False), ["tp2"], example_inputs=IDS, compute_dtype=torch.bfloat16)
     meta = hgraph.compile(built(hf_llama, True), ["tp2"], example_inputs=IDS, compute_dtype=torch.bfloat16)
     for name, value in eager.traced.buffers().items():
