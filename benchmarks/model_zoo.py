@@ -1,11 +1,12 @@
-"""The supported-models table: every ``hgraph.zoo`` family × strategy kind, checked against the model.
+"""The supported-models table: every ``hgraph.zoo`` family × strategy kind, packed, checked against the model.
 
     python benchmarks/model_zoo.py [--families llama,gpt2] > zoo.jsonl
     python benchmarks/model_zoo.py --markdown zoo.jsonl      # the README table from those lines
 
-Prints one JSON object per (family, strategy): ``equal`` (``simulate`` loss and every gradient equal
-to the unmodified model, fp32, rtol 1e-5) or the HGraphError raised, then a summary with the count of
-``wrong`` (silent mismatches, which must be 0).
+Prints one JSON object per (family, strategy): ``equal`` (``simulate`` of documents of different
+lengths, dispatched and packed as ``Trainer.step`` packs them, gives the loss and every gradient of the
+unmodified model run on each document alone, fp32, rtol 1e-5) or the HGraphError raised, then a
+summary with the count of ``wrong`` (silent mismatches, which must be 0).
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
+from hgraph.batch import DEFAULT_MICRO_BATCH_TOKENS
+from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
@@ -469,14 +470,20 @@ class CompiledModel:
     def simulate(
         self,
         strategy: StrategyLike,
-        input_ids: torch.Tensor,
+        input_ids: Union[torch.Tensor, Sequence[torch.Tensor]],
         targets: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads."""
+        """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads.
+
+        ``input_ids``: a list of 1-D documents of any lengths, dispatched and packed as ``Trainer.step``
+        packs them (``micro_batch_tokens`` per micro-batch, cp chunks) — compare with the model run on
+        each document alone; or a ``[batch, seq]`` tensor, each row its own micro-batch."""
         from hgraph.thread_oracle import simulate_strategy
 
-        return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
+        return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids,
+                                 micro_batch_tokens)
 
 
 def _recompute_by_scheme(recompute: Any) -> tuple:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from hgraph.batch import local_micro_batches, micro_batch_align, pack_micro_batch
+from hgraph.batch import DEFAULT_MICRO_BATCH_TOKENS, rank_micro_batches
 from hgraph.errors import CheckpointError, InputError, TrainingError
 from hgraph.layout import Layout, Replicate
 from hgraph.lnk import solve
@@ -75,7 +75,7 @@ class Trainer:
         planner: Optional["Planner"] = None,
         lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
         comm: Optional[Communicator] = None,
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         timeline: bool = False,
         device: Union[str, torch.device, None] = None,
     ) -> None:
@@ -213,13 +213,12 @@ class Trainer:
     def _local_micro_batches(self, d: Dispatch, sequences: Any) -> list[dict[str, torch.Tensor]]:
         """This rank's packed micro-batches of dispatch ``d`` (``sequences[i]`` for its pipeline's i)."""
         program = self.compiled.program(d.strategy_index, self.rank)
-        align = micro_batch_align(program.groups, self.compiled.options.sequence_parallel)
         buffers = {
             ph: self.compiled.traced.buffers()[fqn].to(self.device)
             for ph, fqn in self.compiled.traced.buffer_names.items()
         }
-        rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in d.micro_batches[program.pipeline]]
-        return local_micro_batches(rows, program.groups, self.rank, buffers, self.device)
+        return rank_micro_batches(sequences, d.micro_batches[program.pipeline], program.groups, self.rank, buffers,
+                                  self.compiled.options.sequence_parallel, self.device)
 
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""

@@ -1,10 +1,16 @@
 """The model zoo: HuggingFace causal LMs exactly as ``AutoModelForCausalLM.from_config`` builds them from
 each family's default config (only sizes shrunk; ``hgraph.zoo``), compiled for every strategy kind on
-world 4, ``simulate`` equal to the unmodified model — loss and every gradient, fp32, rtol 1e-5 — on
-24-token sequences (longer than the 8-token example and than the 8-token sliding windows).
+world 4. The batch is documents of different lengths (``hgraph.zoo.DOCUMENT_LENGTHS``) that
+``simulate`` dispatches and packs as ``Trainer.step`` does — several documents per micro-batch,
+positions restarting at each, cp chunks crossing them — and the loss and every gradient must equal
+the unmodified model run on each document alone (fp32, rtol 1e-5).
 
 ``EXPECTED`` is the supported-models table: ``equal``, or the refusal (a regex of the HGraphError) a
 (family, strategy) must raise. A silent mismatch fails whatever the table says.
+
+Budget: ``make test`` checks every family once, on its most informative strategy kind (cp where the
+family supports it: documents cut into load-balanced chunks, K/V gathered across them; else tp x pp:
+heads split, micro-batches across stages); the full family x strategy matrix runs with the slow tests.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.zoo import STRATEGY_KINDS, check_family, zoo_model
+from hgraph.zoo import FAMILIES, STRATEGY_KINDS, check_family, zoo_model
 
 TP_DP, TP_PP, DP_PP, CP = STRATEGY_KINDS.values()
 EQUAL = "equal"
@@ -44,7 +50,6 @@ EXPECTED: dict[str, dict[str, str]] = {
     "stablelm": {},
     "mixtral": {CP: MOE_CP},
     "qwen2_moe": {CP: MOE_CP},
-    # beyond the issue's sixteen (run with the slow tests)
     "gemma3": {},
     "starcoder2": {},
     "gptj": {},
@@ -53,15 +58,13 @@ EXPECTED: dict[str, dict[str, str]] = {
     "cohere": {},
     "olmo2": {},
 }
-SLOW = {"gemma3", "starcoder2", "gptj", "mpt", "gpt_bigcode", "cohere", "olmo2"}
+# Packing leaks found by the packed oracle, fixed by issue 20: they train on a wrong loss when packed.
+PACKING_LEAKS = {"opt", "bloom", "mpt"}
 
 
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in EXPECTED]
-)
-def test_family_in_its_default_config(family):
-    results = check_family(family)
-    assert [r.strategy for r in results] == list(STRATEGY_KINDS.values())
+def _check(family, strategies):
+    results = check_family(family, strategies)
+    assert [r.strategy for r in results] == list(strategies)
     for result in results:
         expected = EXPECTED[family].get(result.strategy, EQUAL)
         assert result.status != "wrong", f"silently wrong: {result}"
@@ -69,6 +72,32 @@ def test_family_in_its_default_config(family):
             assert result.status == "equal", str(result)
         else:
             assert result.status == "error" and re.search(expected, result.detail), str(result)
+
+
+def _marks(family, slow=False):
+    marks = [pytest.mark.slow] if slow else []
+    if family in PACKING_LEAKS:
+        marks.append(pytest.mark.xfail(strict=True, reason="packing leak (issue 20)"))
+    return marks
+
+
+def most_informative(family: str) -> str:
+    """cp where the family supports it (packed documents cut into chunks), else tp x pp."""
+    return CP if CP not in EXPECTED[family] else TP_PP
+
+
+def test_every_family_is_in_the_table():
+    assert set(EXPECTED) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in EXPECTED])
+def test_family_packed_on_its_most_informative_strategy(family):
+    _check(family, [most_informative(family)])
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f, slow=True)) for f in EXPECTED])
+def test_family_packed_on_every_strategy_kind(family):
+    _check(family, list(STRATEGY_KINDS.values()))
 
 
 def test_dropout_of_a_default_config_is_refused_with_the_fix():
