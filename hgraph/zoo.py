@@ -78,6 +78,7 @@ FAMILIES: dict[str, Family] = {
                                                        n_positions=512, bos_token_id=255, eos_token_id=255)),
         Family("cohere", "CohereConfig", {**_MHA, "bos_token_id": 1, "eos_token_id": 2}),
         Family("olmo2", "Olmo2Config", {**_MHA, "eos_token_id": 255}),
+        Family("granitemoe", "GraniteMoeConfig", {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}),
     )
 }
 

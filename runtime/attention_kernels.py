@@ -9,7 +9,8 @@
   whole packed micro-batch, causal through ``window_size=(-1, 0)``, GQA native; ``cu_seqlens`` are
   built from ``position_ids`` once per micro-batch (cached on the tensor, which every layer shares);
 * ``"flex"`` — FlexAttention with a document-causal block mask, where varlen cannot serve: context
-  parallelism (local queries against gathered keys), fp32 on CUDA.
+  parallelism (local queries against gathered keys), fp32 on CUDA, ALiBi (a ``score_mod``; varlen
+  has no bias).
 
 ``HGRAPH_ATTENTION_KERNEL=sdpa|varlen|flex`` forces one; a kernel that cannot serve the case (varlen
 off CUDA, FlexAttention's backward on CPU) is an ``HGraphError`` naming the fix. The backward of
@@ -37,26 +38,28 @@ def varlen_available() -> bool:
     return True
 
 
-def choose_kernel(device: torch.device, dtype: torch.dtype, *, cp: bool = False, needs_grad: bool = True) -> str:
+def choose_kernel(
+    device: torch.device, dtype: torch.dtype, *, cp: bool = False, needs_grad: bool = True, alibi: bool = False
+) -> str:
     """The kernel for packed attention of ``dtype`` tensors on ``device`` (module docstring)."""
     forced = os.environ.get(_ENV)
     if forced:
         if forced not in KERNELS:
             raise HGraphError(f"{_ENV}={forced!r}; expected one of {', '.join(KERNELS)}")
-        _check(forced, device, dtype, cp, needs_grad)
+        _check(forced, device, dtype, cp, needs_grad, alibi)
         return forced
     if device.type != "cuda":
         return "sdpa"
-    if not cp and dtype in (torch.float16, torch.bfloat16) and varlen_available():
+    if not cp and not alibi and dtype in (torch.float16, torch.bfloat16) and varlen_available():
         return "varlen"
     return "flex"
 
 
-def _check(kernel: str, device: torch.device, dtype: torch.dtype, cp: bool, needs_grad: bool) -> None:
-    if kernel == "varlen" and (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or cp):
+def _check(kernel: str, device: torch.device, dtype: torch.dtype, cp: bool, needs_grad: bool, alibi: bool) -> None:
+    if kernel == "varlen" and (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or cp or alibi):
         raise HGraphError(
-            f"{_ENV}=varlen needs CUDA fp16/bf16 tensors without context parallelism, got {device.type} "
-            f"{dtype}{' with cp' if cp else ''}; unset {_ENV} or use 'sdpa' / 'flex'"
+            f"{_ENV}=varlen needs CUDA fp16/bf16 tensors without context parallelism or ALiBi, got {device.type} "
+            f"{dtype}{' with cp' if cp else ''}{' with ALiBi' if alibi else ''}; unset {_ENV} or use 'sdpa' / 'flex'"
         )
     if kernel == "flex" and device.type == "cpu" and needs_grad:
         raise HGraphError(
@@ -95,9 +98,10 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
 
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, query_stream: torch.Tensor,
-         scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+         scale: Optional[float], enable_gqa: bool, alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FlexAttention with a document-causal mask: query ``i`` is stream position ``query_stream[i]``
-    of the keys' stream, whose sequences start where ``positions`` (``[b, S]``) is 0."""
+    of the keys' stream, whose sequences start where ``positions`` (``[b, S]``) is 0; ``alibi``
+    (``[hq]`` slopes) as a ``score_mod``."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     document = (positions == 0).cumsum(-1)
@@ -107,5 +111,12 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Ten
         stream = query_stream[qi]
         return (document[b, stream] == document[b, ki]) & (stream >= ki)
 
+    score_mod = None
+    if alibi is not None:
+        slopes = alibi.to(device=q.device, dtype=torch.float32)
+
+        def score_mod(score, b, h, qi, ki):  # noqa: ANN001 - FlexAttention's score_mod signature
+            return score - slopes[h] * (query_stream[qi] - ki)
+
     block = create_block_mask(document_causal, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    return flex_attention(q, k, v, block_mask=block, scale=scale, enable_gqa=enable_gqa)
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block, scale=scale, enable_gqa=enable_gqa)

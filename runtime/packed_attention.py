@@ -1,7 +1,9 @@
 """Causal attention over packed sequences: ``hgraph.packed_attention`` and its backward as custom ops.
 
 A sequence starts wherever ``position_ids == 0`` and attention never crosses that boundary (cost
-Σ lᵢ²). The backward op (``hgraph.packed_attention_backward``) recomputes the forward; the kernel per
+Σ lᵢ²). Variants, each a keyword: ``window`` (sliding window), ``softcap`` (Gemma 2 logit capping),
+``alibi`` (per-head ALiBi slopes: the score of query i and key j gets ``−slopeₕ·(i − j)``, i and j in
+the same sequence, so it never spans the packed row). The backward op (``hgraph.packed_attention_backward``) recomputes the forward; the kernel per
 device and construct comes from ``runtime/attention_kernels.py`` (per-sequence SDPA on CPU, varlen or
 FlexAttention on CUDA). With context parallelism the K/V gathers are ``hgraph.all_gather`` calls
 outside the op. ``own_kv_heads`` picks the key/value head a rank's query heads read when tp exceeds
@@ -54,12 +56,14 @@ def _runs(stream: torch.Tensor, positions: torch.Tensor) -> list[tuple[int, int,
 
 def _attend_row(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: list, scale: float | None, enable_gqa: bool,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, alibi: Tensor | None = None,
 ) -> torch.Tensor:
     """q ``[b, hq, s_local, d]`` against the stream's k/v ``[b, hkv, S, d]``, run by run.
 
     A run's queries are the last ``hi - lo`` of its keys; with ``window`` a query at stream index i
     sees keys j with ``i - window < j <= i`` only, so keys before the first query's window are cut.
+    With ``alibi`` (``[hq]`` slopes) the scores get ``−slopeₕ·(i − j)``: i − j is the same in the
+    run's key range as in the sequence, since a run never crosses a sequence start.
     """
     outputs = []
     for lo, hi, key_lo, key_hi in runs:
@@ -73,31 +77,38 @@ def _attend_row(
         mask = key_index <= query_index
         if window is not None:
             mask = mask & (key_index > query_index - window)
+        bias = None
+        if alibi is not None:
+            distance = (query_index - key_index).to(torch.float32)  # i - j
+            bias = (-alibi.to(torch.float32)[:, None, None] * distance)[None].masked_fill(~mask, float("-inf"))
         if softcap is not None:
-            outputs.append(_softcapped_attention(q_run, k_run, v_run, mask, scale, softcap))
+            outputs.append(_softcapped_attention(q_run, k_run, v_run, mask, scale, softcap, bias))
             continue
-        plain_causal = keys == queries and (window is None or window >= keys)
+        plain_causal = keys == queries and (window is None or window >= keys) and bias is None
         outputs.append(F.scaled_dot_product_attention(
-            q_run, k_run, v_run, attn_mask=None if plain_causal else mask, is_causal=plain_causal,
-            scale=scale, enable_gqa=enable_gqa,
+            q_run, k_run, v_run, attn_mask=None if plain_causal else (mask if bias is None else bias.to(q.dtype)),
+            is_causal=plain_causal, scale=scale, enable_gqa=enable_gqa,
         ))
     return torch.cat(outputs, dim=2)
 
 
 def _softcapped_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None, softcap: float
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None, softcap: float, bias: Tensor | None = None
 ) -> Tensor:
-    """Attention with Gemma-2 logit soft-capping: ``scores = softcap · tanh(q·kᵀ·scale / softcap)``."""
+    """Attention with Gemma-2 logit soft-capping: ``scores = softcap · tanh(q·kᵀ·scale / softcap)``
+    (then ``+ bias`` if given)."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
 def _packed_attention_local(
     q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
-    window: Optional[int] = None, softcap: Optional[float] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None, alibi: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention of the local queries; with ``cp`` k, v and positions are the cp-gathered ones."""
     if cp:
@@ -111,18 +122,19 @@ def _packed_attention_local(
     else:
         stream_positions = position_ids
         local_stream = torch.arange(q.shape[2], device=q.device)
-    kernel = attention_kernels.choose_kernel(q.device, q.dtype, cp=cp, needs_grad=torch.is_grad_enabled())
+    kernel = attention_kernels.choose_kernel(q.device, q.dtype, cp=cp, needs_grad=torch.is_grad_enabled(),
+                                             alibi=alibi is not None)
     if kernel == "varlen":
         return attention_kernels.varlen(q, k, v, stream_positions, scale, enable_gqa)
     if kernel == "flex":
-        return attention_kernels.flex(q, k, v, stream_positions, local_stream, scale, enable_gqa)
+        return attention_kernels.flex(q, k, v, stream_positions, local_stream, scale, enable_gqa, alibi)
     rows = range(q.shape[0])
     if all(torch.equal(stream_positions[0], stream_positions[b]) for b in rows):
-        return _attend_row(q, k, v, _runs(local_stream, stream_positions[0]), scale, enable_gqa, window, softcap)
+        return _attend_row(q, k, v, _runs(local_stream, stream_positions[0]), scale, enable_gqa, window, softcap, alibi)
     return torch.cat(
         [
             _attend_row(q[b : b + 1], k[b : b + 1], v[b : b + 1], _runs(local_stream, stream_positions[b]),
-                        scale, enable_gqa, window, softcap)
+                        scale, enable_gqa, window, softcap, alibi)
             for b in rows
         ],
         dim=0,
@@ -142,33 +154,33 @@ def _autograd_inside_op() -> Iterator[None]:
 @torch.library.custom_op("hgraph::packed_attention", mutates_args=())
 def _packed_attention(
     q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
-    window: Optional[int] = None, softcap: Optional[float] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None, alibi: Optional[Tensor] = None,
 ) -> Tensor:
     with torch.no_grad():
-        return _packed_attention_local(q, k, v, position_ids, scale, cp, enable_gqa, window, softcap).contiguous()
+        return _packed_attention_local(q, k, v, position_ids, scale, cp, enable_gqa, window, softcap, alibi).contiguous()
 
 
 @torch.library.custom_op("hgraph::packed_attention_backward", mutates_args=())
 def _packed_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
-    enable_gqa: bool, window: Optional[int] = None, softcap: Optional[float] = None,
+    enable_gqa: bool, window: Optional[int] = None, softcap: Optional[float] = None, alibi: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     with _autograd_inside_op():
-        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, window, softcap)
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, window, softcap, alibi)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_packed_attention.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
-      window: Optional[int] = None, softcap: Optional[float] = None) -> Tensor:
+      window: Optional[int] = None, softcap: Optional[float] = None, alibi: Optional[Tensor] = None) -> Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @_packed_attention_backward.register_fake
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
-      enable_gqa: bool, window: Optional[int] = None, softcap: Optional[float] = None
+      enable_gqa: bool, window: Optional[int] = None, softcap: Optional[float] = None, alibi: Optional[Tensor] = None,
       ) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -182,7 +194,7 @@ def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
 def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
     with entered(ctx.rc):
         dq, dk, dv = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _packed_attention.register_autograd(_attention_backward, setup_context=_save_attention)
@@ -199,12 +211,14 @@ def packed_attention(
     enable_gqa: bool = False,
     window: int | None = None,
     softcap: float | None = None,
+    alibi: Tensor | None = None,
 ) -> Tensor:
     """Causal attention inside each packed sequence; a sequence starts where ``position_ids == 0``.
 
     ``window``: sliding-window attention (a query sees itself and the ``window - 1`` keys before it,
     Mistral's ``sliding_window``); ``softcap``: logits capped as ``softcap · tanh(logits / softcap)``
-    (Gemma 2).
+    (Gemma 2); ``alibi``: ``[hq]`` ALiBi slopes, the score of query i and key j of one sequence
+    getting ``−slopeₕ·(i − j)`` (Bloom, MPT; under tp each rank holds its query heads' slopes).
 
     q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]``, position_ids ``[b, s]``. Attention never crosses a
     sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
@@ -223,6 +237,10 @@ def packed_attention(
         k = all_gather(k, "cp", 2, grad_partial=True)
         v = all_gather(v, "cp", 2, grad_partial=True)
         position_ids = torch.ops.hgraph.all_gather(position_ids.detach(), "cp", 1, False)
+    if alibi is not None and not is_fake(q) and alibi.shape != (q.shape[1],):
+        raise ShardingRuleError(
+            f"packed_attention: {tuple(alibi.shape)} ALiBi slopes for {q.shape[1]} query heads (need one per head)"
+        )
     return torch.ops.hgraph.packed_attention(
-        q, k, v, position_ids, scale, cp and not shape_only, enable_gqa, window, softcap
+        q, k, v, position_ids, scale, cp and not shape_only, enable_gqa, window, softcap, alibi
     )

@@ -1,7 +1,8 @@
 """Rules for attention: heads split over tp, the sequence split over cp with K/V gathered.
 
 The frontend expresses causal attention as ``hgraph.runtime.ops.packed_attention(q, k, v,
-position_ids)`` (q ``[b, heads, s, d]``, k/v ``[b, kv_heads, s, d]``). On tp every rank takes
+position_ids)`` (q ``[b, heads, s, d]``, k/v ``[b, kv_heads, s, d]``; ALiBi slopes ``alibi=[heads]``
+are cut with the query heads). On tp every rank takes
 ``heads/tp`` query heads and ``kv_heads/tp`` key/value heads — contiguous head ranges keep the
 grouped-query pairing — so both counts must be divisible by tp, except that fewer key/value heads
 than tp ranks (multi-query attention) are replicated, each rank reading the one its query heads use. On cp the local program calls it
@@ -47,12 +48,17 @@ def packed_attention_rule(node: fx.Node, rin: RuleInput) -> Decision:
     kv = (qkv[0], R) if replicated_kv else qkv
     pos = (Shard(1) if cp else R, R)
     inputs = {q: qkv, k: kv, v: kv, positions: pos}
+    alibi = node.kwargs.get("alibi")
+    if isinstance(alibi, fx.Node):  # per-head slopes go with their query heads
+        inputs[alibi] = (R, Shard(0) if tp else R)
     if not cp and not replicated_kv:
         return Decision(output=qkv, inputs=inputs, note="heads over tp" if tp else "")
 
     def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
         kwargs = dict(n.kwargs)
         kwargs["cp"] = cp
+        if isinstance(alibi, fx.Node):
+            kwargs["alibi"] = lc.local(alibi)
         local_k, local_v = lc.local(k), lc.local(v)
         if replicated_kv:  # this rank's query heads all read one key/value head (Megatron's MQA/GQA)
             local_k = lc.call(ops.own_kv_heads, (local_k, "tp"))

@@ -28,10 +28,6 @@ EQUAL = "equal"
 # Mixture of experts: routing (topk, sort, histc) is replicated and needs every routed token, which
 # context parallelism splits: refused, naming the op.
 MOE_CP = r"(context parallelism|sharded tokens|cp-split tokens|cp)"
-# ALiBi attention (Bloom, MPT) keeps its dense bias and mask, computed across the whole sequence, and
-# OPT derives positions from a cumulative sum over the sequence: context parallelism is refused,
-# naming the op and the module.
-EAGER_CP = r"(context parallelism|sharded tokens|cp-split tokens)"
 
 EXPECTED: dict[str, dict[str, str]] = {
     "llama": {},
@@ -44,22 +40,21 @@ EXPECTED: dict[str, dict[str, str]] = {
     "phi": {},
     "gpt2": {},
     "gpt_neox": {},
-    "opt": {CP: EAGER_CP},
+    "opt": {},
     "falcon": {},
-    "bloom": {CP: EAGER_CP},
+    "bloom": {},
     "stablelm": {},
     "mixtral": {CP: MOE_CP},
     "qwen2_moe": {CP: MOE_CP},
     "gemma3": {},
     "starcoder2": {},
     "gptj": {},
-    "mpt": {CP: EAGER_CP},
+    "mpt": {},
     "gpt_bigcode": {},
     "cohere": {},
     "olmo2": {},
+    "granitemoe": {CP: MOE_CP},
 }
-# Packing leaks found by the packed oracle, fixed by issue 20: they train on a wrong loss when packed.
-PACKING_LEAKS = {"opt", "bloom", "mpt"}
 
 
 def _check(family, strategies):
@@ -74,13 +69,6 @@ def _check(family, strategies):
             assert result.status == "error" and re.search(expected, result.detail), str(result)
 
 
-def _marks(family, slow=False):
-    marks = [pytest.mark.slow] if slow else []
-    if family in PACKING_LEAKS:
-        marks.append(pytest.mark.xfail(strict=True, reason="packing leak (issue 20)"))
-    return marks
-
-
 def most_informative(family: str) -> str:
     """cp where the family supports it (packed documents cut into chunks), else tp x pp."""
     return CP if CP not in EXPECTED[family] else TP_PP
@@ -90,12 +78,13 @@ def test_every_family_is_in_the_table():
     assert set(EXPECTED) == set(FAMILIES)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f)) for f in EXPECTED])
+@pytest.mark.parametrize("family", list(EXPECTED))
 def test_family_packed_on_its_most_informative_strategy(family):
     _check(family, [most_informative(family)])
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=_marks(f, slow=True)) for f in EXPECTED])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(EXPECTED))
 def test_family_packed_on_every_strategy_kind(family):
     _check(family, list(STRATEGY_KINDS.values()))
 

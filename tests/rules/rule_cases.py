@@ -77,6 +77,13 @@ def _attention_inputs(g: torch.Generator) -> Sample:
                   names=("q", "k", "v", "position_ids"))
 
 
+def _alibi_attention_inputs(g: torch.Generator) -> Sample:
+    """ALiBi slopes (a constant of the model, placed by the rule: cut with the query heads)."""
+    sample = _attention_inputs(g)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    return Sample(sample.args, {"alibi": slopes}, names=(*sample.names, "alibi"), params=frozenset({"alibi"}))
+
+
 _OFFSETS = torch.tensor([2, 4, 4, 8], dtype=torch.int32)  # expert 2 gets no token
 
 
@@ -279,7 +286,10 @@ CASES: dict[str, list[Case]] = {
         case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
-    "hgraph.runtime.packed_attention.packed_attention": [case(ops.packed_attention, _attention_inputs)],
+    "hgraph.runtime.packed_attention.packed_attention": [
+        case(ops.packed_attention, _attention_inputs),
+        case(ops.packed_attention, _alibi_attention_inputs, "alibi"),
+    ],
     "aten.scaled_dot_product_attention": [
         case(aten.scaled_dot_product_attention.default,
              lambda g: Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4)), {"is_causal": True}),

@@ -23,6 +23,16 @@ def test_choose_kernel_by_device_and_construct(monkeypatch):
     assert kernels.choose_kernel(CUDA, torch.bfloat16, cp=True) == "flex"  # gathered keys, local queries
 
 
+def test_alibi_never_takes_varlen(monkeypatch):
+    """varlen_attn has no score bias: ALiBi falls back to FlexAttention, forcing varlen is refused."""
+    monkeypatch.delenv("HGRAPH_ATTENTION_KERNEL", raising=False)
+    assert kernels.choose_kernel(CUDA, torch.bfloat16, alibi=True) == "flex"
+    assert kernels.choose_kernel(CPU, torch.float32, alibi=True) == "sdpa"
+    monkeypatch.setenv("HGRAPH_ATTENTION_KERNEL", "varlen")
+    with pytest.raises(HGraphError, match="ALiBi"):
+        kernels.choose_kernel(CUDA, torch.bfloat16, alibi=True)
+
+
 def test_forcing_a_kernel(monkeypatch):
     monkeypatch.setenv("HGRAPH_ATTENTION_KERNEL", "flex")
     assert kernels.choose_kernel(CPU, torch.float32, needs_grad=False) == "flex"
@@ -57,6 +67,42 @@ def _by_hand(q, k, v, lengths):
                                                   enable_gqa=True))
         start += n
     return torch.cat(out, dim=2)
+
+
+def _alibi_by_hand(q, k, v, lengths, slopes):
+    """Per-sequence causal attention with ALiBi ``-slope_h (i - j)``, i and j counted inside the
+    sequence, written out independently of hgraph."""
+    out, start = [], 0
+    k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    for n in lengths:
+        sl = slice(start, start + n)
+        i = torch.arange(n)
+        bias = -slopes[:, None, None] * (i[:, None] - i[None, :])
+        scores = q[:, :, sl] @ k[:, :, sl].transpose(-1, -2) / q.shape[-1] ** 0.5 + bias
+        scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        out.append(torch.softmax(scores, -1) @ v[:, :, sl])
+        start += n
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("cp_rank", [None, 0, 1])
+def test_alibi_stays_inside_each_sequence(monkeypatch, cp_rank):
+    """The bias depends on i - j within a sequence only, and no query sees another sequence's keys:
+    sdpa (the CPU kernel), with local queries of a cp rank against the gathered stream too, and flex."""
+    torch.manual_seed(0)
+    lengths = (7, 20, 1, 12)
+    s = sum(lengths)
+    q, k, v = torch.randn(1, 4, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    want = _alibi_by_hand(q, k, v, lengths, slopes)
+    chosen = torch.arange(s) if cp_rank is None else ops.load_balance_indices(s, 2, cp_rank)
+    runs = packed_attention_module._runs(chosen, _packed(lengths)[0])
+    monkeypatch.delenv("HGRAPH_ATTENTION_KERNEL", raising=False)
+    with torch.no_grad():
+        sdpa = packed_attention_module._attend_row(q[:, :, chosen], k, v, runs, None, True, alibi=slopes)
+        flex = kernels.flex(q[:, :, chosen], k, v, _packed(lengths), chosen, None, True, slopes)
+    torch.testing.assert_close(sdpa, want[:, :, chosen], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex, want[:, :, chosen], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lengths", [(5, 11, 16), (32,), (1, 2, 29)])
