@@ -119,3 +119,9 @@ def rank_micro_batches(
     align = micro_batch_align(groups, sequence_parallel)
     rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in micro_batches]
     return local_micro_batches(rows, groups, rank, buffers, device)
+
+
+def one_document_per_micro_batch(micro_batches: Sequence[Sequence[Sequence[int]]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per pipeline, every micro-batch split into one micro-batch per document (same order): how a
+    model whose packing is not proved exact trains (``hgraph.packing_proof``)."""
+    return tuple(tuple((i,) for mb in pipeline for i in mb) for pipeline in micro_batches)

@@ -36,7 +36,7 @@ from torch import nn
 from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
 from hgraph.batch import DEFAULT_MICRO_BATCH_TOKENS
 from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
-from hgraph.errors import HGraphError, InputError, StrategyError
+from hgraph.errors import HGraphError, InputError, PackingError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
 from hgraph.layout import InterleavedShard, Layout
 from hgraph.model_info import model_dims as model_dims
@@ -48,9 +48,10 @@ from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import recompute
 from hgraph.runtime.reshard import late_peers
 from hgraph.lnk.topology import Topology
+from hgraph.packing_proof import prove_packing
 from hgraph.products import (
-    CommSubgraph, CompileContext, CompileOptions, OverlapConfig, ParameterComm, ParameterLayouts, RankProgram,
-    RecomputeConfig, StageGraph,
+    CommSubgraph, CompileContext, CompileOptions, OverlapConfig, PackingProof, ParameterComm, ParameterLayouts,
+    RankProgram, RecomputeConfig, StageGraph,
 )
 from hgraph.strategy import Pipeline, Strategy, as_strategies
 from hgraph.zero import optimizer_layout
@@ -112,9 +113,12 @@ class CompiledModel:
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
+        packing: Optional[PackingProof] = None,
     ) -> None:
         self.model = model
         self.traced = traced
+        # How training packs documents (hgraph.packing_proof); unproved unless compile proved it.
+        self.packing = packing if packing is not None else PackingProof(False, "unproved")
         self.strategies = strategies
         self.options = options
         self.world_size = strategies[0].world_size
@@ -520,6 +524,7 @@ def compile(
     verify: Optional[bool] = None,
     cache_dir: Optional[str] = None,
     pipeline_schedule: str = "1f1b",
+    packing: str = "auto",
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -545,7 +550,11 @@ def compile(
     (``hgraph.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
-    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.actions``.
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.actions``. ``packing``: ``"auto"``
+    (several documents per micro-batch once packing is proved exact for this model, from the graph
+    or by probing; else one document per micro-batch with a ``PackingWarning``), ``"require"``
+    (an unproved model is a ``PackingError``) or ``"off"`` (one document per micro-batch);
+    ``compiled.packing`` says which and why (``hgraph.packing_proof``).
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -605,8 +614,28 @@ def compile(
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
             traced = trace(source, example_inputs, loss_fn)
+            # bf16 rounding would hide a small leak from the probe: probe an fp32 trace instead
+            fp32 = (lambda: trace(model, example_inputs, loss_fn)) if source is not model else None
+            proof = prove_packing(traced, packing, fp32)
+        _check_padding(proof, strategies, options)
         own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, proof)
+
+
+def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options: CompileOptions) -> None:
+    """A strategy that pads every micro-batch (cp chunks, sequence-parallel tp) puts padding next to
+    each document: refused unless packing is proved exact."""
+    if proof.exact:
+        return
+    for s in strategies:
+        for p in s.pipelines:
+            if p.cp > 1 or (options.sequence_parallel and p.tp > 1):
+                why = "cuts it into 2·cp chunks" if p.cp > 1 else "splits its tokens over tp (sequence parallelism)"
+                raise PackingError(
+                    f"strategy '{s}' pads every micro-batch (it {why}), so each document shares its micro-batch "
+                    f"with padding, which needs packing proved exact; {proof}. Use strategies without cp"
+                    + (" or sequence_parallel=False" if options.sequence_parallel else "")
+                )
 
 
 @contextlib.contextmanager

@@ -125,6 +125,11 @@ class TracedModel:
     def graph_module(self) -> fx.GraphModule:
         return self.graph_for(*self._example_shape)
 
+    @property
+    def example_shape(self) -> tuple[int, int]:
+        """``[batch, seq]`` of the example inputs the model was traced with."""
+        return self._example_shape
+
     def graph_for(self, batch: int, seq: int) -> fx.GraphModule:
         """The graph for inputs of shape ``[batch, seq]`` (traced on first use when shapes are static)."""
         key = None if self.dynamic else (batch, seq)

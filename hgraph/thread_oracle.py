@@ -9,7 +9,8 @@ Two ways to give the batch:
 * **documents** (a list of 1-D LongTensors of any lengths): spread and packed exactly as
   ``Trainer.step`` does without a planner — ``default_dispatch`` over the pipelines, several documents
   per micro-batch (``micro_batch_tokens``), positions restarting at every document, padded and cut
-  into ``2·cp`` load-balanced chunks under context parallelism (``hgraph.batch.rank_micro_batches``).
+  into ``2·cp`` load-balanced chunks under context parallelism (``hgraph.batch.rank_micro_batches``);
+  one document per micro-batch where packing is not proved exact (``compiled.packing``).
   Compare with the unmodified model run on each document alone: that is what packed training claims.
 * a rectangular ``input_ids`` ``[batch, seq]``: rows split across pipelines in order
   (``torch.tensor_split``), each row one micro-batch (cut into cp chunks, not packed).
@@ -21,7 +22,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from hgraph.batch import DEFAULT_MICRO_BATCH_TOKENS, local_micro_batches, next_token_targets, rank_micro_batches
+from hgraph.batch import (
+    DEFAULT_MICRO_BATCH_TOKENS, local_micro_batches, next_token_targets, one_document_per_micro_batch, rank_micro_batches,
+)
 from hgraph.errors import InputError
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.products import CompiledPrograms
@@ -120,6 +123,8 @@ def _simulate_documents(
     lengths = [len(d) for d in documents]
     strategy = compiled.strategies[index]
     dispatch = default_dispatch(strategy.pipelines, lengths, micro_batch_tokens)
+    if not compiled.packing.packs:  # as the Trainer: packing not proved exact
+        dispatch = one_document_per_micro_batch(dispatch)
     buffers = _buffers(compiled)
 
     def micro_batches(rank: int, pipeline: int) -> list[dict[str, torch.Tensor]]:

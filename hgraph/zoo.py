@@ -12,6 +12,7 @@ model run on each document alone.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hgraph.errors import HGraphError, InputError
+from hgraph.errors import HGraphError, InputError, PackingError
+from hgraph.packing_proof import PackingWarning
 from hgraph.seeding import seeded_model
 
 _DECODER = dict(
@@ -123,15 +125,23 @@ and under ``2x cp2`` they cross the cp chunk boundaries."""
 @dataclass(frozen=True)
 class ZooResult:
     """One (family, strategy) outcome: ``equal`` (loss and every gradient within tolerance),
-    ``wrong`` (a silent mismatch: the worst relative error) or ``error`` (the HGraphError raised)."""
+    ``wrong`` (a silent mismatch: the worst relative error) or ``error`` (the HGraphError raised);
+    ``packing``: what training does with the family's documents (``packing_label``)."""
 
     family: str
     strategy: str
     status: str
     detail: str = ""
+    packing: str = ""
 
     def __str__(self) -> str:
-        return f"{self.family:12s} {self.strategy:14s} {self.status}" + (f": {self.detail}" if self.detail else "")
+        packing = f" [{self.packing}]" if self.packing else ""
+        return f"{self.family:12s} {self.strategy:14s} {self.status}{packing}" + (f": {self.detail}" if self.detail else "")
+
+
+def packing_label(proof: Any) -> str:
+    """``packed (graph)`` / ``packed (probe)``: proved exact that way; ``one document per micro-batch``."""
+    return f"packed ({proof.method})" if proof.packs else proof.packing
 
 
 def zoo_documents(vocab: int, lengths: Sequence[int] = DOCUMENT_LENGTHS, seed: int = 0) -> list[torch.Tensor]:
@@ -206,18 +216,22 @@ def check_model(
     results = []
     for group in (g for g in groups if g):
         try:
-            compiled = hgraph.compile(model, group, example_inputs=example_ids)
+            with warnings.catch_warnings():  # an unproved model's PackingWarning: kept in the result
+                warnings.simplefilter("ignore", PackingWarning)
+                compiled = hgraph.compile(model, group, example_inputs=example_ids)
         except HGraphError as exc:
-            results += [ZooResult(name, s, "error", f"{type(exc).__name__}: {exc}") for s in group]
+            packing = "refused" if isinstance(exc, PackingError) else ""
+            results += [ZooResult(name, s, "error", f"{type(exc).__name__}: {exc}", packing) for s in group]
             continue
+        packing = packing_label(compiled.packing)
         for index, strategy in enumerate(group):
             try:
                 loss, grads = compiled.simulate(index, list(documents))
             except HGraphError as exc:
-                results.append(ZooResult(name, strategy, "error", f"{type(exc).__name__}: {exc}"))
+                results.append(ZooResult(name, strategy, "error", f"{type(exc).__name__}: {exc}", packing))
                 continue
             mismatch = _compare(loss, grads, ref_loss, ref_grads, rtol, atol)
-            results.append(ZooResult(name, strategy, "wrong" if mismatch else "equal", mismatch))
+            results.append(ZooResult(name, strategy, "wrong" if mismatch else "equal", mismatch, packing))
     order = {s: i for i, s in enumerate(strategies)}
     return sorted(results, key=lambda r: order[r.strategy])
 
@@ -234,4 +248,4 @@ def check_family(
 
 
 __all__ = ["DOCUMENT_LENGTHS", "FAMILIES", "STRATEGY_KINDS", "Family", "ZooResult", "check_family", "check_model",
-           "reference_gradients", "zoo_config", "zoo_documents", "zoo_model"]
+           "packing_label", "reference_gradients", "zoo_config", "zoo_documents", "zoo_model"]

@@ -119,7 +119,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ planning
     def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
-        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given)."""
+        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given);
+        one document per micro-batch where packing is not proved exact (``compiled.packing``)."""
+        d = self._dispatch(lengths, strategy)
+        return d if self.compiled.packing.packs else d.one_document_per_micro_batch()
+
+    def _dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None]) -> Dispatch:
         if strategy is None and self.planner is not None:
             # Rank 0 plans and broadcasts: planners may use time budgets, so ranks planning on their
             # own could disagree and then wait on each other forever.

@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rules", ("hgraph.rules", "hgraph.rules.*")),
     ("frontend", ("hgraph.eager_attention", "hgraph.mask_probe", "hgraph.canonicalize", "hgraph.frontend")),
     ("products", ("hgraph.products",)),
-    ("passes", ("hgraph.passes", "hgraph.passes.*")),
+    ("passes", ("hgraph.passes", "hgraph.passes.*", "hgraph.packing_proof")),
     # Executes a RankProgram (products only): below the compiler, whose ``simulate`` runs it.
     ("runtime", ("hgraph.runtime.stage", "hgraph.runtime.executor", "hgraph.runtime.evaluate",
                  "hgraph.runtime.feed", "hgraph.runtime.optimizer", "hgraph.runtime.checkpoint",
