@@ -86,7 +86,7 @@ def prove_attention(
         longest = max([example_seq, *(_length_constants(gm, needed))]) + 3
         if longest > _MAX_PROBE:
             return [NOT_CAUSAL] * len(probes)
-        lengths = sorted({example_seq, min(longest, _longest_allowed(seq))})
+        lengths = sorted({example_seq, min(longest, longest_traced(seq))})
     rows = example_batch if isinstance(batch, int) else 2
     symbols = {d.node.expr: i for i, d in enumerate((batch, seq)) if isinstance(d, torch.SymInt)}
 
@@ -157,8 +157,9 @@ def _concrete(shape: Sequence[Any], sizes: dict[Any, int]) -> list[int]:
     return out
 
 
-def _longest_allowed(seq: torch.SymInt) -> int:
-    """The longest sequence the dynamic graph was traced for (its symbol's upper bound)."""
+def longest_traced(seq: torch.SymInt) -> int:
+    """The longest sequence a dynamic graph was traced for (its symbol's upper bound; MPT's is its
+    ALiBi table's length − 1), at most ``_MAX_PROBE``."""
     node = seq.node
     bound = node.shape_env.var_to_range.get(node.expr)
     upper = getattr(bound, "upper", None)
@@ -297,4 +298,4 @@ def _holds(value: Any, position_ids: torch.Tensor, pattern: AttentionPattern) ->
     return True
 
 
-__all__ = ["NOT_CAUSAL", "AttentionPattern", "ScoreTerms", "prove_attention"]
+__all__ = ["NOT_CAUSAL", "AttentionPattern", "ScoreTerms", "longest_traced", "prove_attention"]

@@ -35,6 +35,7 @@ from torch import fx
 
 from hgraph.batch import next_token_targets
 from hgraph.errors import HGraphError, PackingError
+from hgraph.mask_probe import longest_traced
 from hgraph.model_info import model_dims
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
@@ -87,8 +88,8 @@ def graph_proof(traced: "TracedModel") -> Optional[str]:
                               buffers=frozenset(traced.buffer_names))
     try:
         local = localize(annotate(gm, options), options)
-    except HGraphError as exc:
-        return str(exc)
+    except HGraphError as exc:  # the rule's message names the op, node and module
+        return f"the graph does not show every token reading only its own document: {exc}"
     output = next(n for n in local.graph.nodes if n.op == "output")
     for node in local.graph.nodes:
         info = node.meta.get("hgraph_comm")
@@ -103,9 +104,14 @@ def graph_proof(traced: "TracedModel") -> Optional[str]:
 # ----------------------------------------------------------------------------- by probing
 def probe_documents(traced: "TracedModel") -> tuple[tuple[int, ...], ...]:
     """The probes' document lengths: a document past every length constant of the graph (capped
-    at ``PROBE_MAX_TOKENS``), first among short ones and last after them."""
+    at ``PROBE_MAX_TOKENS``, and so that the packed row fits the longest sequence the trace allows),
+    first among short ones and last after them."""
     constants = [c for c in _constants(traced.graph_module) if c <= PROBE_MAX_TOKENS]
     longest = max([traced.example_shape[1], *constants]) + 3
+    positions = next(n for n in traced.graph_module.graph.nodes if n.op == "placeholder" and n.name == "position_ids")
+    seq = positions.meta["val"].shape[1]
+    if isinstance(seq, torch.SymInt):
+        longest = max(2, min(longest, longest_traced(seq) - 8))
     return ((longest, 3, 1, 2), (2, 5, 1, longest))
 
 
@@ -115,25 +121,29 @@ def probe(traced: "TracedModel", construct: str = "") -> PackingProof:
     generator = torch.Generator().manual_seed(0)
     probes = probe_documents(traced)
     programs: dict[int, Optional[fx.GraphModule]] = {}  # graph -> its per-token variant
-    packed_s = alone_s = 0.0
+    seconds = {"packed": 0.0, "alone": 0.0}
     for lengths in probes:
         documents = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
-        start = time.perf_counter()
-        packed = _token_losses(traced, documents, programs)
-        packed_s += time.perf_counter() - start
-        start = time.perf_counter()
-        alone = [_token_losses(traced, [d], programs) for d in documents]
-        alone_s += time.perf_counter() - start
+        try:
+            packed = _token_losses(traced, documents, programs, seconds, "packed")
+            alone = [_token_losses(traced, [d], programs, seconds, "alone") for d in documents]
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the program cannot run the probe
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            finding = f"the program cannot run documents {tuple(lengths)} packed ({type(exc).__name__}: {first})"
+            return PackingProof(False, "unproved", construct, finding, probes)
         finding = _first_difference(packed, alone, lengths)
         if finding:
-            return PackingProof(False, "unproved", construct, finding, probes, packed_s * 1e3, alone_s * 1e3)
-    return PackingProof(True, "probe", construct, "", probes, packed_s * 1e3, alone_s * 1e3)
+            return PackingProof(False, "unproved", construct, finding, probes,
+                                seconds["packed"] * 1e3, seconds["alone"] * 1e3)
+    return PackingProof(True, "probe", construct, "", probes, seconds["packed"] * 1e3, seconds["alone"] * 1e3)
 
 
 def _token_losses(
-    traced: "TracedModel", documents: Sequence[torch.Tensor], programs: dict[int, Optional[fx.GraphModule]]
+    traced: "TracedModel", documents: Sequence[torch.Tensor], programs: dict[int, Optional[fx.GraphModule]],
+    seconds: dict[str, float], clock: str,
 ) -> list[torch.Tensor]:
-    """Per document, its tokens' losses (float64) when ``documents`` share one packed row."""
+    """Per document, its tokens' losses (float64) when ``documents`` share one packed row; the
+    forward's time is added to ``seconds[clock]`` (building the program is not timed)."""
     ids = torch.cat(documents)[None]
     positions = torch.cat([torch.arange(len(d)) for d in documents])[None]
     targets = torch.cat([next_token_targets(d) for d in documents])[None]
@@ -141,6 +151,17 @@ def _token_losses(
     if id(gm) not in programs:
         programs[id(gm)] = _per_token_program(gm)
     per_token = programs[id(gm)]
+    start = time.perf_counter()
+    try:
+        return _run_token_losses(traced, gm, per_token, documents, ids, positions, targets)
+    finally:
+        seconds[clock] += time.perf_counter() - start
+
+
+def _run_token_losses(
+    traced: "TracedModel", gm: fx.GraphModule, per_token: Optional[fx.GraphModule], documents: Sequence[torch.Tensor],
+    ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+) -> list[torch.Tensor]:
     with torch.no_grad():
         if per_token is not None:
             losses = per_token(*traced.flat_args(ids, positions, targets)).double().reshape(-1)

@@ -54,10 +54,10 @@ class RowPositions(nn.Module):
     """Learned absolute positions from ``arange`` over the row: no ``position_ids`` argument, so
     positions never restart at a document."""
 
-    def __init__(self):
+    def __init__(self, table: int = 64):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.positions = nn.Embedding(64, WIDTH)
+        self.positions = nn.Embedding(table, WIDTH)
         self.config = type("Config", (), {"vocab_size": VOCAB})()
 
     def forward(self, input_ids):
@@ -118,6 +118,14 @@ def test_a_leak_is_found_named_and_priced(kind):
     assert "packed" in proof.finding and "alone" in proof.finding  # the probe saw it too
     assert proof.cost is not None and proof.cost > 0
     assert f"{proof.cost:.2f}x" in str(caught[0].message)
+
+
+def test_a_probe_the_program_cannot_run_proves_nothing():
+    """Positions past the model's table: the probe's packed row cannot run; that is no proof, and
+    the error becomes the finding, not a traceback."""
+    with pytest.warns(PackingWarning, match="cannot run documents"):
+        proof = prove_packing(trace(RowPositions(table=12), EXAMPLE))
+    assert not proof.exact and ("IndexError" in proof.finding or "RuntimeError" in proof.finding), proof.finding
 
 
 def test_required_packing_refuses_an_unproved_model():
