@@ -304,7 +304,12 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
 
 def _fake(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> Any:
     """``op`` applied to the fake values of its node arguments (the meta value of a new node)."""
-    value = lambda a: [value(x) for x in a] if isinstance(a, (list, tuple)) else (_val(a) if isinstance(a, fx.Node) else a)  # noqa: E731
+
+    def value(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return [value(x) for x in a]
+        return _val(a) if isinstance(a, fx.Node) else a
+
     return op(*[value(a) for a in args], **{k: value(v) for k, v in (kwargs or {}).items()})
 
 
