@@ -27,7 +27,7 @@ import gc
 import time
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -113,12 +113,11 @@ class CompiledModel:
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
-        packing: Optional[PackingProof] = None,
+        packing: str = "auto",
+        probe_traced: Optional[Callable[[], TracedModel]] = None,
     ) -> None:
         self.model = model
         self.traced = traced
-        # How training packs documents (hgraph.packing_proof); unproved unless compile proved it.
-        self.packing = packing if packing is not None else PackingProof(False, "unproved")
         self.strategies = strategies
         self.options = options
         self.world_size = strategies[0].world_size
@@ -167,6 +166,10 @@ class CompiledModel:
                 n = len(strategies[i].pipelines)
                 for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
                     self.check_overlap(i, counts)
+        # How training packs documents (hgraph.packing_proof): proved once everything else compiled,
+        # so a refusal of the model comes first and the probe runs only on a model that compiles.
+        self.packing: PackingProof = prove_packing(traced, packing, probe_traced)
+        _check_padding(self.packing, strategies, options)
         self.compile_seconds = time.perf_counter() - start
 
     def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
@@ -614,12 +617,10 @@ def compile(
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
             traced = trace(source, example_inputs, loss_fn)
-            # bf16 rounding would hide a small leak from the probe: probe an fp32 trace instead
-            fp32 = (lambda: trace(model, example_inputs, loss_fn)) if source is not model else None
-            proof = prove_packing(traced, packing, fp32)
-        _check_padding(proof, strategies, options)
+        # bf16 rounding would hide a small leak from the packing probe: it probes an fp32 trace instead
+        fp32 = (lambda: trace(model, example_inputs, loss_fn)) if source is not model else None
         own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, proof)
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, packing, fp32)
 
 
 def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options: CompileOptions) -> None:

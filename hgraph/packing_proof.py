@@ -5,13 +5,15 @@ nothing carries information from one document to another: no op may mix tokens e
 ``packed_attention`` (which never crosses a document start), and positions must come from
 ``position_ids``. ``prove_packing(traced)`` establishes it once per compile, before any packed step:
 
-1. **From the graph.** The traced program is localized for context parallelism (``cp=2``): every
-   data input cut into token chunks, every op given its sharding rule. The rules accept cut tokens
-   only where an op is token-local; a gather of cut tokens is refused, and so is an op sized by the
-   sequence (``arange`` over the row: positions that do not restart), attention hgraph did not turn
-   into ``packed_attention``, cumulative sums, convolutions, recurrences. The program may then
-   communicate over cp only to sum the loss. Such a program computes every token from its own
-   inputs, its position id and its document's keys: packing is exact.
+1. **From the graph.** The sequence length may shape tensors but never enter one as a value
+   (``x / seq_len``: packed, it is the row's length). Then the traced program is localized for
+   context parallelism (``cp=2``): every data input cut into token chunks, every op given its
+   sharding rule. The rules accept cut tokens only where an op is token-local; a gather of cut
+   tokens is refused, and so is an op sized by the sequence (``arange`` over the row: positions that
+   do not restart), attention hgraph did not turn into ``packed_attention``, cumulative sums,
+   convolutions, recurrences. The program may then communicate over cp only to sum the loss. Such a
+   program computes every token from its own inputs, its position id and its document's keys:
+   packing is exact. (A model traced per shape is left to the probe.)
 2. **By probing**, where the graph cannot show it (mixture-of-experts routing sorts the tokens of a
    micro-batch; that is token-local, but not op by op): the traced program runs on documents packed
    together and on each alone, at lengths past every length constant in the graph (up to
@@ -40,7 +42,7 @@ from hgraph.model_info import model_dims
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.products import PackingProof
-from hgraph.rules.base import ShardingOptions
+from hgraph.rules.base import ShardingOptions, module_of
 
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel
@@ -83,6 +85,11 @@ def prove_packing(
 def graph_proof(traced: "TracedModel") -> Optional[str]:
     """``None`` when the graph shows every token depends only on its own document (module
     docstring, 1.); else what it cannot show: the refused op (node, module) or the communication."""
+    if not traced.dynamic:
+        return "the model specialises on its input shape (one graph per length): only probes can show it"
+    length = _length_as_value(traced.graph_module)
+    if length is not None:
+        return length
     gm = copy.deepcopy(traced.graph_module)
     options = ShardingOptions(cp=2, tp=1, params=frozenset(traced.param_names),
                               buffers=frozenset(traced.buffer_names))
@@ -98,6 +105,35 @@ def graph_proof(traced: "TracedModel") -> Optional[str]:
         if set(node.users) <= {output}:  # summing the loss over the token chunks
             continue
         return f"{info['op']} of '{info['tensor']}' over tokens (node '{node.name}'): it mixes every token of a micro-batch"
+    return None
+
+
+_VALUE_TYPES = ("Tensor", "number", "float", "complex")  # schema types whose argument is a value, not a size
+
+
+def _length_as_value(gm: fx.GraphModule) -> Optional[str]:
+    """Where the micro-batch's length (or a number computed from it) enters a tensor as a value (``x /
+    seq_len``, ``arange(seq_len)``): packed, it is the row's length, not the document's. As a size
+    (``view``, ``expand``, slice bounds) it only shapes the tensors."""
+    ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
+    seq = ids.meta["val"].shape[1]
+    if not isinstance(seq, torch.SymInt):
+        return None
+    symbol = seq.node.expr
+
+    def from_length(value: Any) -> bool:
+        v = value.meta.get("val") if isinstance(value, fx.Node) else None
+        return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and symbol in v.node.expr.free_symbols
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema.arguments
+        given = list(zip(schema, node.args)) + [(a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs]
+        for argument, value in given:
+            if from_length(value) and any(t in str(argument.type) for t in _VALUE_TYPES):
+                return (f"{node.target} at node '{node.name}'{module_of(node)} takes the sequence length "
+                        f"('{value.name}') as a value: packed, that is the micro-batch's length, not the document's")
     return None
 
 

@@ -4,7 +4,8 @@ loss as it is — from the graph, or by probing — and is otherwise trained one
 
 The leaky models here carry information along the sequence outside attention, each the way real
 models do: a token shift (RWKV's, a causal convolution of width 2), positions from the row's length
-(a model that takes no ``position_ids``), a mean over the sequence, bidirectional attention. If the
+(a model that takes no ``position_ids``), a mean over the sequence, bidirectional attention, the
+sequence length as a value. If the
 proof were switched off, they would be packed and ``test_unproved_models_train_each_document_alone``
 would fail."""
 
@@ -43,8 +44,10 @@ class Leaky(nn.Module):
         x = self.embed(input_ids)
         if self.kind == "shift":  # x_t + W x_{t-1}: reads the previous token, across a document start
             x = x + self.mix(torch.cat([x.new_zeros(b, 1, WIDTH), x], dim=1)[:, :-1])
-        elif self.kind == "mean":  # every token reads the mean of the row
-            x = x + self.mix(x.mean(dim=1, keepdim=True))
+        elif self.kind == "mean":  # every token reads a mean over the row
+            x = x + self.mix(x.sum(dim=1, keepdim=True) / 16)
+        elif self.kind == "length":  # the row's length as a value (a length-dependent scale)
+            x = x / s
         q, k, v = self.qkv(x).view(b, s, 3, 2, WIDTH // 2).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.kind != "bidirectional")
         return out.transpose(1, 2).reshape(b, s, WIDTH) @ self.embed.weight.T
@@ -74,6 +77,7 @@ LEAKS = {  # kind -> what the graph proof names
     "mean": r"all_reduce|mean",
     "bidirectional": r"scaled_dot_product_attention",
     "positions": r"arange",
+    "length": r"sequence length .* as a value",
 }
 EXAMPLE = torch.randint(0, VOCAB, (2, 8))
 DOCUMENTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 3, 12)]
@@ -134,11 +138,12 @@ def test_required_packing_refuses_an_unproved_model():
 
 
 def test_padding_strategies_are_refused_for_an_unproved_model():
-    """cp pads every micro-batch: padding would share the one document's micro-batch."""
+    """cp pads every micro-batch: padding would share the one document's micro-batch. (The mean over
+    the sequence compiles for cp, its rules summing over the chunks; a shift is refused by them.)"""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PackingWarning)
         with pytest.raises(PackingError, match=r"cp2.*pads every micro-batch.*without cp"):
-            hgraph.compile(leaky("shift"), ["2x tp1", "cp2"], example_inputs=EXAMPLE)
+            hgraph.compile(leaky("mean"), ["2x tp1", "cp2"], example_inputs=EXAMPLE)
 
 
 @pytest.mark.parametrize("kind", ["shift", "positions"])

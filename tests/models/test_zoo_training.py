@@ -1,7 +1,8 @@
 """Two zoo families in their default configs trained for 3 iterations by ``hgraph.Trainer`` on 4 real
 gloo processes, switching strategy every iteration, equal to single-process ``torch.optim.AdamW`` on
 the unmodified model: Mistral (sliding window shorter than the longest sequences, grouped-query
-attention) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token).
+attention), Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token) and Bloom (ALiBi inside each
+packed document, its slopes cut with the heads over tp, documents cut into cp chunks).
 
 The first step's gradients are compared directly (AdamW's first ``exp_avg`` is ``(1 - beta1) * grad``
 on both sides), the parameters after every step with a tolerance derived from Adam itself: the
@@ -83,7 +84,8 @@ def hgraph_run(family: str):
     return losses, params, grads
 
 
-@pytest.mark.parametrize("family", ["mistral", pytest.param("phi3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["mistral", pytest.param("phi3", marks=pytest.mark.slow),
+                                    pytest.param("bloom", marks=pytest.mark.slow)])
 def test_trained_on_gloo_processes_equals_adamw(family):
     results = hgraph.launch(hgraph_run, 4, args=(family,), timeout=400)
     ref_losses, ref_params, ref_grads = reference_run(family)
