@@ -3,7 +3,7 @@
     python benchmarks/packing_bench.py [--family llama] [--world 1] [--strategy tp1] [--steps 4]
 
 A model whose packing hgraph cannot prove exact trains one document per micro-batch
-(``hgraph.packing_proof``); ``compile(packing="off")`` forces that path on a model that packs, so both
+(``hgraph.compiler.packing_proof``); ``compile(packing="off")`` forces that path on a model that packs, so both
 run here side by side: the same zoo family (its default config, sizes ``--hidden``/``--layers``/
 ``--vocab``), the same batches of ``--documents`` documents whose lengths are drawn from the Wikipedia
 sample (``hgraph/data/wikipedia_lengths_sample.txt``, capped at ``--max-len``), ``Trainer.step`` on
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import hgraph
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
 
 LENGTHS = Path(hgraph.__file__).parent / "data" / "wikipedia_lengths_sample.txt"
 
@@ -43,8 +43,8 @@ def documents(args: argparse.Namespace, vocab: int) -> list[list[torch.Tensor]]:
 def model_for(args: argparse.Namespace) -> torch.nn.Module:
     import transformers
 
-    from hgraph.seeding import seeded_model
-    from hgraph.zoo import FAMILIES
+    from hgraph.core.seeding import seeded_model
+    from hgraph.models.zoo import FAMILIES
 
     family = FAMILIES[args.family]
     sizes = {**family.sizes, "hidden_size": args.hidden, "intermediate_size": 4 * args.hidden,

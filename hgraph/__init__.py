@@ -6,7 +6,7 @@ Public API: layouts (``Layout``, ``LayoutUnion``, ``Shard``, ``Replicate``, ``Pa
 Errors derive from ``HGraphError``.
 """
 
-from hgraph.errors import (
+from hgraph.core.errors import (
     CheckpointError,
     CommunicationError,
     CostModelError,
@@ -20,14 +20,14 @@ from hgraph.errors import (
     TraceError,
     TrainingError,
 )
-from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
-from hgraph.strategy import Pipeline, Strategy
+from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.strategy import Pipeline, Strategy
 
 
 def __getattr__(name: str):
     # Heavy parts (torch.export, the runtime) load on first use, so `import hgraph` stays light.
     if name in ("compile", "CompiledModel"):
-        from hgraph import compiler
+        from hgraph.compiler import compiled_model as compiler
 
         return getattr(compiler, name)
     if name == "Pass":
@@ -43,11 +43,11 @@ def __getattr__(name: str):
 
         return init_from_env
     if name == "export_pretrained":
-        from hgraph.export import export_pretrained
+        from hgraph.training.export import export_pretrained
 
         return export_pretrained
     if name == "Trainer":
-        from hgraph.runtime.trainer import Trainer
+        from hgraph.training.trainer import Trainer
 
         return Trainer
     if name in ("Planner", "CostModel", "propose", "load_cost_model", "IterationPlan"):

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from hgraph.errors import ShardingRuleError
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.core.errors import ShardingRuleError
+from hgraph.core.layout import Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
     MESH_DIMS,
@@ -42,7 +42,7 @@ from hgraph.rules.base import (
 from hgraph.rules.registry import lookup
 
 if TYPE_CHECKING:
-    from hgraph.products import CompileContext
+    from hgraph.program.products import CompileContext
 
 
 def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:

@@ -2,7 +2,7 @@
 
 Parameters are pulled in the compute dtype (bf16), so logits come out in bf16; the pass casts the
 logits input of every cross-entropy node of the stage program (``aten.cross_entropy_loss`` and
-``hgraph.runtime.ops.vocab_parallel_cross_entropy``) to fp32, so the log-softmax, its reductions
+``hgraph.runtime.kernels.vocab_parallel.vocab_parallel_cross_entropy``) to fp32, so the log-softmax, its reductions
 (also the vocab-parallel max/sum all-reduces) and the returned loss are fp32; the cast's backward
 hands bf16 gradients to the head again. A last stage without such a node gets its loss output cast.
 """
@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.products import CompileContext
-from hgraph.runtime import ops
+from hgraph.program.products import CompileContext
+from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy
 
 
 def _is_cross_entropy(node: fx.Node) -> bool:
     return node.op == "call_function" and (
-        node.target is ops.vocab_parallel_cross_entropy or node.target is torch.ops.aten.cross_entropy_loss.default
+        node.target is vocab_parallel_cross_entropy or node.target is torch.ops.aten.cross_entropy_loss.default
     )
 
 

@@ -14,8 +14,8 @@ from typing import Mapping
 
 import torch
 
-from hgraph.errors import TrainingError
-from hgraph.runtime.comm import Communicator, Group
+from hgraph.core.errors import TrainingError
+from hgraph.runtime.kernels.comm import Communicator, Group
 
 _SAMPLES = 64
 # Equal models give equal fingerprints up to float64 summation order (another device kind).
@@ -62,5 +62,5 @@ def check_same_parameters(
                 "own copy, so all ranks must start from the same parameters. Build the model with a fixed "
                 "seed in every process (torch.manual_seed(seed) before construction, or "
                 "hgraph.models.Llama(seed=...)); on simulated ranks (threads share torch's global RNG) build "
-                "it once outside run_threads or through hgraph.seeding.seeded_model(key, seed, build)"
+                "it once outside run_threads or through hgraph.core.seeding.seeded_model(key, seed, build)"
             )

@@ -26,10 +26,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from hgraph.errors import CheckpointError
-from hgraph.layout import Layout, Replicate, parse_placement
-from hgraph.lnk import simulate, solve
-from hgraph.runtime.reshard import execute
+from hgraph.core.errors import CheckpointError
+from hgraph.core.layout import Layout, Replicate, parse_placement
+from hgraph.runtime.kernels.simulate import simulate
+from hgraph.lnk import solve
+from hgraph.runtime.kernels.reshard import execute
 
 FORMAT = "hgraph-checkpoint-v1"
 MANIFEST = "manifest.json"

@@ -27,8 +27,8 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-from hgraph.errors import CommunicationError
-from hgraph.runtime.failures import DEFAULT_COMM_TIMEOUT, TIMEOUT_ENV, is_transport_error
+from hgraph.core.errors import CommunicationError
+from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT, TIMEOUT_ENV, is_transport_error
 
 GRACE_SECONDS = 5.0
 """After the first failure, how long the launcher waits for the other ranks' reports."""
@@ -58,7 +58,7 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     failed = False
     try:
         if backend == "nccl":
-            from hgraph.runtime.comm import local_device_index
+            from hgraph.runtime.kernels.comm import local_device_index
 
             torch.cuda.set_device(local_device_index(rank))
         dist.init_process_group(
@@ -243,7 +243,7 @@ def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) 
         if backend == "nccl":
             import torch
 
-            from hgraph.runtime.comm import local_device_index
+            from hgraph.runtime.kernels.comm import local_device_index
 
             torch.cuda.set_device(local_device_index(int(os.environ["RANK"])))
         dist.init_process_group(

@@ -2,7 +2,7 @@
 
 import json
 
-from hgraph.cli import main
+from hgraph.cli.command import main
 
 
 def test_demo_end_to_end(tmp_path, monkeypatch, capsys):

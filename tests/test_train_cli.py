@@ -10,7 +10,7 @@ import sys
 
 def test_train_config_trains_and_losses_fall(tmp_path):
     config = {
-        "model": "hgraph.demo:tiny_model",
+        "model": "hgraph.cli.demo:tiny_model",
         "strategies": ["tp2", "2x tp1"],
         "world_size": 2,
         "iterations": 8,
@@ -30,6 +30,6 @@ def test_train_config_trains_and_losses_fall(tmp_path):
     printed = re.search(r"^training loss ([0-9.]+) -> ([0-9.]+)$", out.stdout, re.M)
     assert printed, out.stdout
     assert [float(x) for x in printed.groups()] == [round(losses[0], 4), round(losses[-1], 4)]
-    vocab = 512  # hgraph.demo:tiny_model
+    vocab = 512  # hgraph.cli.demo:tiny_model
     assert losses[0] > math.log(vocab) * 0.9  # starts near chance
     assert sum(losses[-2:]) / 2 < losses[0] - 0.2, losses  # measured: 5.56 -> 5.18

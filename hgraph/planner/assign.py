@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
 from hgraph.planner.bound import BoundModel
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.dispatch import Assigner
@@ -40,7 +40,7 @@ from hgraph.planner.timing import (
     CommModel, IterationPrediction, PipelineCost, comm_model_for, exposed_comm_ms, iteration_from_compute,
 )
 from hgraph.planner.terms import IterationTerms
-from hgraph.strategy import Strategy, as_strategies
+from hgraph.core.strategy import Strategy, as_strategies
 
 EXACT_MAX_VARIABLES = 4000
 REFINE_WITHIN = 0.03  # local search only for greedy plans within 3% of the best greedy plan

@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
 from hgraph.planner.packing import Packing, first_fit_decreasing, pack
 from hgraph.planner.timing import PipelineCost
 
@@ -237,7 +237,7 @@ class Assigner:
 
 
 class PipelineShape(Protocol):
-    """What ``default_dispatch`` reads of a pipeline (``hgraph.strategy.Pipeline``)."""
+    """What ``default_dispatch`` reads of a pipeline (``hgraph.core.strategy.Pipeline``)."""
 
     size: int
     pp: int

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 from hgraph.frontend import default_loss, trace
-from hgraph.runtime.ops import packed_attention
+from hgraph.runtime.kernels.packed_attention import packed_attention
 
 HEADS, DIM = 4, 8
 
@@ -110,7 +110,7 @@ def test_alibi_families_get_their_own_slopes(family):
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
-    from hgraph.zoo import zoo_model
+    from hgraph.models.zoo import zoo_model
 
     model = zoo_model(family).eval()
     traced = trace(model, torch.randint(0, 256, (2, 8)))

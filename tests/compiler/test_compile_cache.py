@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.compile_cache import ENV, CacheWarning
+from hgraph.compiler.compile_cache import ENV, CacheWarning
 from hgraph.models import Llama, LlamaConfig
 
 STRATEGIES = ["4x tp2", "tp4 + 2x tp2"]

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.errors import PackingError
+from hgraph.core.errors import PackingError
 from hgraph.frontend import trace
-from hgraph.packing_proof import PackingWarning, graph_proof, prove_packing
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
+from hgraph.compiler.packing_proof import PackingWarning, graph_proof, prove_packing
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
 
 VOCAB, WIDTH = 32, 16
 
@@ -103,7 +103,7 @@ def test_a_clean_model_is_proved_from_the_graph():
 
 def test_mixture_of_experts_is_proved_by_probing():
     """Routing sorts the micro-batch's tokens: token-local, but not op by op. The probe shows it."""
-    from hgraph.zoo import zoo_model
+    from hgraph.models.zoo import zoo_model
 
     proof = prove_packing(trace(zoo_model("mixtral").eval(), torch.randint(0, 256, (2, 8))))
     assert proof.exact and proof.method == "probe", str(proof)

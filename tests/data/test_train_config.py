@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hgraph.cli import main
+from hgraph.cli.command import main
 from hgraph.data import stdlib_tokenizer
 
 MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
@@ -104,8 +104,8 @@ def test_train_checkpoint_resume_export(tmp_path, capsys):
 
 
 def test_example_config_names_the_embedded_corpus():
-    from hgraph.train_cli import loaders, precheck
-    from hgraph.train_config import read_config
+    from hgraph.cli.train_cli import loaders, precheck
+    from hgraph.training.train_config import read_config
 
     example = Path(__file__).parents[2] / "examples" / "configs" / "stdlib.toml"
     cfg = read_config(str(example))

@@ -1,6 +1,6 @@
 """The model zoo: HuggingFace causal LMs exactly as ``AutoModelForCausalLM.from_config`` builds them from
-each family's default config (only sizes shrunk; ``hgraph.zoo``), compiled for every strategy kind on
-world 4. The batch is documents of different lengths (``hgraph.zoo.DOCUMENT_LENGTHS``) that
+each family's default config (only sizes shrunk; ``hgraph.models.zoo``), compiled for every strategy kind on
+world 4. The batch is documents of different lengths (``hgraph.cli.zoo_check.DOCUMENT_LENGTHS``) that
 ``simulate`` dispatches and packs as ``Trainer.step`` does — several documents per micro-batch,
 positions restarting at each, cp chunks crossing them — and the loss and every gradient must equal
 the unmodified model run on each document alone (fp32, rtol 1e-5).
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.zoo import FAMILIES, STRATEGY_KINDS, check_family, zoo_model
+from hgraph.cli.zoo_check import STRATEGY_KINDS, check_family
+from hgraph.models.zoo import FAMILIES, zoo_model
 
 TP_DP, TP_PP, DP_PP, CP = STRATEGY_KINDS.values()
 EQUAL = "equal"

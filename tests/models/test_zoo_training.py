@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 import hgraph
-from hgraph.layout import Layout, Replicate
+from hgraph.core.layout import Layout, Replicate
 from hgraph.lnk import solve
-from hgraph.runtime.reshard import execute
-from hgraph.runtime.trainer import Trainer
-from hgraph.zoo import zoo_model
+from hgraph.runtime.kernels.reshard import execute
+from hgraph.training.trainer import Trainer
+from hgraph.models.zoo import zoo_model
 
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x cp2"]
 ITERATIONS = 3

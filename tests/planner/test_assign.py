@@ -6,7 +6,7 @@ import statistics
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hgraph.errors import CostModelError, PlanError
+from hgraph.core.errors import CostModelError, PlanError
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel
 from hgraph.planner.dispatch import Assigner, lower_bound
@@ -177,7 +177,7 @@ def test_a_plan_is_the_dispatch_the_runtime_runs(llama7b):
 
 def test_default_dispatch_packs_first_fit_decreasing():
     from hgraph.planner.dispatch import default_dispatch
-    from hgraph.strategy import Strategy
+    from hgraph.core.strategy import Strategy
 
     (mbs,) = default_dispatch(Strategy.parse("tp1").pipelines, [5, 30, 12, 20, 8], micro_batch_tokens=40)
     assert mbs == ((1, 4), (3, 2, 0))  # 30+8, then 20+12+5: by hand, longest first into the first bin with room

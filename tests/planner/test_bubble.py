@@ -2,8 +2,8 @@
 
 import pytest
 
-from hgraph.errors import PlanError
-from hgraph.planner.bubble import pipeline_time
+from hgraph.core.errors import PlanError
+from hgraph.schedule.bubble import pipeline_time
 
 
 def test_one_f_one_b_two_stages_by_hand():

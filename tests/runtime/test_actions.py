@@ -3,7 +3,7 @@ and a mismatched order."""
 
 import pytest
 
-from hgraph.actions import (
+from hgraph.schedule.actions import (
     Action,
     Kind,
     ScheduleError,

@@ -10,10 +10,10 @@ import torch
 from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
-from hgraph.runtime import comm as comm_module
+from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime import executor
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
 
 OPT = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8)
 STRATEGIES = ["tp2", "2x tp1", "tp1,pp2"]

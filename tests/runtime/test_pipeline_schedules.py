@@ -7,12 +7,12 @@ import torch
 
 from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
-import hgraph.actions
-from hgraph.actions import Kind
-from hgraph.errors import HGraphError
+import hgraph.schedule.actions
+from hgraph.schedule.actions import Kind
+from hgraph.core.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.trainer import Trainer
-from hgraph.batch import next_token_targets
+from hgraph.training.trainer import Trainer
+from hgraph.core.batch import next_token_targets
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 
@@ -58,7 +58,7 @@ def test_interleaved_simulate_matches_the_unmodified_model(strategy):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, ref in ref_grads.items():
         torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    with pytest.raises(hgraph.actions.ScheduleError, match="divisible by pp=2; got 3"):
+    with pytest.raises(hgraph.schedule.actions.ScheduleError, match="divisible by pp=2; got 3"):
         compiled.simulate(0, ids[:3])
 
 
@@ -138,5 +138,5 @@ def test_compile_dry_runs_every_ranks_action_list_and_catches_a_swap(monkeypatch
         return out
 
     monkeypatch.setattr(type(program), "actions", swapped)
-    with pytest.raises(hgraph.actions.ScheduleError, match="collective order mismatch on ranks .* rank 3 starts"):
+    with pytest.raises(hgraph.schedule.actions.ScheduleError, match="collective order mismatch on ranks .* rank 3 starts"):
         compiled.check_actions(0, [4, 2])

@@ -11,9 +11,9 @@ import torch
 from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.comm import run_threads
-from hgraph.batch import pack_micro_batch
-from hgraph.runtime.trainer import Trainer, default_dispatch
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.core.batch import pack_micro_batch
+from hgraph.training.trainer import Trainer, default_dispatch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD4 = ["tp4", "2x tp2", "tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2", "2x cp2"]
