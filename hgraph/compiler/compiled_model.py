@@ -4,8 +4,8 @@ Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes trans
 steps compute products with the typed functions named; results cached; see docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp):  annotate -> localize                             = local program
-      per (cp, tp, pp):         partition step (``partition``); per stage: precision -> recompute
+      per stage mesh (cp, tp):  precision -> annotate -> localize                = local program
+      per (cp, tp, pp):         partition step (``partition``); per stage: recompute
                                                                                  = stage programs
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
@@ -29,7 +29,7 @@ import time
 import warnings
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -40,8 +40,9 @@ from hgraph.compiler.packing_proof import prove_packing
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.schedule.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
-from hgraph.core.errors import HGraphError, InputError, PackingError, StrategyError
+from hgraph.core.errors import HGraphError, PackingError, StrategyError, TraceError
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel, trace
+from hgraph.frontend.router_loss import loss_for
 from hgraph.core.layout import InterleavedShard, Layout
 from hgraph.core.model_info import model_dims as model_dims
 from hgraph.core.model_info import validate_strategies as validate_strategies
@@ -50,7 +51,7 @@ from hgraph.passes.partition import partition
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
-from hgraph.passes.precision import fp32_loss
+from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.runtime.kernels.reshard import late_peers
 from hgraph.lnk.topology import Topology
@@ -78,7 +79,7 @@ VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to t
 
 
 def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    return fp32_loss(gm, ctx) if ctx.stage is not None and ctx.stage.returns_loss else gm
+    return autocast(gm, ctx)
 
 
 def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -103,7 +104,6 @@ class CompiledModel:
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
         packing: str = "auto",
-        probe_traced: Optional[Callable[[], TracedModel]] = None,
     ) -> None:
         self.model = model
         self.traced = traced
@@ -155,7 +155,7 @@ class CompiledModel:
                     self.check_overlap(i, counts)
         # How training packs documents (hgraph.compiler.packing_proof): proved once everything else compiled,
         # so a refusal of the model comes first and the probe runs only on a model that compiles.
-        self.packing: PackingProof = prove_packing(traced, packing, probe_traced)
+        self.packing: PackingProof = prove_packing(traced, packing)
         _check_padding(self.packing, strategies, options)
         self.compile_seconds = time.perf_counter() - start
 
@@ -338,8 +338,7 @@ class CompiledModel:
         return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
-        traced copy holds them in the compute dtype)."""
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from."""
         named = dict(self.model.named_parameters())
         return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 
@@ -525,8 +524,10 @@ def compile(
 
     ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
     ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
-    ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
-    ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
+    ``disable``: names of built-in passes to skip. ``compute_dtype``: mixed precision as ``torch.autocast``
+    computes it (e.g. ``torch.bfloat16``: parameters pulled in bf16, halving Pull bytes; matmuls and
+    attention in bf16; buffers, norms, softmax, rotary application and the loss in fp32; see
+    ``hgraph.passes.precision``). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.program.products.OverlapConfig`` (prefetched pulls, early pushes; same results).
     ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
@@ -556,12 +557,8 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
-    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise InputError(
-            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
-            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
-            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
-        )
+    if loss_fn is None:
+        loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"
@@ -601,18 +598,19 @@ def compile(
         coalesce=coalesce,
         pipeline_schedule=pipeline_schedule,
     )
-    # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
-    # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
-    source = model
-    if compute_dtype is not None and compute_dtype != torch.float32:
-        source = copy.deepcopy(model).to(compute_dtype)
+    # The user's model is traced as it is (fp32); a reduced compute_dtype is applied by the precision
+    # pass as torch.autocast would apply it (hgraph.passes.precision).
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
-            traced = trace(source, example_inputs, loss_fn)
-        # bf16 rounding would hide a small leak from the packing probe: it probes an fp32 trace instead
-        fp32 = (lambda: trace(model, example_inputs, loss_fn)) if source is not model else None
+            traced = trace(model, example_inputs, loss_fn)
+        if not traced.dynamic:
+            raise TraceError(
+                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
+                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
+                "write that computation without Python control flow over sizes (or supply a layer that does)"
+            )
         own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, packing, fp32)
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, packing)
 
 
 def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options: CompileOptions) -> None:

@@ -30,7 +30,7 @@ import copy
 import time
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import fx
@@ -56,12 +56,10 @@ class PackingWarning(UserWarning):
     """Packing is not proved exact for this model: it trains one document per micro-batch."""
 
 
-def prove_packing(
-    traced: "TracedModel", mode: str = "auto", probe_traced: Optional[Callable[[], "TracedModel"]] = None
-) -> PackingProof:
+def prove_packing(traced: "TracedModel", mode: str = "auto") -> PackingProof:
     """The ``PackingProof`` of ``traced`` (module docstring); ``mode`` as ``hgraph.compile(packing=)``.
-    ``probe_traced``: the program to probe if the graph cannot prove it (default ``traced``; the
-    compiler passes an fp32 trace when ``traced`` computes in bf16, whose rounding hides small leaks)."""
+    ``traced`` is the fp32 trace (a bf16 ``compute_dtype`` is applied later, by the precision pass), so
+    no rounding hides a small leak from the probe."""
     if mode not in PACKING_MODES:
         raise HGraphError(f"packing={mode!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
     construct = graph_proof(traced)
@@ -69,7 +67,7 @@ def prove_packing(
         return PackingProof(True, "graph", mode=mode)
     if mode == "off":  # not packed anyway: the probe would change nothing
         return PackingProof(False, "unproved", construct, mode=mode)
-    proof = replace(probe(probe_traced() if probe_traced is not None else traced, construct), mode=mode)
+    proof = replace(probe(traced, construct), mode=mode)
     if not proof.exact:
         model = type(traced.model).__name__
         if mode == "require":

@@ -3,10 +3,14 @@
 Models spell the same computation in different ways; the frontend rewrites a freshly exported graph
 (in place) so that:
 
+* ``no_grad`` and autocast-off blocks, which export wraps in higher-order ops, are inlined
+  (``hgraph.frontend.capture.grad_regions``);
 * metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
 * no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
-  ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
-* an in-place op on a fresh tensor used nowhere else (``out += attn``) is its functional form, and
+  ``x[:, :]``, ``x * 1.0`` and ``x + 0``, and the 1-d empty tensors ``cat`` skips;
+* an in-place write into a tensor the model created (``out += attn``, MLA's keys filled slice by
+  slice with ``copy_``, a router's ``mask.scatter_``) is its functional form
+  (``hgraph.frontend.capture.functionalize``), and
   ``x @ W.T`` of a 2-d parameter is ``linear(x, W)``; batch and sequence sizes are read from
   ``input_ids`` (so every pipeline stage can compute them);
 * every causal self-attention is ``hgraph.runtime.kernels.packed_attention.packed_attention(q, k, v, position_ids)``:
@@ -14,15 +18,20 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   ``scaled_dot_product_attention(is_causal=True)``, and attention whose mask and biases are computed
   from ``position_ids`` and sizes alone once ``hgraph.frontend.mask_probe`` has proved, on probes longer than
   every length constant of their computation, what they are: the causal mask of one document (a
-  mask from sizes alone: OPT's, Bloom's), the block-causal mask HuggingFace builds from
+  mask from sizes alone: OPT's, Bloom's, gpt-oss's, GraniteMoE's — packed attention then runs each
+  packed document as the model runs it alone), the block-causal mask HuggingFace builds from
   ``position_ids`` to detect packed sequences, a sliding window (``window=w``; a probe no longer than
-  the window would see plain causality), ALiBi (``alibi=`` per-head slopes: Bloom, MPT). The dense
-  mask and bias computations then disappear. Terms whose constants would need a probe longer than
-  8192 tokens keep their computation.
+  the window would see plain causality), Llama 4's chunks (``chunk=c``), ALiBi (``alibi=`` per-head
+  slopes: Bloom, MPT). The dense mask and bias computations then disappear. Terms whose constants
+  would need a probe longer than 8192 tokens keep their computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
   ``enable_gqa=True``. Attention written out by hand (``hgraph.frontend.eager_attention``: HuggingFace's eager
-  attention, Gemma 2's logit soft-capping, Bloom's ``baddbmm`` over ``[b·h, s, d]``) is treated the
-  same way, its soft-cap kept.
+  attention, Gemma 2's logit soft-capping, Bloom's ``baddbmm`` over ``[b·h, s, d]``, gpt-oss's
+  attention sinks) is treated the same way, its soft-cap or sinks kept.
+
+Linear-attention layers get the packed positions too (``hgraph.frontend.capture.linear_attention``): Gated DeltaNet's
+delta rule becomes ``packed_gated_delta_rule`` and each causal depthwise convolution over the sequence
+``packed_causal_conv1d``, both restarting at every document.
 
 Attention with dropout, a mask of another kind (padding) or no causality stays as it is (and the
 packing proof, ``hgraph.compiler.packing_proof``, then finds that it mixes documents).
@@ -38,7 +47,10 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hgraph.frontend.eager_attention import match_eager_attention
+from hgraph.frontend.eager_attention import match_eager_attention, match_sink_attention
+from hgraph.frontend.functionalize import functionalize_fresh_writes
+from hgraph.frontend.grad_regions import inline_grad_regions
+from hgraph.frontend.linear_attention import packed_sequence_mixers
 from hgraph.frontend.mask_probe import NOT_CAUSAL, AttentionPattern, ScoreTerms, prove_attention
 from hgraph.runtime.kernels.packed_attention import packed_attention
 
@@ -51,17 +63,20 @@ _SDPA = aten.scaled_dot_product_attention.default
 def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     """Rewrite ``gm`` in place (see the module docstring); ``example_args`` are its inputs."""
     graph = gm.graph
+    inline_grad_regions(gm)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTIONS:
             graph.erase_node(node)
+    for node in list(graph.nodes):
+        _drop_empty_cat_inputs(node)
     for node in list(graph.nodes):
         source = _identity_source(node)
         if source is not None:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
     _sizes_from_inputs(graph)
+    functionalize_fresh_writes(graph)
     for node in list(graph.nodes):
-        _functional_in_place(node)
         _weight_matmul_as_linear(graph, node)
     _packed_attention(gm, example_args)
     graph.eliminate_dead_code()
@@ -83,6 +98,20 @@ def _same_tensor_type(a: Any, b: Any) -> bool:
 
 def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _drop_empty_cat_inputs(node: fx.Node) -> None:
+    """``cat([torch.tensor([]), k], dim)`` (GraniteMoE's empty key cache): ``cat`` skips a 1-d empty
+    tensor, so it is dropped from the list (rules then see tensors of one rank)."""
+    if node.op != "call_function" or node.target != aten.cat.default:
+        return
+    tensors = list(node.args[0])
+    out = _val(node)
+    kept = [t for t in tensors if not (isinstance(_val(t), torch.Tensor) and _val(t).dim() == 1
+                                       and _val(t).shape[0] == 0 and out is not None and out.dim() > 1)]
+    if len(kept) == len(tensors) or not kept:
+        return
+    node.args = (kept, *node.args[1:])
 
 
 def _identity_source(node: fx.Node) -> fx.Node | None:
@@ -142,29 +171,6 @@ def _sizes_from_inputs(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _fresh(node: Any) -> bool:
-    """A computed tensor that aliases nothing (not an input, not a view)."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function"):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and all(r.alias_info is None for r in schema.returns)
-
-
-def _functional_in_place(node: fx.Node) -> None:
-    """``a.add_(b)`` on a fresh ``a`` used only here (Falcon's ``mlp_out += attn_out``) -> ``a + b``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return
-    name = target.overloadpacket.__name__
-    if not name.endswith("_") or name.startswith("_") or not node.args:
-        return
-    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
-    self_arg = node.args[0]
-    if functional is None or not _fresh(self_arg) or len(self_arg.users) != 1:
-        return
-    node.target = functional
-
-
 def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
     """``x @ W.T`` with ``W`` a 2-d parameter (Falcon's ``FalconLinear``) -> ``linear(x, W)``, so the
     rules see a linear layer (column/row parallel) rather than a product with a transposed tensor."""
@@ -203,6 +209,7 @@ class _Attention:
     terms: ScoreTerms | None = None  # None: sdpa's is_causal, no mask
     heads_view: list | None = None
     merged_view: list | None = None
+    sinks: fx.Node | None = None
 
 
 def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
@@ -224,11 +231,12 @@ def _attention(node: fx.Node) -> _Attention | None:
             return None
         terms = ScoreTerms(mask, (mask,)) if mask is not None else None
         return _Attention(node, a["query"], a["key"], a["value"], a["scale"], bool(a["enable_gqa"]), terms=terms)
-    eager = match_eager_attention(node)
+    eager = match_eager_attention(node) or match_sink_attention(node)
     if eager is None:
         return None
     return _Attention(node, eager.query, eager.key, eager.value, eager.scale, False, eager.softcap,
-                      ScoreTerms(eager.scores, eager.terms, eager.operands), eager.heads_view, eager.merged_view)
+                      ScoreTerms(eager.scores, eager.terms, eager.operands), eager.heads_view, eager.merged_view,
+                      eager.sinks)
 
 
 def _position_input(gm: fx.GraphModule) -> fx.Node | None:
@@ -263,6 +271,7 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     for att, pattern in zip(probed, patterns):
         if pattern is not NOT_CAUSAL:
             _replace(gm, att, positions, pattern)
+    packed_sequence_mixers(gm, positions)
 
 
 def _data_inputs(node: fx.Node) -> set[fx.Node]:
@@ -347,8 +356,12 @@ def _replace(gm: fx.GraphModule, att: _Attention, positions: fx.Node, pattern: A
             kwargs["enable_gqa"] = True
         if pattern.window is not None:
             kwargs["window"] = pattern.window
+        if pattern.chunk is not None:
+            kwargs["chunk"] = pattern.chunk
         if att.softcap is not None:
             kwargs["softcap"] = att.softcap
+        if att.sinks is not None:
+            kwargs["sinks"] = att.sinks
         if pattern.alibi is not None:
             kwargs["alibi"] = _alibi_slopes(gm, pattern.alibi, _val(query).shape[1], query)
         new = graph.call_function(packed_attention, (query, key, value, positions), kwargs)

@@ -14,12 +14,14 @@ express) and the ALiBi models (Bloom, MPT) compute::
 inside it, so that replacing ``out`` removes the whole computation. The score *terms* (biases and
 masks) are not interpreted here: ``hgraph.frontend.mask_probe`` evaluates the softmax input with q and k set to
 zero, which leaves exactly the sum of the terms, and proves what it is (block-causal, a sliding window,
-ALiBi) before ``canonicalize`` replaces anything.
+ALiBi) before ``canonicalize`` replaces anything. ``match_sink_attention``
+does the same for gpt-oss's attention with sinks (a learned logit per head joining every softmax).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,7 +41,8 @@ class EagerAttention:
     or ``[b·h, s, d]`` with ``heads_view`` the ``[b, h, s, -1]`` shape the scores are viewed to and
     ``merged_view`` the ``[b·h, s, -1]`` shape the probabilities are viewed back to), its ``scale`` and
     ``softcap``; ``scores``: the softmax input; ``operands``: the two nodes of the ``q @ kᵀ`` product
-    (zeroed to read the terms); ``terms``: the bias and mask nodes added to the scores."""
+    (zeroed to read the terms); ``terms``: the bias and mask nodes added to the scores; ``sinks``:
+    gpt-oss's ``[heads]`` sink logits (``match_sink_attention``)."""
 
     query: fx.Node
     key: fx.Node
@@ -51,6 +54,7 @@ class EagerAttention:
     terms: tuple[fx.Node, ...]
     heads_view: Optional[list] = None
     merged_view: Optional[list] = None
+    sinks: Optional[fx.Node] = None
 
 
 def _only_use(node: Any) -> bool:
@@ -118,7 +122,18 @@ def match_eager_attention(out: fx.Node) -> Optional[EagerAttention]:
     probs = _unconverted(probs)
     if not (_only_use(probs) and probs.target in _SOFTMAX and probs.args[1] in (-1, 3)):
         return None
-    scores = probs.args[0]
+    peeled = _peel(probs.args[0])
+    if peeled is None:
+        return None
+    query, key, scale, softcap, operands, terms, heads_view = peeled
+    if (heads_view is None) != (merged_view is None):
+        return None
+    return EagerAttention(query, key, value, scale, softcap, probs.args[0], operands, terms, heads_view, merged_view)
+
+
+def _peel(scores: Any) -> Optional[tuple]:
+    """``(q, k, scale, softcap, (q, kᵀ), terms, heads_view)`` of a softmax input ``scores``: its additive
+    terms, masks, conversions and heads view peeled off down to the ``q·kᵀ`` product, or None."""
     chain, terms, heads_view = scores, [], None
     while _core(chain) is None:  # peel additive terms, masks, conversions and the heads view
         if not _leads_to_product(chain):
@@ -141,9 +156,72 @@ def match_eager_attention(out: fx.Node) -> Optional[EagerAttention]:
     query, key, scale, softcap, operands, bias = _core(chain)  # type: ignore[misc]
     if bias is not None:
         terms.append(bias)
-    if (heads_view is None) != (merged_view is None):
+    return query, key, scale, softcap, operands, tuple(terms), heads_view
+
+
+def match_sink_attention(out: fx.Node) -> Optional[dict[str, Any]]:
+    """gpt-oss's eager attention with *attention sinks* — a learned logit per head that joins every
+    softmax and takes no value::
+
+        logits = cat([q @ kᵀ · scale + mask, sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)], -1)
+        probs  = softmax(logits - logits.max(-1, keepdim=True).values, -1)[..., :-1]
+        out    = probs @ v
+
+    (the subtracted maximum only steadies the exponentials); the masked scores are peeled as in
+``match_eager_attention``, their terms probed like any other.
+    The ``EagerAttention`` with ``sinks`` (the ``[heads]`` tensor), or None."""
+    if out.op != "call_function" or out.target != aten.matmul.default:
         return None
-    return EagerAttention(query, key, value, scale, softcap, scores, operands, tuple(terms), heads_view, merged_view)
+    dropped, value = out.args[:2]
+    if not (_only_use(dropped) and dropped.target == aten.slice.Tensor and dropped.args[1] in (-1, 3)):
+        return None
+    if dropped.args[2:4] not in ((0, -1), (None, -1)):
+        return None
+    probs = dropped.args[0]
+    if not (_only_use(probs) and probs.target in _SOFTMAX and probs.args[1] in (-1, 3)):
+        return None
+    logits = _without_row_max(probs.args[0])
+    if not (isinstance(logits, fx.Node) and logits.target == aten.cat.default and logits.args[1] in (-1, 3)):
+        return None
+    parts = list(logits.args[0])
+    if len(parts) != 2:
+        return None
+    biased, column = parts
+    sinks = _sink_column(column)
+    if sinks is None or not (isinstance(biased, fx.Node) and biased.target == aten.add.Tensor):
+        return None
+    peeled = _peel(biased)
+    if peeled is None:
+        return None
+    query, key, scale, softcap, operands, terms, heads_view = peeled
+    if softcap is not None or heads_view is not None or not terms:
+        return None
+    return EagerAttention(query, key, value, scale, None, biased, operands, terms, sinks=sinks)
+
+
+def _without_row_max(node: Any) -> Any:
+    """``x`` for ``x - x.max(-1, keepdim=True).values`` (else ``node``)."""
+    if not (isinstance(node, fx.Node) and node.target == aten.sub.Tensor and _only_use(node)):
+        return node
+    x, peak = node.args
+    if not (isinstance(peak, fx.Node) and peak.target is operator.getitem and peak.args[1] == 0):
+        return node
+    reduced = peak.args[0]
+    if reduced.target == aten.max.dim and reduced.args[0] is x and reduced.args[1] in (-1, 3):
+        return x
+    return node
+
+
+def _sink_column(node: Any) -> Optional[fx.Node]:
+    """The ``[heads]`` tensor of ``sinks.reshape(1, -1, 1, 1).expand(b, -1, s, -1)``."""
+    if not (_only_use(node) and node.target == aten.expand.default):
+        return None
+    shaped = node.args[0]
+    if not (_only_use(shaped) and shaped.target in (aten.reshape.default, aten.view.default)):
+        return None
+    sinks = shaped.args[0]
+    value = sinks.meta.get("val") if isinstance(sinks, fx.Node) else None
+    return sinks if isinstance(value, torch.Tensor) and value.dim() == 1 else None
 
 
 _STEPS = (aten.add.Tensor, aten.masked_fill.Scalar, *_VIEWS, *_CONVERSIONS)
@@ -188,4 +266,4 @@ def _core(scores: Any) -> Optional[tuple[fx.Node, fx.Node, float, Optional[float
     return query, key, scale, softcap, (query, transposed), None
 
 
-__all__ = ["EagerAttention", "match_eager_attention"]
+__all__ = ["EagerAttention", "match_eager_attention", "match_sink_attention"]

@@ -1,4 +1,4 @@
-"""Proving what an attention's score terms are: the packed block-causal mask, its window, ALiBi.
+"""Proving what an attention's score terms are: the packed block-causal mask, its window or chunks, ALiBi.
 
 ``prove_attention(gm, probes, positions, example_args)`` runs the score-term computations of ``gm``
 alone on probe position ids and reports, per attention, the ``AttentionPattern`` it equals on every
@@ -7,7 +7,8 @@ is a mask (sdpa's ``attn_mask``) or, for attention written out by hand, the soft
 ``q·kᵀ`` operands set to zero (which leaves every bias and mask the model adds). A pattern holds when
 
 * the keys a query may see (``T > -1e4``, or a ``True`` boolean) are exactly those of its own
-  sequence up to itself — and within ``window`` tokens when the longest probe shows a window;
+  sequence up to itself — and within ``window`` tokens when the longest probe shows a window (Mistral),
+  or within its own ``chunk``-token chunk of the document (Llama 4's chunked attention);
 * inside them ``T[i, j] − T[i, i] = −slopeₕ·(i − j)`` for one slope per head (ALiBi; all slopes zero
   is a plain mask). A constant per query row is allowed: the softmax ignores it.
 
@@ -23,6 +24,7 @@ longer than every constant in their computation — up to the longest sequence t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -45,15 +47,19 @@ NOT_CAUSAL = object()
 @dataclass(frozen=True)
 class AttentionPattern:
     """What an attention's score terms were proved to be: block-causal inside each sequence, within
-    ``window`` tokens if set, plus ALiBi ``−alibi[h]·(i − j)`` per query head if set."""
+    ``window`` tokens if set, inside its own ``chunk`` of the sequence if set, plus ALiBi
+    ``−alibi[h]·(i − j)`` per query head if set."""
 
     window: Optional[int] = None
     alibi: Optional[tuple[float, ...]] = None
+    chunk: Optional[int] = None
 
     def __str__(self) -> str:
         parts = ["block-causal"]
         if self.window is not None:
             parts.append(f"window {self.window}")
+        if self.chunk is not None:
+            parts.append(f"chunks of {self.chunk}")
         if self.alibi is not None:
             parts.append("ALiBi slopes " + ", ".join(f"{s:.4g}" for s in self.alibi))
         return ", ".join(parts)
@@ -232,13 +238,17 @@ def _allowed_and_bias(value: Any) -> Optional[tuple[torch.Tensor, Optional[torch
     return value > _MASKED, value
 
 
-def _expected(position_ids: torch.Tensor, window: Optional[int]) -> torch.Tensor:
-    """[b, s, s] bool: query i may see key j iff same sequence, j <= i (and i - j < window)."""
+def _expected(position_ids: torch.Tensor, window: Optional[int] = None, chunk: Optional[int] = None) -> torch.Tensor:
+    """[b, s, s] bool: query i may see key j iff same sequence, j <= i (and i - j < window; and i, j in
+    the same ``chunk`` of their sequence)."""
     index = torch.arange(position_ids.shape[1])
     starts = torch.where(position_ids == 0, index, torch.zeros_like(index)).cummax(dim=1).values
     allowed = (starts[:, :, None] == starts[:, None, :]) & (index[None, :] <= index[:, None])
     if window is not None:
         allowed = allowed & (index[None, None, :] > index[None, :, None] - window)
+    if chunk is not None:
+        inside = index[None, :] - starts
+        allowed = allowed & ((inside[:, :, None] // chunk) == (inside[:, None, :] // chunk))
     return allowed
 
 
@@ -249,17 +259,28 @@ def _pattern(value: Any, length: int) -> Optional[AttentionPattern]:
     if split is None or split[0].shape[-1] != length or split[0].shape[-2] != length:
         return None
     allowed, bias = split
-    count = int(allowed[0, 0, -1].sum())
-    window = count if count < length else None
+    row = allowed[0, 0]
+    seen = row.sum(-1)
+    count = int(seen[-1])
+    candidates = [AttentionPattern()]  # the shape: plain, a window (the last query's keys), a chunk
+    if count < length:
+        candidates.append(AttentionPattern(window=count))
+    alone = [q for q in range(1, length) if int(seen[q]) == 1]  # the first query seeing only itself
+    if alone:
+        candidates.append(AttentionPattern(chunk=alone[0]))
+    unpacked = torch.arange(length)[None]
+    shape = next((c for c in candidates if torch.equal(row, _expected(unpacked, c.window, c.chunk)[0])), None)
+    if shape is None:
+        return None
     if bias is None or count < 2:
-        return AttentionPattern(window)
+        return shape
     last = bias[0, :, -1].double()  # [heads, keys]
     first = length - count
     slopes = (last[:, -1] - last[:, first]) / (length - 1 - first)
     tolerance = _tolerance(bias, allowed)
     if bool((slopes.abs() * (length - 1 - first) <= tolerance).all()):
-        return AttentionPattern(window)
-    return AttentionPattern(window, tuple(slopes.tolist()))
+        return shape
+    return dataclasses.replace(shape, alibi=tuple(slopes.tolist()))
 
 
 def _tolerance(bias: torch.Tensor, allowed: torch.Tensor) -> float:
@@ -274,7 +295,7 @@ def _holds(value: Any, position_ids: torch.Tensor, pattern: AttentionPattern) ->
     if split is None:
         return False
     allowed, bias = split
-    expected = _expected(position_ids, pattern.window)
+    expected = _expected(position_ids, pattern.window, pattern.chunk)
     try:
         full = torch.broadcast_shapes(allowed.shape, (expected.shape[0], 1, *expected.shape[1:]))
     except RuntimeError:

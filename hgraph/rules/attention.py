@@ -7,8 +7,9 @@ are cut with the query heads). On tp every rank takes
 grouped-query pairing — so both counts must be divisible by tp, except that fewer key/value heads
 than tp ranks (multi-query attention) are replicated, each rank reading the one its query heads use. On cp the local program calls it
 with ``cp=True``: queries stay on the rank's load-balanced token chunks and K/V/positions are gathered.
-A plain ``scaled_dot_product_attention`` the frontend left alone (masked, non-causal) is only
-supported on tp.
+A learned tensor of the variant (gpt-oss's ``sinks``: one logit per query head) is cut with the
+heads on tp and replicated on cp (its gradient summed there). A plain ``scaled_dot_product_attention``
+the frontend left alone (masked, non-causal) is only supported on tp.
 """
 
 from __future__ import annotations
@@ -48,17 +49,16 @@ def packed_attention_rule(node: fx.Node, rin: RuleInput) -> Decision:
     kv = (qkv[0], R) if replicated_kv else qkv
     pos = (Shard(1) if cp else R, R)
     inputs = {q: qkv, k: kv, v: kv, positions: pos}
-    alibi = node.kwargs.get("alibi")
-    if isinstance(alibi, fx.Node):  # per-head slopes go with their query heads
-        inputs[alibi] = (R, Shard(0) if tp else R)
+    for name in ("sinks", "alibi"):  # one learned logit / one ALiBi slope per query head: cut with the heads
+        per_head = node.kwargs.get(name)
+        if isinstance(per_head, fx.Node):
+            inputs[per_head] = (R, Shard(0) if tp else R)
     if not cp and not replicated_kv:
         return Decision(output=qkv, inputs=inputs, note="heads over tp" if tp else "")
 
     def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
-        kwargs = dict(n.kwargs)
+        kwargs = {key: lc.local(value) if isinstance(value, fx.Node) else value for key, value in n.kwargs.items()}
         kwargs["cp"] = cp
-        if isinstance(alibi, fx.Node):
-            kwargs["alibi"] = lc.local(alibi)
         local_k, local_v = lc.local(k), lc.local(v)
         if replicated_kv:  # this rank's query heads all read one key/value head (Megatron's MQA/GQA)
             local_k = lc.call(own_kv_heads, (local_k, "tp"))

@@ -2,7 +2,7 @@
 
 A sequence starts wherever ``position_ids == 0`` and attention never crosses that boundary (cost
 Σ lᵢ²). The backward op (``hgraph.packed_attention_backward``) recomputes the forward; the kernel per
-device, construct and attention variant (window, soft-cap, ALiBi: ``AttentionVariant``) comes from
+device, construct and attention variant (window, soft-cap, chunk, sinks, ALiBi: ``AttentionVariant``) comes from
 ``runtime/kernels/attention_kernels.py`` (per-sequence SDPA on CPU, varlen or FlexAttention on CUDA). With context parallelism the K/V gathers are ``hgraph.all_gather`` calls
 outside the op. ``own_kv_heads`` picks the key/value head a rank's query heads read when tp exceeds
 the kv heads.
@@ -74,8 +74,8 @@ def _autograd_inside_op() -> Iterator[None]:
 # so a new variant field needs no change here).
 _HEAD = "Tensor q, Tensor k, Tensor v, Tensor position_ids, float? scale, bool cp, bool enable_gqa"
 torch.library.define("hgraph::packed_attention", f"({_HEAD}, {VARIANT_SCHEMA}) -> Tensor")
-torch.library.define(
-    "hgraph::packed_attention_backward", f"(Tensor grad, {_HEAD}, {VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+torch.library.define(  # dq, dk, dv and the gradients of the variant's tensor fields (sinks) in field order
+    "hgraph::packed_attention_backward", f"(Tensor grad, {_HEAD}, {VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor[])"
 )
 
 
@@ -94,12 +94,16 @@ def _packed_attention(
 def _packed_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
     enable_gqa: bool, *variant: Any,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    learned = {name: getattr(AttentionVariant(*variant), name).detach().requires_grad_(True)
+               for name in AttentionVariant(*variant).tensors()}
     with _autograd_inside_op():
-        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, AttentionVariant(*variant))
-        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        chosen = dataclasses.replace(AttentionVariant(*variant), **learned)
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, chosen)
+        dq, dk, dv, *rest = torch.autograd.grad(out, [*leaves, *learned.values()], grad, allow_unused=True)
+    rest = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(rest, learned.values())]
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), rest
 
 
 @torch.library.register_fake("hgraph::packed_attention")
@@ -108,8 +112,10 @@ def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> Tensor:
 
 
 @torch.library.register_fake("hgraph::packed_attention_backward")
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    variant = AttentionVariant(*args[4:])
+    learned = [getattr(variant, name).new_empty(getattr(variant, name).shape) for name in variant.tensors()]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), learned
 
 
 def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -120,8 +126,10 @@ def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
     with entered(ctx.rc):
-        dq, dk, dv = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
-    return (dq, dk, dv, *(None for _ in range(1 + len(ctx.args))))
+        dq, dk, dv, learned = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
+    grads = dict(zip(AttentionVariant(*ctx.args[3:]).tensors(), learned))  # the learned fields' gradients
+    return (dq, dk, dv, None, None, None, None,
+            *(grads.get(f.name) for f in dataclasses.fields(AttentionVariant)))
 
 
 torch.library.register_autograd("hgraph::packed_attention", _attention_backward, setup_context=_save_attention)
@@ -142,7 +150,9 @@ def packed_attention(
 
     ``variant``: the fields of ``AttentionVariant`` — ``window`` (sliding-window attention: a query
     sees itself and the ``window - 1`` keys before it, Mistral's ``sliding_window``), ``softcap``
-    (logits capped as ``softcap · tanh(logits / softcap)``, Gemma 2), ``alibi`` (``[hq]`` slopes: the
+    (logits capped as ``softcap · tanh(logits / softcap)``, Gemma 2), ``chunk`` (a query sees the keys
+    of its own chunk of the document, Llama 4), ``sinks`` (``[hq]`` learned logits joining each softmax,
+    gpt-oss; their gradient is returned), ``alibi`` (``[hq]`` slopes: the
     score of query i and key j of one document gets ``−slopeₕ·(i − j)``, Bloom and MPT; under tp each
     rank holds its query heads' slopes). Every kernel implements them, or the dispatch avoids it.
 
