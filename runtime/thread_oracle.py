@@ -27,7 +27,7 @@ from hgraph.core.batch import (
 )
 from hgraph.core.errors import InputError
 from hgraph.planner.dispatch import default_dispatch
-from hgraph.program.products import CompiledPrograms
+from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.kernels.comm import Communicator, run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hgraph.compiler.compiled_model import compile as compile_model
+from hgraph.compiler import entry
 from hgraph.compiler.packing_proof import PackingWarning
 from hgraph.core.errors import HGraphError, PackingError
 from hgraph.models.zoo import zoo_model
@@ -129,7 +129,7 @@ def check_model(
         try:
             with warnings.catch_warnings():  # an unproved model's PackingWarning: kept in the result
                 warnings.simplefilter("ignore", PackingWarning)
-                compiled = compile_model(model, group, example_inputs=example_ids)
+                compiled = entry.compile(model, group, example_inputs=example_ids)
         except HGraphError as exc:
             packing = "refused" if isinstance(exc, PackingError) else ""
             results += [ZooResult(name, s, "error", f"{type(exc).__name__}: {exc}", packing) for s in group]
