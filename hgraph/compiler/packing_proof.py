@@ -155,12 +155,13 @@ def probe(traced: "TracedModel", construct: str = "") -> PackingProof:
     generator = torch.Generator().manual_seed(0)
     probes = probe_documents(traced)
     programs: dict[int, Optional[fx.GraphModule]] = {}  # graph -> its per-token variant
+    params = _stand_in_parameters(traced)
     seconds = {"packed": 0.0, "alone": 0.0}
     for lengths in probes:
         documents = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
         try:
-            packed = _token_losses(traced, documents, programs, seconds, "packed")
-            alone = [_token_losses(traced, [d], programs, seconds, "alone") for d in documents]
+            packed = _token_losses(traced, documents, programs, seconds, "packed", params)
+            alone = [_token_losses(traced, [d], programs, seconds, "alone", params) for d in documents]
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the program cannot run the probe
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             finding = f"the program cannot run documents {tuple(lengths)} packed ({type(exc).__name__}: {first})"
@@ -174,7 +175,7 @@ def probe(traced: "TracedModel", construct: str = "") -> PackingProof:
 
 def _token_losses(
     traced: "TracedModel", documents: Sequence[torch.Tensor], programs: dict[int, Optional[fx.GraphModule]],
-    seconds: dict[str, float], clock: str,
+    seconds: dict[str, float], clock: str, params: Optional[dict[str, torch.Tensor]] = None,
 ) -> list[torch.Tensor]:
     """Per document, its tokens' losses (float64) when ``documents`` share one packed row; the
     forward's time is added to ``seconds[clock]`` (building the program is not timed)."""
@@ -188,7 +189,7 @@ def _token_losses(
     best = float("inf")
     for _ in range(3):  # a quick forward is timed three times (the best counts): timer noise
         start = time.perf_counter()
-        losses = _run_token_losses(traced, gm, per_token, documents, ids, positions, targets)
+        losses = _run_token_losses(traced, gm, per_token, documents, ids, positions, targets, params)
         best = min(best, time.perf_counter() - start)
         if best > 0.05:
             break
@@ -198,19 +199,38 @@ def _token_losses(
 
 def _run_token_losses(
     traced: "TracedModel", gm: fx.GraphModule, per_token: Optional[fx.GraphModule], documents: Sequence[torch.Tensor],
-    ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+    ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor, params: Optional[dict[str, torch.Tensor]] = None,
 ) -> list[torch.Tensor]:
     with torch.no_grad():
         if per_token is not None:
-            losses = per_token(*traced.flat_args(ids, positions, targets)).double().reshape(-1)
+            losses = per_token(*traced.flat_args(ids, positions, targets, params)).double().reshape(-1)
             return list(torch.split(losses, [len(d) for d in documents]))
         out, start = [], 0  # a loss hgraph cannot split by token: one document's targets at a time
         for d in documents:
             only = torch.full_like(targets, -100)
             only[:, start : start + len(d)] = targets[:, start : start + len(d)]
-            out.append(gm(*traced.flat_args(ids, positions, only)).double().reshape(1))
+            out.append(gm(*traced.flat_args(ids, positions, only, params)).double().reshape(1))
             start += len(d)
         return out
+
+
+def _stand_in_parameters(traced: "TracedModel") -> Optional[dict[str, torch.Tensor]]:
+    """Seeded random values for parameters on the meta device (a model compiled before its weights
+    are loaded), so the probe can run: packing exactness is a property of the program, not of the
+    weights. Matrices ``randn / sqrt(fan_in)``, vectors uniform in [0.5, 1.5], keeping activations
+    O(1) so a leak shows in the losses. None when every parameter holds values."""
+    meta = {fqn: p for fqn, p in traced.params().items() if p.is_meta}
+    if not meta:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for fqn, p in meta.items():
+        if p.dim() >= 2:
+            value = torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5
+        else:
+            value = 0.5 + torch.rand(p.shape, generator=generator)
+        out[fqn] = value.to(p.dtype)
+    return out
 
 
 def _per_token_program(gm: fx.GraphModule) -> Optional[fx.GraphModule]:

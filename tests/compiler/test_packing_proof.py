@@ -180,3 +180,17 @@ def test_packing_off_trains_one_document_per_micro_batch():
 
     dispatch = run_threads(body, 2)[0]
     assert all(len(mb) == 1 for pipeline in dispatch for mb in pipeline)
+
+
+def test_a_model_on_the_meta_device_is_probed_with_stand_in_weights():
+    """A model compiled before its weights load (meta device): the probe runs on seeded stand-ins, so a
+    mixture of experts is still proved and a leak still found (without them the probe cannot run)."""
+    from hgraph.models.zoo import zoo_model
+
+    with torch.device("meta"):
+        moe = zoo_model("mixtral").eval()
+        shift = Leaky("shift")
+    proof = prove_packing(trace(moe, torch.randint(0, 256, (2, 8))))
+    assert proof.exact and proof.method == "probe", str(proof)
+    with pytest.warns(PackingWarning, match=r"probe: document \d+ of lengths .* packed together"):
+        assert not prove_packing(trace(shift, EXAMPLE)).exact
