@@ -34,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from hgraph.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
+from hgraph.plan_codec import decode_plans, encode_plans
 from hgraph.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
 from hgraph.errors import HGraphError, InputError, StrategyError
 from hgraph.frontend import CAPTURE_LOCK, TracedModel, trace
@@ -111,6 +112,7 @@ class CompiledModel:
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
+        trust_shared_cache: bool = False,
     ) -> None:
         self.model = model
         self.traced = traced
@@ -140,19 +142,22 @@ class CompiledModel:
         start = time.perf_counter()
         self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
         own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
-        cache = self._cache(cache_directory(cache_dir), own)
+        cache = self._cache(cache_directory(cache_dir), own, trust_shared_cache)
         self.cache_hit = False
         if cache is not None:
-            stored = cache.load()
-            if stored is not None and set(stored) == set(own):
+            with _gc_paused():  # decoding builds many small objects, as planning does
+                stored = cache.load(decode_plans)
+            problem = None if stored is None else self._misfit(stored, own)
+            if stored is not None and problem is None:
                 self._param_comm.update(stored)
                 self.cache_hit = True
             elif stored is not None:
-                warnings.warn(f"compile cache entry {cache.path} holds other ranks' plans; rebuilt", CacheWarning, stacklevel=3)
+                warnings.warn(f"compile cache entry {cache.path} ignored and rebuilt: {problem}", CacheWarning, stacklevel=3)
         for i, r in own:
             self.parameter_comm(i, r)
         if cache is not None and not self.cache_hit:
-            cache.store({key: self._param_comm[key] for key in own})
+            with _gc_paused():
+                cache.store(encode_plans({key: self._param_comm[key] for key in own}))
         if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
             for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
                 self.check_actions(i, [2 * p.pp for p in s.pipelines])
@@ -261,7 +266,7 @@ class CompiledModel:
                 out[self.traced.param_names[n.name]] = tuple(spec)
         return out
 
-    def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
+    def _cache(self, directory: Optional[str], own: list[tuple[int, int]], trust_shared: bool) -> Optional[CompileCache]:
         """The cache entry of this compile's own plans, keyed by everything they are built from."""
         if directory is None:
             return None
@@ -272,7 +277,25 @@ class CompiledModel:
             sorted((n, repr(lay)) for n, lay in self.optimizer_layouts.items()),
             [(str(s), *(sorted(d.items()) for d in self._comm_inputs(i))) for i, s in enumerate(self.strategies)],
         )
-        return CompileCache(directory, plan_key(inputs))
+        return CompileCache(directory, plan_key(inputs), trust_shared)
+
+    def _misfit(self, stored: dict[tuple[int, int], dict[str, ParameterComm]], own: list[tuple[int, int]]) -> Optional[str]:
+        """Why plans read from the cache are not this compile's (``None`` when they fit): other ranks,
+        other parameters or holders, or Pull / Push ends other than the optimizer layouts."""
+        if set(stored) != set(own):
+            return "it holds other ranks' plans"
+        for (index, _), comms in stored.items():
+            users = self._comm_inputs(index)[0]
+            if comms.keys() != users.keys():
+                return f"its parameters of strategy {self.strategies[index]} are not this model's"
+            for name, pc in comms.items():
+                home = self.optimizer_layouts[name]
+                if pc.holders != tuple(users[name]) or not pc.pull.src == pc.push.dst == home \
+                        or pc.pull.plan is None or pc.push.plan is None \
+                        or (pc.pull.plan.src, pc.pull.plan.dst, pc.push.plan.src, pc.push.plan.dst) \
+                        != (pc.pull.src, pc.pull.dst, pc.push.src, pc.push.dst):
+                    return f"its plans of {name} in strategy {self.strategies[index]} do not fit this model"
+        return None
 
     def _comm_inputs(self, index: int) -> tuple[dict, dict, dict]:
         """Strategy ``index``'s parameter users ``name -> [(pipeline, stage)]`` and per-mesh compute and
@@ -513,6 +536,7 @@ def compile(
     verify: Optional[bool] = None,
     cache_dir: Optional[str] = None,
     pipeline_schedule: str = "1f1b",
+    trust_shared_cache: bool = False,
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -535,7 +559,9 @@ def compile(
     compile-time dry run of ``schedule="overlap"`` over every rank (default: world size <=
     ``VERIFY_WORLD``; it builds every rank's program). ``cache_dir`` (or ``$HGRAPH_COMPILE_CACHE``):
     keep the compiled rank's Pull / Push plans on disk, keyed by what they are built from
-    (``hgraph.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
+    (``hgraph.compile_cache``: JSON data, never code); ``compiled.cache_hit`` says whether they came
+    from there. A cache directory that other users can write is refused unless
+    ``trust_shared_cache=True`` (everyone who can write it is trusted; docs/reliability.md, "Trust").
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
     (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.actions``.
@@ -599,7 +625,8 @@ def compile(
         with _gc_paused():
             traced = trace(source, example_inputs, loss_fn)
         own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir,
+                             trust_shared_cache)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "hgraph.lnk.simulate", "hgraph.lnk")),
     ("rules", ("hgraph.rules", "hgraph.rules.*")),
     ("frontend", ("hgraph.eager_attention", "hgraph.mask_probe", "hgraph.canonicalize", "hgraph.frontend")),
-    ("products", ("hgraph.products",)),
+    ("products", ("hgraph.products", "hgraph.plan_codec")),
     ("passes", ("hgraph.passes", "hgraph.passes.*")),
     # Executes a RankProgram (products only): below the compiler, whose ``simulate`` runs it.
     ("runtime", ("hgraph.runtime.stage", "hgraph.runtime.executor", "hgraph.runtime.evaluate",
