@@ -90,6 +90,7 @@ class Pipeline:
         }
 
     def __str__(self) -> str:
+        """The form ``Strategy.parse`` reads: ``tp2,pp2`` (degrees of 1 left out, tp always shown)."""
         parts = [f"tp{self.tp}"]
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
@@ -97,7 +98,7 @@ class Pipeline:
             parts.append(f"vpp{self.vpp}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
-        return "(" + ",".join(parts) + ")"
+        return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Strategy:
             for r in p.ranks:
                 if r in seen:
                     raise StrategyError(
-                        f"rank {r} is used by pipeline {seen[r]} {pipelines[seen[r]]} and pipeline {i} {p}; "
+                        f"rank {r} is used by pipeline {seen[r]} ({pipelines[seen[r]]}) and pipeline {i} ({p}); "
                         "pipelines of one strategy need disjoint ranks"
                     )
                 seen[r] = i
@@ -160,7 +161,9 @@ class Strategy:
 
     @classmethod
     def parse(cls, text: str, gpus_per_node: int = 8) -> "Strategy":
-        """Parse the readable form, e.g. ``"tp2,pp2 + 2x tp1"``, ``"(tp4) + 2×(tp2)"`` or ``"tp1,pp2,vpp2"``."""
+        """Parse the form ``str`` prints: pipelines joined by ``+``, each ``[Nx ]degrees`` with degrees
+        ``tp``, ``pp``, ``cp``, ``vpp`` (omitted: 1), e.g. ``"tp2,pp2 + 2x tp1"`` or ``"tp1,pp2,vpp2"``.
+        The older printed form ``"(tp4) + 2×(tp2)"`` is read too."""
         pipelines: list[Pipeline] = []
         for part in text.split("+"):
             part = part.strip()
@@ -190,7 +193,7 @@ class Strategy:
                 groups[-1] = (s, groups[-1][1] + 1)
             else:
                 groups.append((s, 1))
-        return " + ".join(s if n == 1 else f"{n}×{s}" for s, n in groups)
+        return " + ".join(s if n == 1 else f"{n}x {s}" for s, n in groups)
 
 
 def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:

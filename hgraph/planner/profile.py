@@ -266,8 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schemes",
-        default="tp1,pp1 tp1,pp2",
-        help="schemes, 'tp1,tp2,tp1pp2' or 'tp1,pp1 tp2,pp2'; tp > 1 needs --world-size",
+        default="tp1; tp1,pp2",
+        help="';'-separated schemes (pipeline shapes) to measure, e.g. 'tp1; tp2; tp1,pp2' (default: %(default)s); "
+        "tp > 1 needs --world-size",
     )
     parser.add_argument(
         "--world-size",

@@ -87,7 +87,13 @@ class Profile:
 
 
 def parse_schemes(text: str) -> list[Scheme]:
-    """Schemes from ``"tp1,tp2,tp1pp2"`` (comma-separated, compact) or ``"tp1,pp1 tp2,pp2"`` (spaces)."""
+    """Schemes (pipeline shapes) in the strategy syntax, ``;``-separated: ``"tp1; tp2; tp1,pp2"``. The
+    older forms ``"tp1,tp2,tp1pp2"`` (compact) and ``"tp1,pp1 tp2,pp2"`` (spaces) are read too."""
+    if ";" in text:
+        schemes = [Scheme.parse(part) for part in text.split(";") if part.strip()]
+        if not schemes:
+            raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
+        return list(dict.fromkeys(schemes))
     tokens = text.split()
     if len(tokens) == 1 and all(p.strip().startswith("tp") for p in tokens[0].split(",") if p.strip()):
         tokens = [p.strip() for p in tokens[0].split(",") if p.strip()]
@@ -96,7 +102,7 @@ def parse_schemes(text: str) -> list[Scheme]:
         parts = [p for p in _split_degrees(token) if p]
         schemes.append(Scheme.parse(",".join(parts)))
     if not schemes:
-        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1,tp2,tp1pp2'")
+        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
     return list(dict.fromkeys(schemes))
 
 
@@ -446,7 +452,7 @@ def profile_ranks(
     """
     parsed = [s if isinstance(s, Scheme) else Scheme.parse(",".join(_split_degrees(s))) for s in schemes]
     if not parsed:
-        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1pp2']")
+        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
     start = time.perf_counter()
     raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout)
     model, fits, times = build_ranks_table(raw, memory_gb, name)
