@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     strategies = tuple(args.strategies)
     if "RANK" in os.environ:  # started by torchrun
-        hgraph.init_from_env("nccl" if torch.cuda.is_available() else "gloo")
+        hgraph.init_from_env()  # NCCL when CUDA is available, else gloo
         train(args.iterations, strategies)
     else:
         hgraph.launch(train, args.world_size, args=(args.iterations, strategies), timeout=600)

@@ -1,5 +1,12 @@
 """``hgraph train CONFIG``: train a model described by a JSON or TOML config (see
-``hgraph.train_config``) on local gloo ranks, or one rank per process under torchrun (``RANK`` set).
+``hgraph.train_config`` and docs/config.md) on local ranks, or one rank per process under torchrun
+(``RANK`` set): NCCL when CUDA is available, gloo otherwise (``backend``).
+
+Every iteration the planner picks the strategy, the pipelines' sequences and their packing
+(``planner = "auto"``, the default): with the ``[planner] cost_table`` (a preset or a file), else
+with ``T(l)`` profiled on this machine's local ranks once and cached in ``$HGRAPH_CACHE``. Under
+torchrun nothing is profiled: a cost table or that cached profile must be there. ``planner =
+"none"`` rotates through the strategies instead, and says so.
 
 With ``data.paths``: documents from local files through ``hgraph.data`` (rank 0 reads; every rank
 gets only its pipeline's tokens), held-out loss every ``eval.interval`` iterations, checkpoints
@@ -24,11 +31,13 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.errors import InputError
-from hgraph.train_config import STDLIB, TrainConfig, read_config
+from hgraph.errors import CommunicationError, CostModelError, InputError
+from hgraph.runtime.failures import DEFAULT_COMM_TIMEOUT
+from hgraph.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -118,31 +127,104 @@ def precheck(cfg: TrainConfig) -> None:
                 raise InputError(f"{name}: {exc}") from None
 
 
+def profile_lengths(context: int) -> list[int]:
+    """The lengths ``T(l)`` is measured at for batches of at most ``context`` tokens per sequence."""
+    return sorted({max(16, context * k // 4) for k in (1, 2, 3, 4)} | {n for n in (64, 128, 256) if n < context})
+
+
+def profiled_table(cfg: TrainConfig, schemes: list[str], measure: bool = True) -> str:
+    """The cost table (JSON) of ``schemes`` profiled on ``cfg.world_size`` local ranks (cached in
+    ``$HGRAPH_CACHE``; ``measure=False``: only a cached profile, else ``CostModelError``)."""
+    from hgraph.planner import profile
+    from hgraph.planner.profile_ranks import DEFAULT_MEMORY_GB
+
+    cm = profile.profile_cost_model(ModelSpec(cfg.model, cfg.seed), cfg.world_size, schemes,
+                                    profile_lengths(cfg.context), memory_gb=cfg.memory_gb or DEFAULT_MEMORY_GB,
+                                    measure=measure)
+    return json.dumps(cm.to_table())
+
+
 def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
     from hgraph.model_info import model_dims
-    from hgraph.planner import profile
-    from hgraph.planner.cost import Scheme
+    from hgraph.planner.cost import CostModel, Scheme
     from hgraph.planner.proposal import propose
 
     assert cfg.data is not None
-    spec = ModelSpec(cfg.model, cfg.seed)
-    dims = model_dims(spec())
+    dims = model_dims(ModelSpec(cfg.model, cfg.seed)())
     schemes = []
     for text in SCHEMES:
         s = Scheme.parse(text)
         if cfg.world_size % s.gpus == 0 and all(dims.get(k, s.tp) % s.tp == 0 for k in ("heads", "kv_heads")) \
                 and dims.get("layers", s.pp) >= s.pp:
             schemes.append(text)
-    context = cfg.data.context
-    lengths = sorted({max(16, context * k // 4) for k in (1, 2, 3, 4)} | {n for n in (64, 128, 256) if n < context})
-    cm = profile.profile_cost_model(spec, cfg.world_size, schemes, lengths)
+    table = profiled_table(cfg, schemes)
     train, _ = loaders(cfg)
     sample = [len(s) for b in train.first_batches(8) for s in b]
-    found = propose(cm, cfg.world_size, sample, context, tokens_per_iteration=cfg.data.tokens_per_iteration,
-                    max_candidates=4)
-    return [str(s) for s in found], json.dumps(cm.to_table())
+    found = propose(CostModel.from_table(json.loads(table)), cfg.world_size, sample, cfg.context,
+                    tokens_per_iteration=cfg.data.tokens_per_iteration, max_candidates=4)
+    return [str(s) for s in found], table
+
+
+def planner_table(cfg: TrainConfig, torchrun: bool) -> tuple[str, str]:
+    """The cost table (JSON) the planner plans ``cfg.strategies`` with, and where it came from: the
+    ``[planner] cost_table``, else this machine profiled (locally) or its cached profile (torchrun)."""
+    from hgraph.planner.cost import Scheme, load_cost_model
+    from hgraph.strategy import as_strategies
+
+    if cfg.cost_table:
+        return json.dumps(load_cost_model(cfg.cost_table).to_table()), f"cost table {cfg.cost_table}"
+    schemes = list(dict.fromkeys(str(Scheme.of(p)) for s in as_strategies(cfg.strategies) for p in s.pipelines))
+    try:
+        table = profiled_table(cfg, schemes, measure=not torchrun)
+    except CostModelError as exc:
+        if not torchrun:
+            raise
+        raise InputError(
+            f"config {cfg.source}: planner: under torchrun hgraph train does not profile, and {exc}. Give "
+            "[planner] cost_table (a preset or a file from `hgraph profile ... --out table.json`), run "
+            "`hgraph train` with this config once without torchrun on each node to profile it, or set "
+            "planner = \"none\" to rotate the strategies") from None
+    return table, f"T(l) profiled on this machine ({', '.join(schemes)}; cached in $HGRAPH_CACHE)"
+
+
+def planning_cost_model(cfg: TrainConfig, table: str) -> Any:
+    """The ``CostModel`` of a table for this run: its world size and recompute mode."""
+    from hgraph.planner.cost import CostModel
+
+    cm = CostModel.from_table(json.loads(table)).with_world_size(cfg.world_size)
+    return cm.with_recompute(cfg.recompute) if cfg.recompute != "none" else cm
+
+
+def check_fits(cfg: TrainConfig, table: str) -> None:
+    """``InputError`` when a sequence as long as the context fits no strategy under the cost model."""
+    from hgraph.planner.assign import Planner
+
+    try:
+        planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies), pipeline_schedule=cfg.pipeline_schedule)
+    except CostModelError as exc:
+        raise InputError(f"config {cfg.source}: planner: the cost model cannot plan these strategies: {exc}") from None
+    if cfg.context > planner.largest_max_len:
+        key = "data.context" if cfg.data is not None else "data.max_len"
+        raise InputError(
+            f"config {cfg.source}: {key} = {cfg.context}: no strategy takes a sequence that long under the cost "
+            f"model (the largest MaxLen is {planner.largest_max_len} tokens); lower {key}, add a strategy with "
+            "more tp / pp / cp ranks per pipeline, or give more memory ([planner] memory_gb)")
+
+
+def choose_backend(cfg: TrainConfig, world_size: int) -> str:
+    """The process-group backend of a run: ``backend``, or from ``device``, or NCCL when CUDA is
+    available with enough GPUs (under torchrun: one per local rank), gloo otherwise."""
+    from hgraph.runtime.launch import choose_backend as backend_for
+
+    requested = cfg.backend
+    if requested == "auto" and cfg.device != "auto":
+        requested = "nccl" if cfg.device == "cuda" else "gloo"
+    try:
+        return backend_for(requested, world_size)
+    except CommunicationError as exc:
+        raise InputError(f"config {cfg.source}: backend / device: {exc}") from None
 
 
 def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -170,19 +252,28 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
         return {"error": str(exc)}
 
 
+def compile_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``hgraph.compile`` keywords of a config."""
+    return {"compute_dtype": None if cfg.compute_dtype == "float32" else DTYPES[cfg.compute_dtype],
+            "reduce_dtype": DTYPES[cfg.reduce_dtype], "recompute": cfg.recompute, "schedule": cfg.schedule,
+            "pipeline_schedule": cfg.pipeline_schedule}
+
+
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
+    import torch.distributed as dist
+
     import hgraph
 
     model = ModelSpec(cfg.model, cfg.seed)()
     vocab = model_vocab(model) or 256
-    compiled = hgraph.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)))
+    compiled = hgraph.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
+                              **compile_options(cfg))
     planner = None
-    if cost_table or cfg.cost_table:
+    if cost_table is not None:
         from hgraph.planner.assign import Planner
-        from hgraph.planner.cost import CostModel, load_cost_model
 
-        cm = CostModel.from_table(json.loads(cost_table)) if cost_table else load_cost_model(cfg.cost_table)
-        planner = Planner(cm, compiled.strategies)
+        planner = Planner(planning_cost_model(cfg, cost_table), compiled.strategies,
+                          pipeline_schedule=cfg.pipeline_schedule)
     scheduler = None
     if cfg.warmup or cfg.lr_schedule != "constant":
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))  # noqa: E731
@@ -243,7 +334,13 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
         "loss_last": trainer.history[-1]["loss"] if trainer.history else None,
         "heldout_first": evals[0]["loss"] if evals else None, "heldout_last": evals[-1]["loss"] if evals else None,
         "strategies": [str(s) for s in compiled.strategies], "checkpoint": cfg.checkpoint_dir, "export": exported,
-        "data_position": str(train.position) if train is not None else None}}
+        "data_position": str(train.position) if train is not None else None,
+        "planner": "per iteration" if planner is not None else "rotation", "backend": dist.get_backend(),
+        "device": str(trainer.device), "options": {
+            "compute_dtype": str(compiled.options.compute_dtype or torch.float32).removeprefix("torch."),
+            "reduce_dtype": str(compiled.options.reduce_dtype).removeprefix("torch."),
+            "recompute": compiled.options.recompute.mode, "schedule": compiled.options.schedule,
+            "pipeline_schedule": compiled.options.pipeline_schedule}}}
 
 
 def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
@@ -261,37 +358,83 @@ def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
     return str(Path(path) / "model.safetensors")
 
 
+OVERRIDES = ("backend", "device", "compute_dtype", "reduce_dtype", "recompute", "schedule", "pipeline_schedule")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="JSON or TOML config (see the README, 'hgraph train')")
-    parser.add_argument("--world-size", type=int, help="override the config's world_size (local ranks only)")
-    parser.add_argument("--timeout", type=float, default=1800.0)
+    from hgraph.planner.cost import PRESETS
+
+    parser.epilog = ("Every config field, its default and what it does: docs/config.md. Command-line values "
+                     "override the config's.")
+    parser.add_argument("config", help="JSON or TOML config (docs/config.md)")
+    parser.add_argument("--world-size", type=int,
+                        help="override the config's world_size (local ranks; under torchrun WORLD_SIZE decides)")
+    for key in OVERRIDES:
+        parser.add_argument("--" + key.replace("_", "-"), choices=CHOICES[key], default=None,
+                            help=f"override the config's {key} (config default: {CHOICES[key][0]})")
+    parser.add_argument("--planner", choices=PLANNERS, default=None,
+                        help="'auto': plan every iteration (config default); 'none': rotate the strategies")
+    parser.add_argument("--cost-table", default=None,
+                        help="cost model the planner uses: a preset (" + ", ".join(sorted(PRESETS)) +
+                        ") or a cost table JSON file (default: profile this machine once, cached)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds for the whole run, local ranks only (default: none, run until done)")
+    parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT,
+                        help="seconds a collective may wait before the run stops with an error naming the rank "
+                        "(default: %(default)g)")
+
+
+def configured(args: argparse.Namespace) -> TrainConfig:
+    """The config file with the command line's overrides, checked."""
+    cfg = read_config(args.config)
+    over: dict[str, Any] = {k: getattr(args, k) for k in (*OVERRIDES, "planner", "cost_table")
+                            if getattr(args, k, None) is not None}
+    if getattr(args, "world_size", None):
+        over["world_size"] = args.world_size
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        over["world_size"] = int(os.environ["WORLD_SIZE"])
+    return check_choices(replace(cfg, **over))
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = read_config(args.config)
-    if args.world_size:
-        cfg = replace(cfg, world_size=args.world_size)
+    cfg = configured(args)
+    torchrun = "RANK" in os.environ
+    lead = not torchrun or int(os.environ["RANK"]) == 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else cfg.world_size
+    backend = choose_backend(cfg, local_ranks)
     precheck(cfg)
     batches = length_batches(cfg) if cfg.data is None else None
     cost_table = None
-    if cfg.auto and "RANK" in os.environ:
-        raise InputError(f"config {cfg.source}: strategies: \"auto\" profiles on local ranks; under torchrun "
-                         "list the strategies (run `hgraph train` locally once to see the proposal)")
+    if cfg.auto and torchrun:
+        raise InputError(f"config {cfg.source}: strategies: \"auto\" profiles on local ranks, which hgraph does not "
+                         "start under torchrun; run `hgraph train` with this config once without torchrun to see "
+                         "the proposed strategies (the profile is cached), then list them in the config")
     if cfg.auto:
         strategies, cost_table = auto_strategies(cfg)
         print(f"hgraph train: {len(strategies)} proposed strategies: " + "; ".join(strategies))
         cfg = replace(cfg, strategies=tuple(strategies))
-    if "RANK" in os.environ:
+        check_fits(cfg, cost_table)
+    elif cfg.planner == "auto":
+        cost_table, source = planner_table(cfg, torchrun)
+        check_fits(cfg, cost_table)
+        if lead:
+            print(f"hgraph train: planning every iteration over {len(cfg.strategies)} strategies "
+                  f"({'; '.join(cfg.strategies)}) with {source}")
+    elif lead:
+        print(f"hgraph train: planner = \"none\": iteration i runs strategy i mod {len(cfg.strategies)} "
+              f"({'; '.join(cfg.strategies)}); nothing is planned")
+    if torchrun:
         from hgraph.runtime.launch import init_from_env
 
-        init_from_env("gloo")
+        init_from_env(backend, timeout=args.comm_timeout)
         result = train_rank(cfg, batches, cost_table)
-        if int(os.environ["RANK"]) != 0:
+        if not lead:
             return 0
     else:
         from hgraph.runtime.launch import launch
 
-        result = launch(train_rank, cfg.world_size, args=(cfg, batches, cost_table), timeout=args.timeout)[0]
+        result = launch(train_rank, cfg.world_size, args=(cfg, batches, cost_table), timeout=args.timeout,
+                        backend=backend, comm_timeout=args.comm_timeout)[0]
     if "error" in result:
         raise InputError(result["error"])
     write_outputs(Path(cfg.out), result)

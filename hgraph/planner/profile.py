@@ -241,7 +241,8 @@ def profile_cost_model(
     """The cost model measured on ``world_size`` local gloo ranks (what the demo plans with).
 
     Arguments and options as ``hgraph.planner.profile_ranks.profile_ranks`` (``repeats``,
-    ``memory_gb``, ``use_cache``, ``name``, ``timeout``), which also returns the fits and timings.
+    ``memory_gb``, ``use_cache``, ``name``, ``timeout``, ``measure``), which also returns the fits and
+    timings.
     """
     from hgraph.planner.profile_ranks import profile_ranks
 

@@ -302,9 +302,10 @@ def _check(
 
 def measure_ranks(
     model_factory: ModelFactory, world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int],
-    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0,
+    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0, measure: bool = True,
 ) -> tuple[dict[str, Any], Path, bool]:
-    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``."""
+    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
+    ``measure=False``: the cached ones only (``CostModelError`` when there are none)."""
     import torch
 
     from hgraph.runtime.launch import launch
@@ -321,6 +322,8 @@ def measure_ranks(
     path = _cache_path(key)
     if use_cache and path.exists():
         return json.loads(path.read_text()), path, True
+    if not measure:
+        raise CostModelError(f"no profile of {name} on {world_size} ranks of this machine is cached (looked for {path})")
     start = time.perf_counter()
     per_rank = launch(
         _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp) for s in schemes], lengths, repeats),
@@ -445,6 +448,7 @@ def profile_ranks(
     use_cache: bool = True,
     name: str = "profiled",
     timeout: float = 600.0,
+    measure: bool = True,
 ) -> Profile:
     """Measure ``schemes`` on ``world_size`` local ranks (or read the cache) and fit the cost model.
 
@@ -454,7 +458,7 @@ def profile_ranks(
     if not parsed:
         raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
     start = time.perf_counter()
-    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout)
+    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout, measure)
     model, fits, times = build_ranks_table(raw, memory_gb, name)
     seconds = raw["seconds"] if cached else time.perf_counter() - start
     return Profile(
