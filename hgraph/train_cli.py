@@ -31,9 +31,10 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.errors import CommunicationError, CostModelError, InputError
+from hgraph.errors import CommunicationError, InputError
 from hgraph.runtime.failures import DEFAULT_COMM_TIMEOUT
 from hgraph.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
+from hgraph.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
@@ -127,23 +128,6 @@ def precheck(cfg: TrainConfig) -> None:
                 raise InputError(f"{name}: {exc}") from None
 
 
-def profile_lengths(context: int) -> list[int]:
-    """The lengths ``T(l)`` is measured at for batches of at most ``context`` tokens per sequence."""
-    return sorted({max(16, context * k // 4) for k in (1, 2, 3, 4)} | {n for n in (64, 128, 256) if n < context})
-
-
-def profiled_table(cfg: TrainConfig, schemes: list[str], measure: bool = True) -> str:
-    """The cost table (JSON) of ``schemes`` profiled on ``cfg.world_size`` local ranks (cached in
-    ``$HGRAPH_CACHE``; ``measure=False``: only a cached profile, else ``CostModelError``)."""
-    from hgraph.planner import profile
-    from hgraph.planner.profile_ranks import DEFAULT_MEMORY_GB
-
-    cm = profile.profile_cost_model(ModelSpec(cfg.model, cfg.seed), cfg.world_size, schemes,
-                                    profile_lengths(cfg.context), memory_gb=cfg.memory_gb or DEFAULT_MEMORY_GB,
-                                    measure=measure)
-    return json.dumps(cm.to_table())
-
-
 def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
@@ -159,58 +143,12 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
         if cfg.world_size % s.gpus == 0 and all(dims.get(k, s.tp) % s.tp == 0 for k in ("heads", "kv_heads")) \
                 and dims.get("layers", s.pp) >= s.pp:
             schemes.append(text)
-    table = profiled_table(cfg, schemes)
+    table = profiled_table(cfg, ModelSpec(cfg.model, cfg.seed), schemes)
     train, _ = loaders(cfg)
     sample = [len(s) for b in train.first_batches(8) for s in b]
     found = propose(CostModel.from_table(json.loads(table)), cfg.world_size, sample, cfg.context,
                     tokens_per_iteration=cfg.data.tokens_per_iteration, max_candidates=4)
     return [str(s) for s in found], table
-
-
-def planner_table(cfg: TrainConfig, torchrun: bool) -> tuple[str, str]:
-    """The cost table (JSON) the planner plans ``cfg.strategies`` with, and where it came from: the
-    ``[planner] cost_table``, else this machine profiled (locally) or its cached profile (torchrun)."""
-    from hgraph.planner.cost import Scheme, load_cost_model
-    from hgraph.strategy import as_strategies
-
-    if cfg.cost_table:
-        return json.dumps(load_cost_model(cfg.cost_table).to_table()), f"cost table {cfg.cost_table}"
-    schemes = list(dict.fromkeys(str(Scheme.of(p)) for s in as_strategies(cfg.strategies) for p in s.pipelines))
-    try:
-        table = profiled_table(cfg, schemes, measure=not torchrun)
-    except CostModelError as exc:
-        if not torchrun:
-            raise
-        raise InputError(
-            f"config {cfg.source}: planner: under torchrun hgraph train does not profile, and {exc}. Give "
-            "[planner] cost_table (a preset or a file from `hgraph profile ... --out table.json`), run "
-            "`hgraph train` with this config once without torchrun on each node to profile it, or set "
-            "planner = \"none\" to rotate the strategies") from None
-    return table, f"T(l) profiled on this machine ({', '.join(schemes)}; cached in $HGRAPH_CACHE)"
-
-
-def planning_cost_model(cfg: TrainConfig, table: str) -> Any:
-    """The ``CostModel`` of a table for this run: its world size and recompute mode."""
-    from hgraph.planner.cost import CostModel
-
-    cm = CostModel.from_table(json.loads(table)).with_world_size(cfg.world_size)
-    return cm.with_recompute(cfg.recompute) if cfg.recompute != "none" else cm
-
-
-def check_fits(cfg: TrainConfig, table: str) -> None:
-    """``InputError`` when a sequence as long as the context fits no strategy under the cost model."""
-    from hgraph.planner.assign import Planner
-
-    try:
-        planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies), pipeline_schedule=cfg.pipeline_schedule)
-    except CostModelError as exc:
-        raise InputError(f"config {cfg.source}: planner: the cost model cannot plan these strategies: {exc}") from None
-    if cfg.context > planner.largest_max_len:
-        key = "data.context" if cfg.data is not None else "data.max_len"
-        raise InputError(
-            f"config {cfg.source}: {key} = {cfg.context}: no strategy takes a sequence that long under the cost "
-            f"model (the largest MaxLen is {planner.largest_max_len} tokens); lower {key}, add a strategy with "
-            "more tp / pp / cp ranks per pipeline, or give more memory ([planner] memory_gb)")
 
 
 def choose_backend(cfg: TrainConfig, world_size: int) -> str:
@@ -415,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, strategies=tuple(strategies))
         check_fits(cfg, cost_table)
     elif cfg.planner == "auto":
-        cost_table, source = planner_table(cfg, torchrun)
+        cost_table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun)
         check_fits(cfg, cost_table)
         if lead:
             print(f"hgraph train: planning every iteration over {len(cfg.strategies)} strategies "

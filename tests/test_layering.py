@@ -51,7 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("show", ("hgraph.show",)),
     ("compiler", ("hgraph.compiler",)),
     ("app", ("hgraph.runtime.trainer", "hgraph.planner", "hgraph.planner.profile", "hgraph.planner.profile_ranks", "hgraph.planner.profile_iteration",
-             "hgraph.planner.cli", "hgraph.cli", "hgraph.show_cli", "hgraph.train_cli", "hgraph.demo", "hgraph.plots",
+             "hgraph.planner.cli", "hgraph.cli", "hgraph.show_cli", "hgraph.train_planning", "hgraph.train_cli", "hgraph.demo", "hgraph.plots",
              "hgraph.lnk_demo", "hgraph.zoo", "hgraph.export", "hgraph", "hgraph.__main__")),
 )
 

@@ -106,7 +106,8 @@ def test_no_whole_run_timeout_by_default():
 @pytest.mark.timeout(1800)
 def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     from hgraph.planner.assign import Planner
-    from hgraph.train_cli import planner_table, planning_cost_model
+    from hgraph.train_cli import ModelSpec
+    from hgraph.train_planning import planner_table, planning_cost_model
     from hgraph.train_config import read_config
 
     env = {**__import__("os").environ, "HGRAPH_CACHE": str(tmp_path / "cache")}
@@ -116,7 +117,7 @@ def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     # the oracle: the planner called directly on each batch's lengths, with the profile the run cached
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     cfg = read_config(str(tmp_path / "config.json"))
-    table, source = planner_table(cfg, torchrun=True)  # torchrun=True: a cached profile only, never measured
+    table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun=True)  # torchrun=True: a cached profile only, never measured
     planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies))
     for h in history:
         assert h["predicted_ms"] is not None
