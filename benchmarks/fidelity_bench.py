@@ -18,7 +18,7 @@ strategy before the batch runs; reported: how often the pick's measured time is 
 measured best, and the picks' total measured time against the best single homogeneous strategy's.
 
 ``--world-size 1 --device cuda`` (issue 15 item 6): compute terms only, one process, ``T(l)``
-profiled on that device (``hgraph.planner.profile.measure``), the trainer on the same device; with
+profiled on that device (``hgraph.profiling.profile.measure``), the trainer on the same device; with
 ``--device cpu`` the same path runs on CPU (what the tests run).
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/fidelity_bench.py --decisions`` (a few minutes on 2 cores).
@@ -43,7 +43,7 @@ PROFILE_LENGTHS = (64, 128, 256, 384, 512)
 
 def schemes_of(strategies: list[str]) -> list[str]:
     from hgraph.planner.cost import Scheme
-    from hgraph.strategy import Strategy
+    from hgraph.core.strategy import Strategy
 
     return sorted({str(Scheme.of(p)) for s in strategies for p in Strategy.parse(s).pipelines})
 
@@ -63,12 +63,12 @@ def _rank_run(size: str, strategies: list[str], table: dict, batches: list[list[
               schedule: str, device: str) -> dict[str, Any]:
     """On every rank: every strategy on every batch, ``repeats`` rounds; rank 0 predicts and records."""
     import hgraph
-    from hgraph.demo import model_factory
+    from hgraph.cli.demo import model_factory
     from hgraph.planner.assign import Planner
     from hgraph.planner.correction import OnlineCorrection
     from hgraph.planner.cost import CostModel
     from hgraph.planner.terms import terms_of
-    from hgraph.runtime.trainer import Trainer
+    from hgraph.training.trainer import Trainer
 
     cost = CostModel.from_table(table)
     terms = terms_of(cost)
@@ -106,9 +106,9 @@ def _rank_run(size: str, strategies: list[str], table: dict, batches: list[list[
 
 def profile_table(size: str, world: int, strategies: list[str], repeats: int,
                   batches: list[list[int]]) -> tuple[dict, str]:
-    from hgraph.demo import _SizedFactory
-    from hgraph.planner.profile_iteration import profile_iteration
-    from hgraph.planner.profile_ranks import profile_ranks
+    from hgraph.cli.demo import _SizedFactory
+    from hgraph.profiling.profile_iteration import profile_iteration
+    from hgraph.profiling.profile_ranks import profile_ranks
     from hgraph.planner.terms import with_terms
 
     factory = _SizedFactory(size)
@@ -120,7 +120,7 @@ def profile_table(size: str, world: int, strategies: list[str], repeats: int,
 
 def summarize(rows: list[dict], names: list[str], decisions: bool) -> dict[str, Any]:
     from hgraph.planner.correction import fidelity
-    from hgraph.strategy import Strategy
+    from hgraph.core.strategy import Strategy
 
     pairs: dict[tuple[int, int], list[dict]] = {}
     for r in rows:
@@ -195,18 +195,18 @@ def run_world(args: argparse.Namespace) -> dict[str, Any]:
 def run_single(args: argparse.Namespace) -> dict[str, Any]:
     """World size 1 on ``--device``: compute terms only (see the module docstring)."""
     import hgraph
-    from hgraph.demo import model_factory
+    from hgraph.cli.demo import model_factory
     from hgraph.planner.assign import Planner
     from hgraph.planner.correction import OnlineCorrection
-    from hgraph.planner.profile import build_table, measure
+    from hgraph.profiling.profile import build_table, measure
     from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
-    from hgraph.runtime.comm import run_threads
-    from hgraph.runtime.trainer import Trainer
+    from hgraph.runtime.kernels.comm import run_threads
+    from hgraph.training.trainer import Trainer
 
     batches = wikipedia_batches(args.lengths, args.batches, args.tokens, args.context, args.seed)
     result: dict[str, Any] = {"world_size": 1, "device": args.device, "batches": args.batches, "sizes": {}}
     for size in args.sizes.split(","):
-        raw = measure(f"hgraph.demo:{size}_model", PROFILE_LENGTHS, args.device, "float32", args.profile_repeats)
+        raw = measure(f"hgraph.cli.demo:{size}_model", PROFILE_LENGTHS, args.device, "float32", args.profile_repeats)
         cost, _ = build_table(raw, [1], f"{size}-{args.device}")
         name = "tp1"
         terms = IterationTerms(AlphaBeta(0.0, 0.0), 0.0, raw["layers"],
@@ -239,7 +239,7 @@ def run_single(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--sizes", default=",".join(SIZES), help="demo model sizes (hgraph.demo.SIZES)")
+    parser.add_argument("--sizes", default=",".join(SIZES), help="demo model sizes (hgraph.cli.demo.SIZES)")
     parser.add_argument("--strategies", default=";".join(STRATEGIES), help="';'-separated candidate strategies")
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per batch")

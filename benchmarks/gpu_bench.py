@@ -12,9 +12,13 @@ memory model against measured peaks. One script, at most ~5 minutes on one GPU.
     ``MemoryRegression.token_bytes``, whose constant ``A`` is fitted on ``none`` at two shorter lengths.
 (c) ``max_len``: the longest single sequence (doubling from 8K) that trains per mode against the
     predicted MaxLen (free memory after the model states / predicted bytes per token).
+(d) ``attention_variants``: ``hgraph.packed_attention`` in bf16 on packed documents for every attention
+    variant (causal, sliding window, soft-cap, both), forward and backward, with the kernel the dispatch
+    picks (varlen for windows, flex for soft-caps) against dense fp32 attention per document written out
+    here; reports the kernel, the largest errors and pass/fail.
 
 Without CUDA it runs a smoke version on CPU in well under a minute (tiny HF Llama, per-sequence SDPA in
-both loops, throughput only) and lists what it skipped. ``--smoke`` forces that mode.
+both loops, throughput only; (d) on short documents with the SDPA kernel) and lists what it skipped. ``--smoke`` forces that mode.
 
 Run: ``python benchmarks/gpu_bench.py [--smoke] [--out result.json]``.
 """
@@ -37,9 +41,10 @@ import hgraph
 from hgraph.models import tiny_hf_llama
 from hgraph.planner.batches import read_lengths, sample_path
 from hgraph.planner.memory import MemoryRegression
-from hgraph.runtime import attention_kernels
-from hgraph.runtime.comm import ThreadComm, ThreadWorld
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels import attention_kernels
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.runtime.kernels.comm import ThreadComm, ThreadWorld
+from hgraph.training.trainer import Trainer
 
 SHARED_LENGTHS = Path("/work/shared/data/wikipedia_lengths.txt")
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -250,6 +255,61 @@ def memory_model(config: dict, device: torch.device, budget_s: float) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- attention variants
+VARIANTS = ({}, {"window": 256}, {"softcap": 30.0}, {"window": 256, "softcap": 30.0})
+
+
+def _dense_per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                        window: int | None, softcap: float | None) -> torch.Tensor:
+    """fp32 attention of each document on its own: logits, soft-cap, causal and window mask, softmax."""
+    q, k, v = q.float(), k.float(), v.float()
+    repeat = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for n in lengths:
+        qd, kd, vd = (t[:, :, start : start + n] for t in (q, k, v))
+        kd, vd = kd.repeat_interleave(repeat, 1), vd.repeat_interleave(repeat, 1)
+        logits = qd @ kd.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        i = torch.arange(n, device=q.device)
+        visible = i[None, :] <= i[:, None]
+        if window is not None:
+            visible &= i[:, None] - i[None, :] < window
+        outs.append(logits.masked_fill(~visible, float("-inf")).softmax(-1) @ vd)
+        start += n
+    return torch.cat(outs, dim=2)
+
+
+def attention_variants(lengths: list[int], device: torch.device) -> dict:
+    """Every variant through ``hgraph.packed_attention`` (the dispatch's kernel) vs the dense oracle."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    gen = torch.Generator(device=device).manual_seed(0)
+    s = sum(lengths)
+    q, k, v = (torch.randn(1, h, s, 64, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+               for h in (8, 2, 2))
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    upstream = torch.randn(1, 8, s, 64, device=device, dtype=dtype, generator=gen)
+    out: dict[str, Any] = {"document_lengths": lengths}
+    for variant in VARIANTS:
+        name = ", ".join(f"{key}={value}" for key, value in variant.items()) or "causal"
+        kernel = attention_kernels.choose_kernel(device, dtype, variant=attention_kernels.AttentionVariant(**variant))
+        _sync(device)
+        start = time.perf_counter()
+        got = packed_attention(q, k, v, positions, enable_gqa=True, **variant)
+        grads = torch.autograd.grad(got, (q, k, v), upstream)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        want = _dense_per_document(q, k, v, lengths, variant.get("window"), variant.get("softcap"))
+        want_grads = torch.autograd.grad(want, (q, k, v), upstream.float())
+        errors = [float((a.float() - b).abs().max()) for a, b in zip((got, *grads), (want, *want_grads))]
+        out[name] = {"kernel": kernel, "max_abs_error": {"out": errors[0], "dq": errors[1], "dk": errors[2],
+                                                         "dv": errors[3]},
+                     "ok": errors[0] <= tolerance and max(errors[1:]) <= 5 * tolerance,
+                     "seconds_forward_backward": round(seconds, 4)}
+    return out
+
+
 def _section(name: str, fn: Callable[[], dict], out: dict) -> None:
     start = time.perf_counter()
     try:
@@ -273,12 +333,15 @@ def main(argv: list[str] | None = None) -> dict:
         _section("throughput", lambda: throughput(BIG, 6, 32768, 8192, device), result)
         wide8 = dict(BIG, num_hidden_layers=8)
         _section("memory_model", lambda: memory_model(wide8, device, budget_s=120.0), result)
+        _section("attention_variants", lambda: attention_variants([37, 1000, 3, 1500, 508], device), result)
     else:
         result["attention_kernel"] = "sdpa (per sequence; varlen_attn needs CUDA)"
         _section("throughput", lambda: throughput(SMOKE, 3, 1024, 512, device), result)
+        _section("attention_variants", lambda: attention_variants([37, 300, 3, 172], device), result)
         result["skipped"] = [
             "HF Llama ~1.1B (smoke mode uses a 2-layer hidden-64 HF Llama)",
             "varlen_attn in both loops (CUDA only; both use per-sequence SDPA here)",
+            "(d) varlen and flex attention kernels (CUDA; the CPU run checks the SDPA kernel)",
             "bf16 (both loops compute in fp32 on CPU)",
             "peak memory ratio (torch.cuda.max_memory_allocated)",
             "(b) memory model vs measured peak per recompute mode (CPU figures: benchmarks/recompute_bench.py)",

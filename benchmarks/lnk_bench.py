@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hgraph.layout import Layout, LayoutUnion, replicated, sharded
+from hgraph.core.layout import Layout, LayoutUnion, replicated, sharded
 from hgraph.lnk import local_shards, pieces_of, solve
 
 WORLD = (0, 1, 2, 3)
@@ -109,7 +109,7 @@ def _rank_main(sizes: list[int], reps: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from hgraph.runtime.reshard import default_comm, execute
+    from hgraph.runtime.kernels.reshard import default_comm, execute
 
     comm = default_comm()
     rank = dist.get_rank()

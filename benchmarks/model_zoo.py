@@ -1,4 +1,4 @@
-"""The supported-models table: every ``hgraph.zoo`` family × strategy kind, checked against the model.
+"""The supported-models table: every ``hgraph.models.zoo`` family × strategy kind, checked against the model.
 
     python benchmarks/model_zoo.py [--families llama,gpt2] > zoo.jsonl
     python benchmarks/model_zoo.py --markdown zoo.jsonl      # the README table from those lines
@@ -17,7 +17,8 @@ import re
 import time
 import warnings
 
-from hgraph.zoo import FAMILIES, STRATEGY_KINDS, ZooResult, check_family
+from hgraph.cli.zoo_check import STRATEGY_KINDS, ZooResult, check_family
+from hgraph.models.zoo import FAMILIES
 
 
 def cell(result: ZooResult) -> str:

@@ -25,14 +25,14 @@ import sys
 import torch
 
 import hgraph
-from hgraph.layout import Layout, Partial, Replicate, Shard
+from hgraph.core.layout import Layout, Partial, Replicate, Shard
 from hgraph.lnk import solve
 from hgraph.lnk.topology import Topology
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.cost import Scheme, load_cost_model
 from hgraph.runtime.timeline import exposed_communication
-from hgraph.runtime.trainer import Trainer
-from hgraph.zero import optimizer_layout
+from hgraph.training.trainer import Trainer
+from hgraph.core.zero import optimizer_layout
 
 STRATEGIES = ["4x tp1", "2x tp1,pp2"]
 ITERATIONS = 6  # per strategy and schedule; the first is a warm-up

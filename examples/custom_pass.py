@@ -15,19 +15,19 @@ import torch.fx as fx
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.collectives import all_gather, all_reduce, reduce_scatter
 
 
 def split_all_reduce(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """Rewrite ``all_reduce(x, "tp")`` as ``all_gather(reduce_scatter(x, "tp", -1), "tp", -1)``."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not ops.all_reduce or node.args[1] != "tp":
+        if node.op != "call_function" or node.target is not all_reduce or node.args[1] != "tp":
             continue
         info = dict(node.meta.get("hgraph_comm", {}))
         with gm.graph.inserting_after(node):
-            scattered = gm.graph.call_function(ops.reduce_scatter, (node.args[0], "tp", -1))
+            scattered = gm.graph.call_function(reduce_scatter, (node.args[0], "tp", -1))
         with gm.graph.inserting_after(scattered):
-            gathered = gm.graph.call_function(ops.all_gather, (scattered, "tp", -1))
+            gathered = gm.graph.call_function(all_gather, (scattered, "tp", -1))
         node.replace_all_uses_with(gathered)
         gm.graph.erase_node(node)
         src, dst = info.get("src"), info.get("dst")

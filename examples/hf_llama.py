@@ -12,7 +12,7 @@ import torch
 
 import hgraph
 from hgraph.models import tiny_hf_llama
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 STRATEGIES = ["tp2", "2x tp1", "tp1,pp2"]
 

@@ -7,7 +7,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.planner import profile_cost_model
+from hgraph.profiling.profile import profile_cost_model
 
 STRATEGIES = ["tp2 + 2x tp1", "4x tp1", "tp2,pp2"]
 

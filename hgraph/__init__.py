@@ -2,11 +2,11 @@
 
 Public API: layouts (``Layout``, ``LayoutUnion``, ``Shard``, ``Replicate``, ``Partial``), strategies
 (``Strategy``, ``Pipeline``), the layout solver (``hgraph.lnk``), the planner (``hgraph.planner``),
-``compile``, the runtime (``launch``, ``Trainer``), data (``hgraph.data``) and ``export_pretrained``.
+``compile``, the runtime (``launch``, ``Trainer``, ``CheckpointManager``, ``MetricsConfig``), data (``hgraph.data``) and ``export_pretrained``.
 Errors derive from ``HGraphError``.
 """
 
-from hgraph.errors import (
+from hgraph.core.errors import (
     CheckpointError,
     CommunicationError,
     CostModelError,
@@ -19,14 +19,14 @@ from hgraph.errors import (
     TraceError,
     TrainingError,
 )
-from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
-from hgraph.strategy import Pipeline, Strategy
+from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.strategy import Pipeline, Strategy
 
 
 def __getattr__(name: str):
     # Heavy parts (torch.export, the runtime) load on first use, so `import hgraph` stays light.
     if name in ("compile", "CompiledModel"):
-        from hgraph import compiler
+        from hgraph.compiler import compiled_model as compiler
 
         return getattr(compiler, name)
     if name == "Pass":
@@ -42,13 +42,21 @@ def __getattr__(name: str):
 
         return init_from_env
     if name == "export_pretrained":
-        from hgraph.export import export_pretrained
+        from hgraph.training.export import export_pretrained
 
         return export_pretrained
     if name == "Trainer":
-        from hgraph.runtime.trainer import Trainer
+        from hgraph.training.trainer import Trainer
 
         return Trainer
+    if name == "CheckpointManager":
+        from hgraph.runtime.checkpoint_manager import CheckpointManager
+
+        return CheckpointManager
+    if name == "MetricsConfig":
+        from hgraph.runtime.metrics import MetricsConfig
+
+        return MetricsConfig
     if name in ("Planner", "CostModel", "propose", "load_cost_model", "IterationPlan"):
         from hgraph import planner
 
@@ -65,6 +73,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CheckpointError",
+    "CheckpointManager",
     "CompiledModel",
     "CostModel",
     "IterationPlan",
@@ -86,6 +95,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LayoutUnion",
+    "MetricsConfig",
     "Partial",
     "Pipeline",
     "PlanError",

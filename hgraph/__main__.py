@@ -2,6 +2,6 @@
 
 import sys
 
-from hgraph.cli import main
+from hgraph.cli.command import main
 
 sys.exit(main())

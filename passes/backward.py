@@ -9,7 +9,7 @@ functorch's ``default_partition`` into
 * the backward graph: ``(*saved, *output grads) -> grads`` of every example argument that
   requires grad (parameters and received boundary activations), zeros where none flows.
 
-Communication stays visible: the ops of ``hgraph.runtime.ops`` are ``torch.library`` custom ops, so
+Communication stays visible: the ops of ``hgraph.runtime.kernels`` (collectives, packed attention, vocab parallel) are ``torch.library`` custom ops, so
 the forward collectives and their adjoints appear as ``hgraph.*`` nodes (an all_reduce whose adjoint
 is the identity leaves none; a grad_all_reduce shows up as an all_reduce in the backward). Each one
 gets ``meta["hgraph_comm"]`` (kind ``communicate_activation``, direction ``forward``/``backward``).
@@ -31,10 +31,10 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hgraph.batch import local_micro_batches
-from hgraph.errors import CommunicationError, TraceError
-from hgraph.products import CompiledPrograms
-from hgraph.runtime.context import RankContext, rank_context
+from hgraph.core.batch import local_micro_batches
+from hgraph.core.errors import CommunicationError, TraceError
+from hgraph.program.products import CompiledPrograms
+from hgraph.runtime.kernels.context import RankContext, rank_context
 
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "split", "all_to_all", "all_reduce_max")
 
@@ -95,7 +95,7 @@ def trace_joint(stage_gm: fx.GraphModule, example_args: Sequence[Any]) -> JointG
     except CommunicationError as e:
         raise TraceError(
             f"tracing the backward needs the rank's groups (collective shapes depend on their sizes): "
-            f"call it inside hgraph.runtime.context.rank_context ({e})"
+            f"call it inside hgraph.runtime.kernels.context.rank_context ({e})"
         ) from e
     tangent_outputs = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
     with mode:

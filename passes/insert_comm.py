@@ -12,7 +12,7 @@
 * **Communicate Activation**: stage boundaries of each pipeline (forward activations and backward
   activation gradients, same placement on both stages, so rank ``(c, t)`` of stage ``s`` talks to
   rank ``(c, t)`` of stage ``s+1``); reshards inside a stage were already inserted by ``localize``
-  as ``hgraph.runtime.ops`` nodes.
+  as nodes calling the collectives of ``hgraph.runtime.kernels.collectives``.
 
 Plans come from ``hgraph.lnk.solve`` (or, compiling for one rank, ``hgraph.lnk.solve_rank``: that
 rank's part) and are cached there by layout pair, so strategies that share a layout pair share the plan.
@@ -26,15 +26,15 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
 from hgraph.lnk import solve, solve_rank
-from hgraph.products import ACTIVATION as ACTIVATION
-from hgraph.products import PULL as PULL
-from hgraph.products import PUSH as PUSH
-from hgraph.products import CommSubgraph as CommSubgraph
-from hgraph.products import ParameterComm as ParameterComm
-from hgraph.products import ParameterLayouts as ParameterLayouts
-from hgraph.strategy import Strategy
+from hgraph.program.products import ACTIVATION as ACTIVATION
+from hgraph.program.products import PULL as PULL
+from hgraph.program.products import PUSH as PUSH
+from hgraph.program.products import CommSubgraph as CommSubgraph
+from hgraph.program.products import ParameterComm as ParameterComm
+from hgraph.program.products import ParameterLayouts as ParameterLayouts
+from hgraph.core.strategy import Strategy
 
 @functools.lru_cache(maxsize=65536)
 def _layout(shape: tuple[int, ...], ranks: tuple[int, ...], mesh: tuple[int, ...], spec: tuple) -> Layout:

@@ -3,7 +3,7 @@
 Each node is emitted with its rule's local form (shape arguments cut to local sizes, parallel ops
 such as ``vocab_parallel_embedding`` / ``vocab_parallel_cross_entropy`` / ``packed_attention(cp=True)``,
 row-parallel bias after the reduction). Wherever a producer's spec differs from what a consumer's
-rule requires, a call to an ``hgraph.runtime.ops`` collective is inserted, one per (value, required
+rule requires, a call to an ``hgraph.runtime.kernels.collectives`` op is inserted, one per (value, required
 spec), shared by every consumer that needs it; per mesh dim (tp first, then cp)::
 
     P -> R  all_reduce        P -> S(d) reduce_scatter     S(d) -> R all_gather
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.errors import ShardingRuleError
-from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.errors import ShardingRuleError
+from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
     MESH_DIMS,
@@ -47,10 +47,17 @@ from hgraph.rules.base import (
     spec_str,
     with_placement,
 )
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    grad_all_reduce,
+    reduce_scatter,
+    split,
+)
 
 if TYPE_CHECKING:
-    from hgraph.products import CompileContext
+    from hgraph.program.products import CompileContext
 
 _DROPPED_META = ("val", "tensor_meta", "hgraph_decision", "hgraph_grad_reduce")
 
@@ -175,7 +182,7 @@ class _Builder(LowerContext):
             if s != t and isinstance(s, InterleavedShard):  # gather in block order, then as from R
                 gathered_partial = m in fix and isinstance(t, Replicate)
                 gathered = with_placement(spec, m, Replicate())
-                value = self._comm(ops.all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
+                value = self._comm(all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
                 value = self._reorder(value, s, self.options.degrees[m], to_blocks=True)
                 spec = with_placement(spec, m, Replicate())
                 s = spec[m]
@@ -197,16 +204,16 @@ class _Builder(LowerContext):
                     )
                 target = with_placement(spec, m, t)
                 if isinstance(s, Partial) and isinstance(t, Replicate):
-                    value = self._comm(ops.all_reduce, (value, name), spec, target, tensor, like)
+                    value = self._comm(all_reduce, (value, name), spec, target, tensor, like)
                 elif isinstance(s, Partial) and isinstance(t, Shard):
-                    value = self._comm(ops.reduce_scatter, (value, name, t.dim), spec, target, tensor, like)
+                    value = self._comm(reduce_scatter, (value, name, t.dim), spec, target, tensor, like)
                 elif isinstance(s, Shard) and isinstance(t, Replicate):
                     gathered_partial = m in fix
-                    value = self._comm(ops.all_gather, (value, name, s.dim, gathered_partial), spec, target, tensor, like)
+                    value = self._comm(all_gather, (value, name, s.dim, gathered_partial), spec, target, tensor, like)
                 elif isinstance(s, Replicate) and isinstance(t, Shard):
-                    value = self._comm(ops.split, (value, name, t.dim), spec, target, tensor, like)
+                    value = self._comm(split, (value, name, t.dim), spec, target, tensor, like)
                 elif isinstance(s, Shard) and isinstance(t, Shard):
-                    value = self._comm(ops.all_to_all, (value, name, t.dim, s.dim), spec, target, tensor, like)
+                    value = self._comm(all_to_all, (value, name, t.dim, s.dim), spec, target, tensor, like)
                 else:
                     raise ShardingRuleError(
                         f"{self._where()}: no communication turns '{tensor}' from {spec_str(spec)} into "
@@ -214,7 +221,7 @@ class _Builder(LowerContext):
                     )
                 spec = target
             if isinstance(t, Replicate) and m in fix and not gathered_partial:
-                value = self._comm(ops.grad_all_reduce, (value, name), spec, spec, tensor, like)
+                value = self._comm(grad_all_reduce, (value, name), spec, spec, tensor, like)
         return value
 
     def _reorder(self, gathered: fx.Node, p: InterleavedShard, degree: int, to_blocks: bool) -> fx.Node:
@@ -229,7 +236,7 @@ class _Builder(LowerContext):
         """This rank's chunk of every block of a replicated value, concatenated (no communication)."""
         blocks = self.graph.call_function(torch.ops.aten.split_with_sizes.default, (whole, list(p.blocks), p.dim))
         mine = [
-            self.graph.call_function(ops.split, (self.graph.call_function(operator.getitem, (blocks, i)), name, p.dim))
+            self.graph.call_function(split, (self.graph.call_function(operator.getitem, (blocks, i)), name, p.dim))
             for i in range(len(p.blocks))
         ]
         return self.graph.call_function(torch.ops.aten.cat.default, (mine, p.dim))
@@ -255,7 +262,7 @@ class _Builder(LowerContext):
             "dst": dst,
             "tensor": tensor,
             "bytes": nbytes,
-            "direction": "backward" if fn is ops.grad_all_reduce else "forward",
+            "direction": "backward" if fn is grad_all_reduce else "forward",
         }
         return node
 

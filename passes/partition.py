@@ -24,9 +24,9 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.errors import StrategyError
-from hgraph.products import Boundary as Boundary
-from hgraph.products import StageGraph as StageGraph
+from hgraph.core.errors import StrategyError
+from hgraph.program.products import Boundary as Boundary
+from hgraph.program.products import StageGraph as StageGraph
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?:\.|$)")
 

@@ -1,7 +1,7 @@
 """Recompute pass: wrap chosen layers of a stage program in checkpointed regions.
 
 ``RecomputeConfig(mode, layers=None, every=None, keep_communication=True)`` says what to recompute:
-``mode`` ``"none"``, ``"selective"`` or ``"full"`` (see ``hgraph.runtime.recompute`` for what each
+``mode`` ``"none"``, ``"selective"`` or ``"full"`` (see ``hgraph.runtime.kernels.recompute`` for what each
 keeps), for every layer, the layer indices in ``layers``, or every ``every``-th layer (0, k, 2k, ...).
 ``keep_communication=False`` lets full recomputation reissue a layer's collectives in backward (two
 all-reduces per tensor-parallel layer, as Megatron does) instead of keeping their outputs, so only the
@@ -23,9 +23,9 @@ from typing import Optional
 import torch.fx as fx
 
 from hgraph.passes.partition import node_layer
-from hgraph.products import CompileContext
-from hgraph.products import RecomputeConfig as RecomputeConfig
-from hgraph.runtime.recompute import RecomputedRegion
+from hgraph.program.products import CompileContext
+from hgraph.program.products import RecomputeConfig as RecomputeConfig
+from hgraph.runtime.kernels.recompute import RecomputedRegion
 
 
 def region_layer(node: fx.Node) -> Optional[int]:

@@ -4,7 +4,7 @@
 local ranks; ``Trainer`` (also ``hgraph.Trainer``) trains a compiled model.
 """
 
+from hgraph.runtime.kernels.reshard import execute
 from hgraph.runtime.launch import init_from_env, launch
-from hgraph.runtime.reshard import execute
 
 __all__ = ["execute", "init_from_env", "launch"]

@@ -11,13 +11,13 @@ from typing import Sequence
 
 import torch
 
-from hgraph.runtime.context import current
-from hgraph.actions import pipeline_peers
-from hgraph.errors import InputError
-from hgraph.products import RankProgram
+from hgraph.runtime.kernels.context import current
+from hgraph.schedule.actions import pipeline_peers
+from hgraph.core.errors import InputError
+from hgraph.program.products import RankProgram
 from hgraph.runtime.executor import pull_parameters
 from hgraph.runtime.stage import HEADER, from_header, send_header, shards_device
-from hgraph.runtime.failures import comm_step
+from hgraph.runtime.kernels.failures import comm_step
 
 
 def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],

@@ -17,15 +17,15 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from hgraph.products import RankProgram as RankProgram
-from hgraph.products import layer_buckets as layer_buckets
-from hgraph.runtime.comm import Handle
-from hgraph.runtime.context import current
-from hgraph.runtime.failures import comm_step
+from hgraph.program.products import RankProgram as RankProgram
+from hgraph.program.products import layer_buckets as layer_buckets
+from hgraph.runtime.kernels.comm import Handle
+from hgraph.runtime.kernels.context import current
+from hgraph.runtime.kernels.failures import comm_step
 from hgraph.passes.schedule import PULL_TAG, PUSH_TAG, overlap_graph
-from hgraph.runtime.reshard import execute, start
+from hgraph.runtime.kernels.reshard import execute, start
 from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
-from hgraph.actions import COMPUTE, P2P, Action, Kind, steps
+from hgraph.schedule.actions import COMPUTE, P2P, Action, Kind, steps
 
 _ACT_TAG, _HEADER_TAG, _GRAD_TAG = 0, 3, 4  # pull and push plans of the overlap schedule use 1 and 2
 
@@ -33,7 +33,7 @@ _ACT_TAG, _HEADER_TAG, _GRAD_TAG = 0, 3, 4  # pull and push plans of the overlap
 def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
     if len(plans) == 1:
         return [execute(plans[0], sources[0], comm, **kw)]
-    from hgraph.runtime.coalesce import execute_coalesced
+    from hgraph.runtime.kernels.coalesce import execute_coalesced
 
     return execute_coalesced(plans, sources, comm, **kw)
 
@@ -53,7 +53,7 @@ def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> di
 
 
 class Executor:
-    """Interprets one rank's action list (``hgraph.actions``) for one iteration, one method per kind.
+    """Interprets one rank's action list (``hgraph.schedule.actions``) for one iteration, one method per kind.
 
     Blocking (``schedule="none"``): a PULL/PUSH start runs its plan to the end (the wait only hands
     the result over). Overlapped (``overlap=True``, ``schedule="overlap"``): a start issues the plan's

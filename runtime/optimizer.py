@@ -1,6 +1,6 @@
 """The optimization side: fp32 master shards and AdamW states in the fixed ZeRO layout.
 
-Each rank owns the shards ``hgraph.zero.optimizer_layout`` gives it and steps them alone; nothing
+Each rank owns the shards ``hgraph.core.zero.optimizer_layout`` gives it and steps them alone; nothing
 here depends on the strategy, so switching strategies never moves optimizer state. The update is
 element-wise and follows ``torch.optim.AdamW`` exactly, so a sharded run matches a single-process
 AdamW run up to the summation order of gradients. ``ShardedAdamW`` is a ``torch.optim.Optimizer``,
@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from hgraph.errors import CheckpointError, TrainingError
-from hgraph.runtime.comm import Communicator
+from hgraph.core.errors import CheckpointError, TrainingError
+from hgraph.runtime.kernels.comm import Communicator
 
 
 class ShardedAdamW(torch.optim.Optimizer):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 import hgraph
-from hgraph.cli import build_parser
-from hgraph.planner.profile_ranks import DEFAULT_MEMORY_GB
-from hgraph.runtime.failures import DEFAULT_COMM_TIMEOUT
-from hgraph.train_config import TABLES, TOP, DataConfig, TrainConfig
+from hgraph.cli.command import build_parser
+from hgraph.profiling.profile_ranks import DEFAULT_MEMORY_GB
+from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
+from hgraph.training.train_config import TABLES, TOP, DataConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| `([a-z_.]+)` \| (.+?) \| (.+) \|$", re.M)
@@ -31,8 +31,11 @@ def _defaults() -> dict[str, object]:
     out.update({"data.paths": None, "data.tokenizer": None, "data.tokens_per_iteration": data["tokens_per_iteration"],
                 "eval.paths": [], "eval.interval": train["eval_interval"], "eval.batches": train["eval_batches"],
                 "checkpoint.dir": train["checkpoint_dir"], "checkpoint.interval": train["checkpoint_interval"],
-                "checkpoint.resume": train["resume"], "export.dir": train["export_dir"],
+                "checkpoint.resume": train["resume"], "checkpoint.keep": train["checkpoint_keep"],
+                "checkpoint.async": train["checkpoint_async"], "export.dir": train["export_dir"],
                 "planner.cost_table": train["cost_table"], "planner.memory_gb": DEFAULT_MEMORY_GB})
+    out.update({f"metrics.{k}": train[f"metrics_{k}"] for k in ("dir", "jsonl", "tensorboard", "console")})
+    out["metrics.peak_tflops"] = train["peak_tflops"]
     return out
 
 

@@ -3,9 +3,16 @@
 import pytest
 import torch
 
-from hgraph.errors import LayoutError
-from hgraph.layout import (
-    Layout, LayoutUnion, Partial, Replicate, Shard, chunk_bounds, parse_placement, sharded,
+from hgraph.core.errors import LayoutError
+from hgraph.core.layout import (
+    Layout,
+    LayoutUnion,
+    Partial,
+    Replicate,
+    Shard,
+    chunk_bounds,
+    parse_placement,
+    sharded,
 )
 
 

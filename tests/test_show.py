@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.demo import tiny_model
+from hgraph.cli.demo import tiny_model
 
 
 def test_show_writes_dot_and_svg_that_parse(tmp_path):

@@ -2,7 +2,9 @@
 iteration (each batch's strategy is the planner's choice for its lengths); ``planner = "none"``
 rotates and says so, and its losses fall and are the ones printed; config keys and command-line flags
 reach ``compile`` and the ``Trainer`` (read back from what ran); the backend follows CUDA's
-availability; no whole-run time limit unless one is given."""
+availability; no whole-run time limit unless one is given. One console line per iteration (log
+records go to a file, never in between) and the same figures in ``metrics.jsonl`` and in TensorBoard
+event files, read back with tensorboard's own reader."""
 
 import inspect
 import json
@@ -12,13 +14,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import hgraph
-from hgraph.errors import InputError
-from hgraph.strategy import Strategy
-from hgraph.train_cli import choose_backend
-from hgraph.train_config import TrainConfig
+from hgraph.core.errors import InputError
+from hgraph.core.strategy import Strategy
+from hgraph.cli.train_cli import choose_backend
+from hgraph.training.train_config import TrainConfig
 
 
 def _train(tmp_path, config, *flags, env=None):
@@ -31,12 +34,13 @@ def _train(tmp_path, config, *flags, env=None):
     return out, history, json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
-TINY = {"model": "hgraph.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2, "lr": 0.003,
+TINY = {"model": "hgraph.cli.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2, "lr": 0.003,
         "data": {"lengths": "wikipedia", "tokens_per_iteration": 512, "max_len": 128}}
 
 
 def test_planner_none_rotates_says_so_and_losses_fall(tmp_path):
-    out, history, summary = _train(tmp_path, {**TINY, "iterations": 8, "planner": "none"})
+    out, history, summary = _train(tmp_path, {**TINY, "iterations": 8, "planner": "none",
+                                              "metrics": {"peak_tflops": 0.5}})
     assert 'planner = "none": iteration i runs strategy i mod 2' in out.stdout
     losses = [h["loss"] for h in history]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
@@ -46,9 +50,10 @@ def test_planner_none_rotates_says_so_and_losses_fall(tmp_path):
     printed = re.search(r"^training loss ([0-9.]+) -> ([0-9.]+)$", out.stdout, re.M)
     assert printed, out.stdout
     assert [float(x) for x in printed.groups()] == [round(losses[0], 4), round(losses[-1], 4)]
-    vocab = 512  # hgraph.demo:tiny_model
+    vocab = 512  # hgraph.cli.demo:tiny_model
     assert losses[0] > math.log(vocab) * 0.9  # starts near chance
     assert sum(losses[-2:]) / 2 < losses[0] - 0.2, losses  # measured: 5.56 -> 5.18
+    check_metrics(tmp_path / "run", out.stdout, history)
 
 
 def test_config_keys_and_flags_reach_compile_and_trainer(tmp_path):
@@ -92,7 +97,7 @@ def _sleep_then_meet(seconds):
 
 def test_no_whole_run_timeout_by_default():
     assert inspect.signature(hgraph.launch).parameters["timeout"].default is None
-    from hgraph.cli import build_parser
+    from hgraph.cli.command import build_parser
 
     args = build_parser().parse_args(["train", "config.toml"])
     assert args.timeout is None and args.comm_timeout == 300
@@ -106,9 +111,9 @@ def test_no_whole_run_timeout_by_default():
 @pytest.mark.timeout(1800)
 def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     from hgraph.planner.assign import Planner
-    from hgraph.train_cli import ModelSpec
-    from hgraph.train_planning import planner_table, planning_cost_model
-    from hgraph.train_config import read_config
+    from hgraph.cli.train_cli import ModelSpec
+    from hgraph.cli.train_planning import planner_table, planning_cost_model
+    from hgraph.training.train_config import read_config
 
     env = {**__import__("os").environ, "HGRAPH_CACHE": str(tmp_path / "cache")}
     out, history, summary = _train(tmp_path, {**TINY, "iterations": 6}, env=env)
@@ -151,3 +156,28 @@ def test_under_torchrun_plans_with_a_cost_table_and_never_profiles(tmp_path):
     proc = run({**TINY, "iterations": 2})
     assert proc.returncode != 0 and not (tmp_path / "cache" / "profile").exists()
     assert "under torchrun hgraph train does not profile" in proc.stderr and "cost_table" in proc.stderr
+
+
+def check_metrics(run, stdout, history):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hgraph.runtime.metrics import read_jsonl
+
+    progress = [line for line in stdout.splitlines() if line.startswith("iter ")]
+    assert len(progress) == len(history)  # one line per iteration, each whole
+    for k, (line, h) in enumerate(zip(progress, history)):
+        assert line.startswith(f"iter {k + 1}/{len(history)}  loss {h['loss']:.4f}  ") and h["strategy"] in line
+    assert "INFO" not in stdout and "hgraph.trainer" not in stdout  # log records are not on the console...
+    logged = (run / "logs" / "rank0.log").read_text()
+    assert f"iter {len(history) - 1} loss {history[-1]['loss']:.4f}" in logged  # ...they are in the log file
+    records = read_jsonl(run / "metrics")
+    assert [r["loss"] for r in records] == [h["loss"] for h in history]
+    assert all(r["mfu"] == r["tflops"] / (0.5 * 2) and len(r["peak_memory_mb"]) == 2 for r in records)
+    events = EventAccumulator(str(run / "metrics" / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(len(history)))
+    assert [e.value for e in loss] == [float(np.float32(h["loss"])) for h in history]
+    for tag in ("throughput/tokens_per_s", "throughput/mfu", "memory/peak_mb/rank1", "comm/exposed_ms/rank0",
+                "time/measured_ms", "train/grad_norm", "train/lr"):
+        assert len(events.Scalars(tag)) == len(history), tag

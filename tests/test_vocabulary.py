@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hgraph.cli import main
+from hgraph.cli.command import main
 from hgraph.planner.cost import PRESETS, Scheme
-from hgraph.planner.profile_ranks import parse_schemes
-from hgraph.strategy import Pipeline, Strategy
+from hgraph.profiling.profile_ranks import parse_schemes
+from hgraph.core.strategy import Pipeline, Strategy
 
 pipelines = st.builds(
     lambda tp, pp, cp, vpp: Pipeline(tp=tp, pp=pp, cp=cp, vpp=vpp if pp > 1 else 1),

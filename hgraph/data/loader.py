@@ -17,9 +17,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from hgraph.core.errors import InputError
 from hgraph.data.documents import DocumentSource
 from hgraph.data.tokenizer import TextTokenizer
-from hgraph.errors import InputError
 
 LONG_DOCUMENTS = ("split", "cut")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hgraph.layout import AnyLayout, Box, Layout, Partial, Replicate, Shard, unravel
+from hgraph.core.layout import AnyLayout, Box, Layout, Partial, Replicate, Shard, unravel
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, ReduceScatter, Step
 
 

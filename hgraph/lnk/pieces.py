@@ -16,8 +16,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hgraph.errors import LayoutError
-from hgraph.layout import AnyLayout, Box, Layout, LayoutUnion, box_numel
+from hgraph.core.errors import LayoutError
+from hgraph.core.layout import AnyLayout, Box, Layout, LayoutUnion, box_numel
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Union
 
-from hgraph.layout import AnyLayout, Box, box_numel, chunk_bounds
+from hgraph.core.layout import AnyLayout, Box, box_numel, chunk_bounds
 from hgraph.lnk.topology import DEFAULT_TOPOLOGY, Topology
 
 Group = tuple[int, ...]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hgraph.errors import LayoutError
+from hgraph.core.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model
 from hgraph.planner.cost import CostModel, Scheme, StageCost, load_cost_model
+from hgraph.planner.fit import Fit, fit_stage_cost
 from hgraph.planner.memory import MemoryRegression
-from hgraph.planner.profile import Fit, fit_stage_cost
 from hgraph.planner.proposal import Candidate, propose, propose_candidates
 
 __all__ = [
@@ -25,6 +25,5 @@ __all__ += [
 
 from hgraph.planner.bound import LowerBound, lower_bound
 from hgraph.planner.context import with_context_parallel
-from hgraph.planner.profile import profile_cost_model
 
-__all__ += ["LowerBound", "lower_bound", "profile_cost_model", "with_context_parallel"]
+__all__ += ["LowerBound", "lower_bound", "with_context_parallel"]

@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hgraph.errors import CostModelError
+from hgraph.core.errors import CostModelError
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
 

@@ -26,13 +26,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
+from hgraph.core.strategy import Strategy, homogeneous
 from hgraph.planner.assign import Planner, check_lengths
 from hgraph.planner.cost import CostModel
 from hgraph.planner.exact import solve_min_max_packing
 from hgraph.planner.plan import IterationPlan, PipelinePlan
 from hgraph.planner.timing import PipelineCost
-from hgraph.strategy import Strategy, homogeneous
 
 NAMES = ("megatron", "homogeneous-tuned", "hydraulis-reference")
 

@@ -5,7 +5,7 @@ The published tables were measured for (tp, pp) schemes only. ``with_context_par
 ``T(l)`` (each such entry says ``"source": "analytic-cp"``; a scheme the table lists already, e.g.
 profiled by ``hgraph profile --schemes tp1,cp2``, keeps its own entry). A micro-batch's tokens are
 split over the cp ranks in ``2·cp`` load-balanced chunks (the runtime's zigzag layout,
-``hgraph.batch.cp_chunk_indices``), so every rank does ``1/cp`` of the causal attention and of
+``hgraph.core.batch.cp_chunk_indices``), so every rank does ``1/cp`` of the causal attention and of
 every per-token term, and the ranks exchange K and V in a ring::
 
     a_cp = a / cp
@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from hgraph.errors import CostModelError
+from hgraph.core.errors import CostModelError
 from hgraph.lnk.topology import Topology
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 

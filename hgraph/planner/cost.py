@@ -23,7 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hgraph.errors import CostModelError
+from hgraph.core.errors import CostModelError
 from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
 
 PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")

@@ -12,10 +12,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
+from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.bound import LowerBound
 from hgraph.planner.timing import IterationPrediction, PipelineCost
-from hgraph.strategy import Pipeline, Strategy
 
 
 @dataclass(frozen=True)

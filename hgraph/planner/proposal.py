@@ -39,11 +39,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
+from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.batches import make_batches
 from hgraph.planner.context import with_context_parallel
 from hgraph.planner.cost import CostModel, Scheme
-from hgraph.strategy import Pipeline, Strategy
 
 BUCKET_RATIO = 1.25
 MIN_BUCKET = 128

@@ -1,6 +1,6 @@
 """Measured iteration terms: what an iteration costs beyond the per-stage compute ``T(l)``.
 
-``hgraph profile --strategies`` (``hgraph.planner.profile_iteration``) measures them on real ranks
+``hgraph profile --strategies`` (``hgraph.profiling.profile_iteration``) measures them on real ranks
 through the real runtime; the simulator (``hgraph.planner.timing.predict_iteration``) adds them up:
 
 * ``activation``: one pipeline send/receive step of an activation (header exchange + payload
@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from hgraph.errors import CostModelError
+from hgraph.core.errors import CostModelError
 from hgraph.planner.cost import CostModel, StageCost
 
 TABLE_KEY = "_iteration_terms"

@@ -28,9 +28,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
 from hgraph.planner.terms import IterationTerms
-from hgraph.strategy import Strategy
+from hgraph.core.strategy import Strategy
 
 
 
@@ -60,15 +60,12 @@ def pipeline_time(stage_times: Sequence[float], pp: int, schedule: str = "1f1b",
     """A pipeline's time from its micro-batches' per-stage times (0 when idle). The one place the
     schedule's bubble enters a prediction: 1F1B in closed form, ``Σ T + (pp − 1)·max T``; ZB-H1
     (``"zb1p"``) and interleaved 1F1B (``vpp > 1``) by replaying the runtime's action lists
-    (``hgraph.planner.bubble``), forward a third of a stage time, each chunk ``1/vpp`` of it. An
-    interleaved pipeline whose micro-batches are not a multiple of ``pp`` cannot run: ``inf``."""
+    (``hgraph.schedule.bubble``), forward a third of a stage time, each chunk ``1/vpp`` of it."""
     if not stage_times:
         return 0.0
     if schedule == "1f1b" and vpp == 1:
         return sum(stage_times) + (pp - 1) * max(stage_times)
-    if vpp > 1 and len(stage_times) % pp:
-        return math.inf
-    from hgraph.planner.bubble import pipeline_time as replay
+    from hgraph.schedule.bubble import pipeline_time as replay
 
     forward = [[t * FORWARD_SHARE / vpp for t in stage_times]] * (pp * vpp)
     backward = [[t * (1 - FORWARD_SHARE) / vpp for t in stage_times]] * (pp * vpp)
@@ -85,7 +82,7 @@ class PipelineCost:
     c: float
     pp: int
     max_len: int
-    schedule: str = "1f1b"  # the pipeline schedule (hgraph.actions.PIPELINE_SCHEDULES)
+    schedule: str = "1f1b"  # the pipeline schedule (hgraph.schedule.actions.PIPELINE_SCHEDULES)
     vpp: int = 1  # virtual stages per stage (interleaved 1F1B when > 1)
 
     def seq_time(self, length: int) -> float:

@@ -1,6 +1,6 @@
 """Rules for attention: heads split over tp, the sequence split over cp with K/V gathered.
 
-The frontend expresses causal attention as ``hgraph.runtime.ops.packed_attention(q, k, v,
+The frontend expresses causal attention as ``hgraph.runtime.kernels.packed_attention.packed_attention(q, k, v,
 position_ids)`` (q ``[b, heads, s, d]``, k/v ``[b, kv_heads, s, d]``). On tp every rank takes
 ``heads/tp`` query heads and ``kv_heads/tp`` key/value heads — contiguous head ranges keep the
 grouped-query pairing — so both counts must be divisible by tp, except that fewer key/value heads
@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Shard
+from hgraph.core.layout import Shard
 from hgraph.rules.base import CP, TP, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.packed_attention import own_kv_heads, packed_attention
 
 aten = torch.ops.aten
 
@@ -55,10 +55,10 @@ def packed_attention_rule(node: fx.Node, rin: RuleInput) -> Decision:
         kwargs["cp"] = cp
         local_k, local_v = lc.local(k), lc.local(v)
         if replicated_kv:  # this rank's query heads all read one key/value head (Megatron's MQA/GQA)
-            local_k = lc.call(ops.own_kv_heads, (local_k, "tp"))
-            local_v = lc.call(ops.own_kv_heads, (local_v, "tp"))
+            local_k = lc.call(own_kv_heads, (local_k, "tp"))
+            local_v = lc.call(own_kv_heads, (local_v, "tp"))
             kwargs["enable_gqa"] = True
-        return lc.call(ops.packed_attention, (lc.local(q), local_k, local_v, lc.local(positions)), kwargs)
+        return lc.call(packed_attention, (lc.local(q), local_k, local_v, lc.local(positions)), kwargs)
 
     notes = ["sequence over cp, K/V gathered"] if cp else []
     notes += ["heads over tp, K/V heads replicated"] if replicated_kv else []
@@ -85,5 +85,5 @@ def sdpa_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return Decision(output=heads, inputs=inputs, note="heads over tp")
 
 
-register(ops.packed_attention, packed_attention_rule)
+register(packed_attention, packed_attention_rule)
 register(aten.scaled_dot_product_attention, sdpa_rule)

@@ -2,7 +2,7 @@
 
 A pipeline stage runs on a ``cp x tp`` mesh of ranks. Every tensor value of the global graph gets a
 *spec*: one placement per mesh dim, ``(cp_placement, tp_placement)``, with the placements of
-``hgraph.layout`` (``Shard(d)``, ``Replicate()``, ``Partial()``). A rule looks at one node and the
+``hgraph.core.layout`` (``Shard(d)``, ``Replicate()``, ``Partial()``). A rule looks at one node and the
 specs of its inputs and returns a ``Decision``: the spec of its output, the spec each tensor input
 must have (``localize`` inserts communication where a producer's spec differs), and how to emit the
 node into the local program (rewritten shape arguments, a parallel op, or a custom lowering).
@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from hgraph.errors import ShardingRuleError
-from hgraph.layout import InterleavedShard, Partial, Placement, Replicate, Shard
+from hgraph.core.errors import ShardingRuleError
+from hgraph.core.layout import InterleavedShard, Partial, Placement, Replicate, Shard
 
 MESH_DIMS = ("cp", "tp")
 CP, TP = 0, 1
@@ -352,7 +352,7 @@ def module_of(node: Optional[fx.Node]) -> str:
 
 
 def op_name(target: Any) -> str:
-    """Readable name of a call target (``aten.linear.default``, ``hgraph.runtime.collectives.all_gather``)."""
+    """Readable name of a call target (``aten.linear.default``, ``hgraph.runtime.kernels.collectives.all_gather``)."""
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     module = getattr(target, "__module__", None) or ""

@@ -1,7 +1,7 @@
 """Rule for ``aten.embedding``: vocab-parallel on tp (Megatron), token-split on cp.
 
 With ``vocab_parallel`` (the default) the table is cut on its rows over tp and every rank looks up
-the ids that fall in its rows (``hgraph.runtime.ops.vocab_parallel_embedding``): the output is
+the ids that fall in its rows (``hgraph.runtime.kernels.vocab_parallel.vocab_parallel_embedding``): the output is
 Partial and is reduced by its first consumer (all-reduce, or reduce-scatter to the sequence dim
 under sequence parallelism). Tables indexed by the position ids (GPT-2's ``wpe``) stay replicated:
 their output would need the same reduction for no saving in compute. A ``padding_idx`` row gets no
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Shard
+from hgraph.core.layout import Shard
 from hgraph.rules.base import CP, TP, P, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_embedding
 
 aten = torch.ops.aten
 
@@ -63,7 +63,7 @@ def embedding_rule(node: fx.Node, rin: RuleInput) -> Decision:
 
     def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
         padding = (padding_idx,) if padding_idx is not None and padding_idx >= 0 else ()
-        return lc.call(ops.vocab_parallel_embedding, (lc.local(ids), lc.local(weight), "tp", *padding))
+        return lc.call(vocab_parallel_embedding, (lc.local(ids), lc.local(weight), "tp", *padding))
 
     return Decision(output=(out[0], out[1]), inputs=inputs, lower=lower, note="vocab-parallel")
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from hgraph.layout import InterleavedShard, Partial, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Shard
 from hgraph.rules.base import CP, TP, P, R, Decision, LowerContext, RuleInput, Spec, with_placement
 from hgraph.rules.registry import register
 from hgraph.rules.shape import split_sizes

@@ -1,6 +1,6 @@
 """Rule for ``aten.cross_entropy_loss``: vocab-parallel over tp, token-split over cp.
 
-Logits cut on the vocab dim over tp become ``hgraph.runtime.ops.vocab_parallel_cross_entropy``
+Logits cut on the vocab dim over tp become ``hgraph.runtime.kernels.vocab_parallel.vocab_parallel_cross_entropy``
 (global max and sum-exp by all-reduce; the result is replicated); logits cut on tokens over cp give
 a Partial loss that the output all-reduces. Only the summed loss (``reduction="sum"``) is
 token-split exactly; a mean over split tokens would need the global token count.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Partial, Shard
+from hgraph.core.layout import Partial, Shard
 from hgraph.rules.base import TP, P, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy
 
 aten = torch.ops.aten
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -53,7 +53,7 @@ def cross_entropy_rule(node: fx.Node, rin: RuleInput) -> Decision:
     ignore_index = a["ignore_index"]
 
     def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
-        return lc.call(ops.vocab_parallel_cross_entropy, (lc.local(logits), lc.local(target), "tp"),
+        return lc.call(vocab_parallel_cross_entropy, (lc.local(logits), lc.local(target), "tp"),
                        {"ignore_index": ignore_index})
 
     return Decision(output=(out[0], out[1]), inputs=inputs, lower=lower, note="vocab-parallel")

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from hgraph.layout import Partial, Shard
+from hgraph.core.layout import Partial, Shard
 from hgraph.rules.base import P, R, Decision, RuleInput
 from hgraph.rules.registry import register
 

@@ -1,7 +1,7 @@
 """Cut full tensors into one rank's local piece of a spec, and reassemble gradients from ranks.
 
 Ranks of a ``(cp, tp)`` stage mesh are numbered row-major: rank ``c·tp + t`` sits at ``(c, t)``. Token
-tensors split on cp use the load-balanced order of ``hgraph.batch.load_balance_indices``
+tensors split on cp use the load-balanced order of ``hgraph.core.batch.load_balance_indices``
 (chunks ``c`` and ``2·cp−1−c`` of ``2·cp``) when ``token_order=True``; parameters use plain
 ``torch.chunk`` pieces. Used by the localize tests and by ``compiled.simulate``.
 """
@@ -12,10 +12,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hgraph.errors import ShardingRuleError
-from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.errors import ShardingRuleError
+from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import CP, MESH_DIMS, TP, Spec, spec_str
-from hgraph.batch import load_balance_indices
+from hgraph.core.batch import load_balance_indices
 
 Coord = tuple[int, int]
 

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from hgraph import models
-from hgraph.errors import ShardingRuleError
+from hgraph.core.errors import ShardingRuleError
 from hgraph.frontend import trace
-from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.rules import Decision, register, unregister

@@ -10,15 +10,16 @@ import torch
 import torch.fx as fx
 
 import hgraph
-from hgraph.errors import TraceError
+from hgraph.core.errors import TraceError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.backward import backward_graph, comm_counts, comm_nodes
-from hgraph.runtime import ops
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.context import RankContext, rank_context
+from hgraph.runtime.kernels.collectives import all_gather, all_to_all, grad_all_reduce, reduce_scatter, split
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.executor import pull_parameters
-from hgraph.batch import next_token_targets
-from hgraph.thread_oracle import micro_batches_for, shard_parameters
+from hgraph.core.batch import next_token_targets
+from hgraph.runtime.thread_oracle import micro_batches_for, shard_parameters
 
 SEQ = 16
 _COMPILED: dict[tuple[str, bool], hgraph.CompiledModel] = {}
@@ -37,18 +38,18 @@ def compiled(strategy: str, sequence_parallel: bool = False) -> hgraph.CompiledM
 
 
 def expected_adjoints(gm: fx.GraphModule) -> Counter:
-    """The collectives the backward of a forward stage program must run (see runtime/ops.py)."""
+    """The collectives the backward of a forward stage program must run (see runtime/kernels/collectives.py)."""
     out: Counter = Counter()
     for n in gm.graph.nodes:
-        if n.target is ops.reduce_scatter or n.target is ops.split:
+        if n.target is reduce_scatter or n.target is split:
             out["all_gather"] += 1
-        elif n.target is ops.all_gather:
+        elif n.target is all_gather:
             out["reduce_scatter" if n.args[3] else "split"] += 1
-        elif n.target is ops.all_to_all:
+        elif n.target is all_to_all:
             out["all_to_all"] += 1
-        elif n.target is ops.grad_all_reduce:
+        elif n.target is grad_all_reduce:
             out["all_reduce"] += 1
-        elif n.target is ops.packed_attention and n.kwargs.get("cp"):
+        elif n.target is packed_attention and n.kwargs.get("cp"):
             out["reduce_scatter"] += 2  # dK and dV of the cp-gathered keys and values
     return out
 

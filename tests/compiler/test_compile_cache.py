@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.compile_cache import ENV, CacheWarning, CompileCache
-from hgraph.errors import InputError
+from hgraph.compiler.compile_cache import ENV, CacheWarning, CompileCache
+from hgraph.core.errors import InputError
 from hgraph.models import Llama, LlamaConfig
-from hgraph.plan_codec import decode_plans
+from hgraph.program.plan_codec import decode_plans
 
 STRATEGIES = ["4x tp2", "tp4 + 2x tp2"]
 

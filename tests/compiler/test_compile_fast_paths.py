@@ -7,7 +7,7 @@ import gc
 import torch
 
 import hgraph
-from hgraph.layout import Layout, LayoutUnion
+from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.models import Llama, LlamaConfig
 
 STRATEGIES = ["tp4 + 2x tp2", "2x tp2,pp2", "8x tp1"]

@@ -8,7 +8,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.collectives import all_reduce, reduce_scatter
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,8 @@ def test_split_all_reduce_pass_changes_the_program_not_the_result():
         passes=[hgraph.Pass("split_all_reduce", example.split_all_reduce, after="localize")],
     )
     targets = {n.target for n in custom.local_program(1, 2).graph.nodes}
-    assert ops.all_reduce not in targets and ops.reduce_scatter in targets
-    assert ops.all_reduce in {n.target for n in plain.local_program(1, 2).graph.nodes}
+    assert all_reduce not in targets and reduce_scatter in targets
+    assert all_reduce in {n.target for n in plain.local_program(1, 2).graph.nodes}
     assert "split_all_reduce" in [r.name for r in custom.pass_history]
     kinds = [r.tensor for r in custom.subgraphs(0, 0) if r.kind == "communicate_activation"]
     assert any("reduce_scatter/tp" in k for k in kinds) and not any("(all_reduce/tp)" in k for k in kinds)
@@ -60,7 +60,7 @@ def test_disable_switches_a_pass_off_and_rejects_unknown_names():
     split = hgraph.Pass("split_all_reduce", example.split_all_reduce, after="localize")
     off = hgraph.compile(model, ["tp2"], example_inputs=ids, passes=[split], disable=["split_all_reduce"])
     targets = {n.target for n in off.local_program(1, 2).graph.nodes}
-    assert ops.all_reduce in targets and ops.reduce_scatter not in targets  # the pass did not run
+    assert all_reduce in targets and reduce_scatter not in targets  # the pass did not run
     assert "split_all_reduce" not in [r.name for r in off.pass_history]
     assert "localize" in [r.name for r in off.pass_history]
     with pytest.raises(hgraph.InputError, match=r"disable=\['localise'\] names no pass.*'annotate', 'localize'"):

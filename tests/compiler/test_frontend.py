@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hgraph.errors import InputError, TraceError
+from hgraph.core.errors import InputError, TraceError
 from hgraph.frontend import default_loss, trace
 from hgraph.models import Llama, LlamaConfig, tiny_hf_gpt2, tiny_hf_llama
-from hgraph.runtime.ops import packed_attention
+from hgraph.runtime.kernels.packed_attention import packed_attention
 
 FACTORIES = {
     "llama": lambda: Llama(seed=1),

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 
 def reference(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from hgraph import models
-from hgraph.errors import ShardingRuleError
+from hgraph.core.errors import ShardingRuleError
 from hgraph.frontend import trace
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.core.layout import Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.rules.base import ShardingOptions
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.context import RankContext, rank_context
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.context import RankContext, rank_context
 
 BATCH, SEQ, VOCAB = 2, 16, 256
 MESHES = [(1, 1, False), (1, 2, False), (1, 4, False), (2, 1, False), (2, 2, False), (1, 2, True), (2, 2, True)]

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.errors import InputError, ShardingRuleError
-from hgraph.layout import InterleavedShard, Replicate, Shard
+from hgraph.core.errors import InputError, ShardingRuleError
+from hgraph.core.layout import InterleavedShard, Replicate, Shard
 from hgraph.rules.base import TP
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts_per_tok=2, max_position_embeddings=64, use_cache=False, pad_token_id=None,

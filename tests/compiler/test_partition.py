@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hgraph.errors import StrategyError
+from hgraph.core.errors import StrategyError
 from hgraph.frontend import trace
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.partition import balance_layers, layer_of_path, partition

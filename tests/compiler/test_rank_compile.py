@@ -8,7 +8,7 @@ import torch
 import hgraph
 from hgraph.lnk import solve
 from hgraph.models import Llama, LlamaConfig
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 STRATEGIES = ["4x tp2", "tp4 + 2x tp2", "2x tp2,pp2", "8x tp1"]
 WORLD = 8

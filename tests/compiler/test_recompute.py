@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.errors import HGraphError
+from hgraph.core.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.passes.recompute import RecomputeConfig, regions
-from hgraph.runtime import comm as comm_module
-from hgraph.runtime import packed_attention as packed_attention_module
-from hgraph.batch import next_token_targets
+from hgraph.runtime.kernels import comm as comm_module
+from hgraph.runtime.kernels import packed_attention as packed_attention_module
+from hgraph.core.batch import next_token_targets
 
 MODES = ["none", "selective", "full"]
 STRATEGIES = ["tp2", "tp1,pp2", "cp2", "2x tp1"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from hgraph.errors import ShardingRuleError
-from hgraph.layout import Partial, Replicate, Shard
+from hgraph.core.errors import ShardingRuleError
+from hgraph.core.layout import Partial, Replicate, Shard
 from hgraph.rules import lookup, register, registered_ops
 from hgraph.rules.base import RuleInput, ShardingOptions, StridedShard
 from hgraph.rules.shape import view_groups
@@ -129,7 +129,7 @@ def test_cat_along_sharded_dim_gathers():
 
 def test_registry():
     assert lookup(aten.add.Tensor) is lookup(aten.add.Scalar)  # registered by overload packet
-    assert "aten.linear" in registered_ops() and "hgraph.runtime.packed_attention.packed_attention" in registered_ops()
+    assert "aten.linear" in registered_ops() and "hgraph.runtime.kernels.packed_attention.packed_attention" in registered_ops()
     with pytest.raises(ShardingRuleError, match="already has a sharding rule"):
         register(aten.add, lambda node, rin: None)
     with pytest.raises(ShardingRuleError, match="must be callable"):

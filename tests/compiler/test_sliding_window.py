@@ -10,8 +10,8 @@ from torch import nn
 
 import hgraph
 from hgraph.frontend import default_loss, trace
-from hgraph.runtime.ops import packed_attention
-from hgraph.batch import next_token_targets
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.core.batch import next_token_targets
 
 
 class WindowAttention(nn.Module):
@@ -56,7 +56,7 @@ def test_window_is_read_from_the_mask_not_from_short_probes(window):
 
 def test_hf_mistral_window_shorter_than_the_sequence_equals_the_model():
     """The issue's case: example of 4 tokens, sliding_window=8, 32-token batch, tp and data parallel."""
-    from hgraph.zoo import zoo_model
+    from hgraph.models.zoo import zoo_model
 
     model = zoo_model("mistral").eval()
     assert model.config.sliding_window == 8

@@ -1,6 +1,6 @@
 """A rank's process groups in a pipeline, written out by hand for a cp2 x tp2, pp2 pipeline."""
 
-from hgraph.strategy import Strategy
+from hgraph.core.strategy import Strategy
 
 
 def test_groups_of_a_rank_are_its_tp_cp_stage_and_pipeline_ranks():

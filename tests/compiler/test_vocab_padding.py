@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.batch import next_token_targets
+from hgraph.core.batch import next_token_targets
 
 
 class PaddedLM(nn.Module):

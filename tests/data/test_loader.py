@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from hgraph.core.errors import InputError
 from hgraph.data import DocumentSource, TokenLoader, load_tokenizer, stdlib_corpus, stdlib_tokenizer
-from hgraph.errors import InputError
 
 DOCS = ["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n" * 40, "class A:\n    pass\n",
         "for i in range(10):\n    print(i)\n" * 3]

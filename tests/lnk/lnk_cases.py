@@ -12,7 +12,7 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
 from hgraph.lnk import is_partial
 from lower_bound import holders
 

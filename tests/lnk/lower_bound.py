@@ -29,7 +29,7 @@ import itertools
 import math
 from collections import defaultdict
 
-from hgraph.layout import Layout
+from hgraph.core.layout import Layout
 
 MAX_SPLITS = 20_000
 

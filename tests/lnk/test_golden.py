@@ -2,7 +2,7 @@
 
 import pytest
 
-from hgraph.layout import Layout, LayoutUnion
+from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.lnk import solve
 
 

@@ -3,12 +3,12 @@ and Push to the ZeRO layout through LNK, golden plans and exact values."""
 
 import pytest
 import torch
+from hgraph.runtime.kernels.simulate import simulate
 
-from hgraph.errors import LayoutError
-from hgraph.layout import InterleavedShard, Layout, LayoutUnion, parse_placement
+from hgraph.core.errors import LayoutError
+from hgraph.core.layout import InterleavedShard, Layout, LayoutUnion, parse_placement
 from hgraph.lnk import solve
 from hgraph.lnk.pieces import assemble, local_shards
-from hgraph.lnk.simulate import simulate
 
 W = (0, 1, 2, 3)
 ZERO = Layout((16, 2), W, (4,), ("S(0)",))

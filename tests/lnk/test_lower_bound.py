@@ -12,7 +12,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hgraph.layout import Layout, LayoutUnion
+from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.lnk import is_partial, solve
 from lnk_cases import any_layouts
 from lower_bound import holders, lower_bound

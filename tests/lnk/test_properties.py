@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from hgraph.lnk import is_partial, simulate, solve
+from hgraph.lnk import is_partial, solve
+from hgraph.runtime.kernels.simulate import simulate
 from lnk_cases import check_destination, one_dim_changes, source_shards, transitions
 from lower_bound import lower_bound
 

@@ -6,10 +6,10 @@ shapes, where the local rules (not the fallback to the full plan) must answer.""
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
-from hgraph.errors import LayoutError
+from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.errors import LayoutError
 from hgraph.lnk import solve, solve_rank
-from hgraph.zero import optimizer_layout
+from hgraph.core.zero import optimizer_layout
 from lnk_cases import one_dim_changes, transitions
 
 

@@ -5,9 +5,10 @@ simulated ranks; the plan's cached byte counts must equal those summed from its 
 
 import torch
 
-from hgraph.layout import Layout, LayoutUnion, Partial, Replicate, Shard
-from hgraph.lnk import AllGather, Transfer, is_partial, simulate, solve
-from hgraph.zero import optimizer_layout
+from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.lnk import AllGather, Transfer, is_partial, solve
+from hgraph.runtime.kernels.simulate import simulate
+from hgraph.core.zero import optimizer_layout
 from lnk_cases import check_destination, source_shards
 from lower_bound import lower_bound
 

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from hgraph.runtime.kernels.simulate import simulate
 
-from hgraph.errors import CommunicationError, LayoutError
-from hgraph.layout import Layout, LayoutUnion, replicated, sharded
-from hgraph.lnk import LocalCopy, Topology, Transfer, assemble, local_shards, simulate, solve
+from hgraph.core.errors import CommunicationError, LayoutError
+from hgraph.core.layout import Layout, LayoutUnion, replicated, sharded
+from hgraph.lnk import LocalCopy, Topology, Transfer, assemble, local_shards, solve
 
 W = (0, 1, 2, 3)
 

@@ -1,5 +1,5 @@
 """The model zoo: HuggingFace causal LMs exactly as ``AutoModelForCausalLM.from_config`` builds them from
-each family's default config (only sizes shrunk; ``hgraph.zoo``), compiled for every strategy kind on
+each family's default config (only sizes shrunk; ``hgraph.models.zoo``), compiled for every strategy kind on
 world 4, ``simulate`` equal to the unmodified model — loss and every gradient, fp32, rtol 1e-5 — on
 24-token sequences (longer than the 8-token example and than the 8-token sliding windows).
 
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.zoo import STRATEGY_KINDS, check_family, zoo_model
+from hgraph.cli.zoo_check import STRATEGY_KINDS, check_family
+from hgraph.models.zoo import zoo_model
 
 TP_DP, TP_PP, DP_PP, CP = STRATEGY_KINDS.values()
 EQUAL = "equal"

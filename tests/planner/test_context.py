@@ -6,8 +6,8 @@ from importlib import resources
 
 import pytest
 
-from hgraph.cli import main
-from hgraph.errors import CostModelError
+from hgraph.cli.command import main
+from hgraph.core.errors import CostModelError
 from hgraph.planner.context import ANALYTIC, parse_degrees, with_context_parallel
 from hgraph.planner.cost import CostModel, Scheme
 
@@ -165,10 +165,10 @@ def test_plan_cli_with_context_parallel_mixes_cp_degrees(capsys, tmp_path):
 
 
 def test_profile_measures_cp_schemes_on_gloo_ranks(tmp_path, monkeypatch):
-    from hgraph.planner.profile_ranks import profile_ranks
+    from hgraph.profiling.profile_ranks import profile_ranks
 
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path))
-    profile = profile_ranks("hgraph.demo:tiny_model", 2, ["tp1", "tp1,cp2"], [64, 128, 256], repeats=2, memory_gb=0.05)
+    profile = profile_ranks("hgraph.cli.demo:tiny_model", 2, ["tp1", "tp1,cp2"], [64, 128, 256], repeats=2, memory_gb=0.05)
     model = profile.cost_model
     cp2 = Scheme(tp=1, cp=2)
     assert set(profile.fits) == {Scheme(1, 1), cp2}

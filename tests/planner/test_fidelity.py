@@ -8,18 +8,18 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.errors import CostModelError
+from hgraph.core.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.planner.correction import OnlineCorrection, fidelity
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
-from hgraph.planner.profile_iteration import fit_activation, fit_terms
+from hgraph.profiling.profile_iteration import fit_activation, fit_terms
 from hgraph.planner.timing import IterationPrediction, predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms, terms_of, with_terms
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
-from hgraph.strategy import Strategy
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
+from hgraph.core.strategy import Strategy
 
 COSTS = {Scheme(1, 1): StageCost(1e-4, 0.05, 2.0), Scheme(1, 2): StageCost(5e-5, 0.025, 1.5),
          Scheme(2, 1): StageCost(6e-5, 0.03, 3.0)}
@@ -215,8 +215,8 @@ def test_profile_command_measures_iteration_terms_on_two_gloo_ranks(tmp_path, mo
     import json
     import sys
 
-    from hgraph.cli import main
-    from hgraph.planner.profile_ranks import factory_name
+    from hgraph.cli.command import main
+    from hgraph.profiling.profile_ranks import factory_name
 
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "table.json"

@@ -2,10 +2,10 @@
 
 import pytest
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
+from hgraph.core.strategy import Strategy
 from hgraph.planner.plan import IterationPlan, PipelinePlan
 from hgraph.planner.timing import AlphaBetaComm, PipelineCost, check_plan, exposed_comm_ms, predict
-from hgraph.strategy import Strategy
 
 
 def test_pipeline_time_is_sum_plus_bubble_of_the_heaviest_micro_batch():
@@ -53,7 +53,7 @@ def test_predict_and_check_plan():
 
 
 def test_pipeline_cost_follows_the_pipeline_schedule_through_the_bubble_replay():
-    from hgraph.planner.bubble import pipeline_time as replay
+    from hgraph.schedule.bubble import pipeline_time as replay
 
     mbs = [[10]] * 4  # four micro-batches of one 10-token sequence, stage time 10 + 2 = 12 ms
     one_f_one_b = PipelineCost(a=0.0, b=1.0, c=2.0, pp=2, max_len=100)
@@ -65,4 +65,7 @@ def test_pipeline_cost_follows_the_pipeline_schedule_through_the_bubble_replay()
     assert zero_bubble.time(mbs) == replay(fwd, bwd, pp=2, schedule="zb1p").total < one_f_one_b.time(mbs)
     half_f, half_b = [[2.0] * 4] * 4, [[4.0] * 4] * 4
     assert interleaved.time(mbs) == replay(half_f, half_b, pp=2, schedule="interleaved").total < one_f_one_b.time(mbs)
-    assert interleaved.time([[10]] * 3) == float("inf")  # interleaving needs whole rounds of pp
+    # three micro-batches: the runtime's schedule of four with the last left out, no longer refused
+    odd = interleaved.time([[10]] * 3)
+    assert odd == replay([[2.0] * 3] * 4, [[4.0] * 3] * 4, pp=2, schedule="interleaved").total
+    assert interleaved.time([[10]] * 2) < odd < interleaved.time(mbs)

@@ -6,10 +6,10 @@ import sys
 import numpy as np
 import pytest
 
-from hgraph.cli import main
-from hgraph.errors import CostModelError
+from hgraph.cli.command import main
+from hgraph.core.errors import CostModelError
 from hgraph.planner.cost import Scheme, load_cost_model
-from hgraph.planner.profile import build_table, fit_stage_cost
+from hgraph.profiling.profile import build_table, fit_stage_cost
 
 
 def test_fit_recovers_known_coefficients():
@@ -111,18 +111,13 @@ def test_profile_command_rejects_tensor_parallel_schemes(capsys):
     assert "one process per rank" in capsys.readouterr().err
 
 
-# -- multi-rank profiling (hgraph.planner.profile_ranks) -------------------------------------------
+# -- multi-rank profiling (hgraph.profiling.profile_ranks) -------------------------------------------
 
 from dataclasses import dataclass  # noqa: E402
 
 from hgraph.planner.cost import CostModel  # noqa: E402
-from hgraph.planner.profile import profile_cost_model  # noqa: E402
-from hgraph.planner.profile_ranks import (  # noqa: E402
-    build_ranks_table,
-    factory_name,
-    parse_schemes,
-    profile_ranks,
-)
+from hgraph.profiling.profile import profile_cost_model  # noqa: E402
+from hgraph.profiling.profile_ranks import build_ranks_table, factory_name, parse_schemes, profile_ranks
 
 
 def tiny_llama():

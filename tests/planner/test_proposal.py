@@ -6,10 +6,10 @@ from importlib import resources
 import numpy as np
 import pytest
 
-from hgraph.errors import PlanError
+from hgraph.core.errors import PlanError
+from hgraph.core.strategy import Strategy
 from hgraph.planner.cost import CostModel, Scheme
 from hgraph.planner.proposal import propose, propose_candidates
-from hgraph.strategy import Strategy
 
 
 def toy_model(entries, gpus_per_node=8, memory=1e15):

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import hgraph
-from hgraph import cli
-from hgraph.layout import Layout, Shard
+from hgraph.cli import command as cli
+from hgraph.core.layout import Layout, Shard
 from hgraph.lnk import solve
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner import Planner, load_cost_model, propose, read_lengths
 from hgraph.runtime.checkpoint import read_manifest
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
 
 EXAMPLE = torch.randint(0, 256, (1, 8))
 
@@ -195,7 +195,7 @@ def test_non_finite_loss_stops_with_state_unchanged(compiled2):
 
 def test_non_finite_gradient_stops_with_state_unchanged(compiled2, monkeypatch):
     """A backward that overflows on one rank (injected): TrainingError on every rank, nothing applied."""
-    import hgraph.runtime.trainer as trainer_module
+    import hgraph.training.trainer as trainer_module
 
     real = trainer_module.run_iteration
 

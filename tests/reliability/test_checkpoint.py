@@ -10,8 +10,8 @@ import torch
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import checkpoint
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
 
 WORLD4 = ["2x tp2", "tp2,pp2", "tp2 + 2x tp1"]
 WORLD2 = ["tp2", "2x tp1"]

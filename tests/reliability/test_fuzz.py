@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hgraph
-from hgraph import cli
+from hgraph.cli import command as cli
 from hgraph.planner import Planner, load_cost_model, propose
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lnk"))

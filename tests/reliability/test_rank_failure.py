@@ -18,7 +18,7 @@ def train_and_fail(victim, kill_signal, at_step, strategy):
     """Two iterations on every rank; ``victim`` dies at schedule event ``at_step`` of the second."""
     import torch.distributed as dist
 
-    import hgraph.runtime.trainer as trainer_module
+    import hgraph.training.trainer as trainer_module
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2))
@@ -72,8 +72,8 @@ def stuck_in_subgroup(seconds):
     """Ranks 0-2 all-reduce on a subgroup; rank 2 never joins (sleeps past the collective timeout)."""
     import torch.distributed as dist
 
-    from hgraph.runtime.failures import comm_step
-    from hgraph.runtime.reshard import default_comm
+    from hgraph.runtime.kernels.failures import comm_step
+    from hgraph.runtime.kernels.reshard import default_comm
 
     comm = default_comm()
     rank = dist.get_rank()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from rule_harness import Sample
 
-from hgraph.runtime import ops
+from hgraph.runtime.kernels.packed_attention import packed_attention
 
 aten = torch.ops.aten
 Make = Callable[[torch.Generator], Sample]
@@ -279,7 +279,7 @@ CASES: dict[str, list[Case]] = {
         case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
-    "hgraph.runtime.packed_attention.packed_attention": [case(ops.packed_attention, _attention_inputs)],
+    "hgraph.runtime.kernels.packed_attention.packed_attention": [case(packed_attention, _attention_inputs)],
     "aten.scaled_dot_product_attention": [
         case(aten.scaled_dot_product_attention.default,
              lambda g: Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4)), {"is_causal": True}),

@@ -5,7 +5,7 @@ For a sample (full fp64 inputs) and one spec per non-parameter input, the harnes
 graph ``placeholders -> op [-> getitem...] -> output``, asks the op's registered rule for its
 decision (parameters are free: the rule places them, as in ``annotate``), records the partial-
 gradient uses exactly as ``annotate`` does, localizes with ``hgraph.passes.localize`` and runs the
-local program on 4 ranks (threads, real collectives of ``hgraph.runtime.ops``):
+local program on 4 ranks (threads, real collectives of ``hgraph.runtime.kernels.collectives``):
 
 * inputs: Shard pieces (cp token dims in the load-balanced order), Replicate copies, Partial terms
   that differ per rank and sum to the value;
@@ -31,16 +31,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.errors import HGraphError
-from hgraph.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.errors import HGraphError
+from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
 from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedShard, spec_str
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.context import RankContext, rank_context
-from hgraph.batch import load_balance_indices
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.core.batch import load_balance_indices
 
 MESH = (2, 2)
 WORLD = MESH[CP] * MESH[TP]

@@ -10,13 +10,13 @@ import torch
 import hgraph
 from hgraph.lnk import local_shards, solve
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime import comm as comm_module
+from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime import executor
-from hgraph.runtime.coalesce import execute_coalesced
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.coalesce import execute_coalesced
+from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.launch import launch
-from hgraph.runtime.reshard import execute
-from hgraph.runtime.trainer import Trainer
+from hgraph.runtime.kernels.reshard import execute
+from hgraph.training.trainer import Trainer
 
 from test_reshard_gloo import CASES, _value  # the plan cases of every kind (collectives and p2p)
 
@@ -64,7 +64,7 @@ def _both_ways(comm=None):
         plans.append(solve(src, dst, itemsize=8))
         sources.append(local_shards(src, _value(src.shape)).get(rank))
     alone = [execute(p, s, comm, dtype=torch.float64) for p, s in zip(plans, sources)]
-    from hgraph.runtime.reshard import default_comm
+    from hgraph.runtime.kernels.reshard import default_comm
 
     together = execute_coalesced(plans, sources, comm or default_comm(), dtype=torch.float64)
     return alone, together

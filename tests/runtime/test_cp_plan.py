@@ -10,8 +10,8 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import Scheme
-from hgraph.runtime.trainer import Trainer
-from hgraph.batch import next_token_targets
+from hgraph.training.trainer import Trainer
+from hgraph.core.batch import next_token_targets
 
 STRATEGY = "cp4 + cp2 + tp1"
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)

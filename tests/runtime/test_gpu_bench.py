@@ -25,3 +25,7 @@ def test_gpu_bench_smoke_mode(monkeypatch, capsys):
     assert run["tokens_per_s"]["hgraph"] > 0 and run["tokens_per_s"]["hand"] > 0
     for ours, theirs in zip(run["losses"]["hgraph"], run["losses"]["hand"]):
         assert abs(ours - theirs) < 1e-4 * abs(theirs)
+    variants = report["attention_variants"]
+    assert "error" not in variants, variants.get("traceback")
+    for name in ("causal", "window=256", "softcap=30.0", "window=256, softcap=30.0"):
+        assert variants[name]["ok"] and variants[name]["kernel"] == "sdpa", (name, variants[name])

@@ -1,6 +1,6 @@
 """``hgraph lnk-demo`` runs and verifies every layout change."""
 
-from hgraph.cli import main
+from hgraph.cli.command import main
 
 
 def test_demo_runs_and_checks_every_transition(capsys):

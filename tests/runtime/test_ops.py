@@ -8,10 +8,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hgraph.errors import ShardingRuleError
-from hgraph.runtime import ops
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.context import RankContext, rank_context
+from hgraph.core.errors import ShardingRuleError
+from hgraph.runtime.kernels.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    grad_all_reduce,
+    reduce_scatter,
+    split,
+)
+from hgraph.core.batch import load_balance_indices
+from hgraph.runtime.kernels.packed_attention import packed_attention
+from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.context import RankContext, rank_context
 
 DT = torch.float64
 
@@ -41,7 +51,7 @@ def test_all_reduce_sums_and_passes_gradient_through(world):
 
     def body(rank):
         x = leaf(parts[rank])
-        out = ops.all_reduce(x, "tp")
+        out = all_reduce(x, "tp")
         (out * upstream).sum().backward()
         return out, x.grad
 
@@ -58,7 +68,7 @@ def test_reduce_scatter_and_its_all_gather_adjoint(world, dim):
 
     def body(rank):
         x = leaf(parts[rank])
-        out = ops.reduce_scatter(x, "tp", dim)
+        out = reduce_scatter(x, "tp", dim)
         (out * upstream.chunk(world, dim)[rank]).sum().backward()
         return out, x.grad
 
@@ -75,7 +85,7 @@ def test_all_gather_forward_and_both_backward_modes(world, grad_partial):
 
     def body(rank):
         x = leaf(full.chunk(world, 0)[rank])
-        out = ops.all_gather(x, "tp", 0, grad_partial=grad_partial)
+        out = all_gather(x, "tp", 0, grad_partial=grad_partial)
         # partial grads differ per rank; replicated grads are the same on every rank
         g = upstreams[rank] if grad_partial else upstreams[0]
         (out * g).sum().backward()
@@ -93,7 +103,7 @@ def test_split_keeps_own_chunk_and_gathers_gradient(world):
 
     def body(rank):
         x = leaf(full)
-        out = ops.split(x, "tp", -1)
+        out = split(x, "tp", -1)
         (out * upstream.chunk(world, -1)[rank]).sum().backward()
         return out, x.grad
 
@@ -108,7 +118,7 @@ def test_all_to_all_reshards_and_its_adjoint_reshards_back(world):
 
     def body(rank):
         x = leaf(full.chunk(world, 0)[rank])  # S(0)
-        out = ops.all_to_all(x, "tp", split_dim=2, cat_dim=0)  # -> S(2)
+        out = all_to_all(x, "tp", split_dim=2, cat_dim=0)  # -> S(2)
         (out * upstream.chunk(world, 2)[rank]).sum().backward()
         return out, x.grad
 
@@ -124,7 +134,7 @@ def test_grad_all_reduce_is_identity_forward_and_sums_gradients(world):
 
     def body(rank):
         x = leaf(full)
-        out = ops.grad_all_reduce(x, "tp")
+        out = grad_all_reduce(x, "tp")
         (out * upstreams[rank]).sum().backward()
         return out, x.grad
 
@@ -135,7 +145,7 @@ def test_grad_all_reduce_is_identity_forward_and_sums_gradients(world):
 
 def test_uneven_split_raises_sharding_rule_error():
     def body(rank):
-        ops.reduce_scatter(torch.ones(3, 5, dtype=DT), "tp", 1)
+        reduce_scatter(torch.ones(3, 5, dtype=DT), "tp", 1)
 
     with pytest.raises(ShardingRuleError, match="size 5"):
         on_ranks(2, body)
@@ -152,7 +162,7 @@ def test_vocab_parallel_embedding_matches_embedding(world):
 
     def body(rank):
         shard = leaf(weight.chunk(world, 0)[rank])
-        out = ops.all_reduce(ops.vocab_parallel_embedding(ids, shard, "tp"), "tp")
+        out = all_reduce(vocab_parallel_embedding(ids, shard, "tp"), "tp")
         (out * upstream).sum().backward()
         return out, shard.grad
 
@@ -172,7 +182,7 @@ def test_vocab_parallel_cross_entropy_matches_cross_entropy(world, offset):
 
     def body(rank):
         shard = leaf(logits.chunk(world, -1)[rank])
-        loss = ops.vocab_parallel_cross_entropy(shard, targets, "tp")
+        loss = vocab_parallel_cross_entropy(shard, targets, "tp")
         loss.backward()
         return loss, shard.grad
 
@@ -214,7 +224,7 @@ def test_packed_attention_equals_per_sequence_attention(lengths):
     seq = sum(lengths[0])
     q, k, v = (leaf(t) for t in qkv(len(lengths), seq))
     upstream = rand(len(lengths), 4, seq, 8, seed=9)
-    out = ops.packed_attention(q, k, v, packed_positions(lengths), enable_gqa=True)
+    out = packed_attention(q, k, v, packed_positions(lengths), enable_gqa=True)
     (out * upstream).sum().backward()
     rq, rk, rv = (leaf(t) for t in (q, k, v))
     ref = per_sequence_reference(rq, rk, rv, lengths, gqa=True)
@@ -236,7 +246,7 @@ def test_packed_attention_cost_is_per_sequence(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     lengths = [[5, 1, 7, 3]]
     q, k, v = qkv(1, 16)
-    ops.packed_attention(q, k, v, packed_positions(lengths), enable_gqa=True)
+    packed_attention(q, k, v, packed_positions(lengths), enable_gqa=True)
     assert sorted(key_lengths) == [1, 3, 5, 7]
 
 
@@ -252,9 +262,9 @@ def test_context_parallel_packed_attention_matches_per_sequence(cp, lengths):
     (ref * upstream).sum().backward()
 
     def body(rank):
-        idx = ops.load_balance_indices(seq, cp, rank)
+        idx = load_balance_indices(seq, cp, rank)
         lq, lk, lv = (leaf(t[:, :, idx]) for t in (q, k, v))
-        out = ops.packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True)
+        out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True)
         (out * upstream[:, :, idx]).sum().backward()
         return idx, out, lq.grad, lk.grad, lv.grad
 
@@ -266,10 +276,10 @@ def test_context_parallel_packed_attention_matches_per_sequence(cp, lengths):
 
 
 def test_load_balance_indices_pair_early_and_late_chunks():
-    assert ops.load_balance_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
-    assert ops.load_balance_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert load_balance_indices(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert load_balance_indices(8, 2, 1).tolist() == [2, 3, 4, 5]
     with pytest.raises(ShardingRuleError, match="divisible by 4"):
-        ops.load_balance_indices(6, 2, 0)
+        load_balance_indices(6, 2, 0)
 
 
 def test_packed_attention_propagates_fake_tensors_without_a_rank_context():
@@ -277,7 +287,7 @@ def test_packed_attention_propagates_fake_tensors_without_a_rank_context():
 
     with FakeTensorMode() as mode:
         q, k, v = (mode.from_tensor(t) for t in qkv(1, 8))
-        out = ops.packed_attention(q, k, v, torch.zeros(1, 8, dtype=torch.long), cp=True, enable_gqa=True)
+        out = packed_attention(q, k, v, torch.zeros(1, 8, dtype=torch.long), cp=True, enable_gqa=True)
     assert out.shape == (1, 4, 8, 8) and out.dtype == DT
 
 
@@ -285,39 +295,39 @@ def every_op(rank: int, world: int) -> dict[str, torch.Tensor]:
     """Forward and backward of every op on one rank (its group is the whole world, named tp and cp)."""
     results = {}
     x = leaf(rand(4, 8, seed=rank))
-    ops.all_reduce(x, "tp").pow(2).sum().backward()
+    all_reduce(x, "tp").pow(2).sum().backward()
     results["all_reduce"] = x.grad
     x = leaf(rand(4, 8, seed=rank))
-    y = ops.reduce_scatter(x, "tp", 1)
+    y = reduce_scatter(x, "tp", 1)
     results["reduce_scatter"] = y
     (y * y).sum().backward()
     results["reduce_scatter.grad"] = x.grad
     for partial in (False, True):
         x = leaf(rand(2, 4, seed=rank))
-        y = ops.all_gather(x, "tp", 0, grad_partial=partial)
+        y = all_gather(x, "tp", 0, grad_partial=partial)
         (y * rand(2 * world, 4, seed=rank if partial else 0)).sum().backward()
         results[f"all_gather{partial}"], results[f"all_gather{partial}.grad"] = y, x.grad
     x = leaf(rand(8, 4, seed=0))
-    y = ops.all_to_all(ops.split(x, "tp", 0), "tp", split_dim=1, cat_dim=0)
+    y = all_to_all(split(x, "tp", 0), "tp", split_dim=1, cat_dim=0)
     (y * rand(*y.shape, seed=rank)).sum().backward()
     results["split_all_to_all"], results["split_all_to_all.grad"] = y, x.grad
     x = leaf(rand(3, 3, seed=0))
-    (ops.grad_all_reduce(x, "tp") * rank).sum().backward()
+    (grad_all_reduce(x, "tp") * rank).sum().backward()
     results["grad_all_reduce.grad"] = x.grad
     logits = leaf(rand(6, 4, seed=rank))
-    loss = ops.vocab_parallel_cross_entropy(logits, torch.tensor([0, 5, 7, -100, 2, 1]), "tp")
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([0, 5, 7, -100, 2, 1]), "tp")
     loss.backward()
     results["cross_entropy"], results["cross_entropy.grad"] = loss, logits.grad
-    q, k, v = (leaf(t[:, :, ops.load_balance_indices(16, world, rank)]) for t in qkv(1, 16))
-    positions = packed_positions([[5, 1, 7, 3]])[:, ops.load_balance_indices(16, world, rank)]
-    out = ops.packed_attention(q, k, v, positions, cp=True, enable_gqa=True)
+    q, k, v = (leaf(t[:, :, load_balance_indices(16, world, rank)]) for t in qkv(1, 16))
+    positions = packed_positions([[5, 1, 7, 3]])[:, load_balance_indices(16, world, rank)]
+    out = packed_attention(q, k, v, positions, cp=True, enable_gqa=True)
     out.pow(2).sum().backward()
     results.update(attention=out, q_grad=q.grad, k_grad=k.grad, v_grad=v.grad)
     return results
 
 
 def _gloo_every_op(world: int) -> dict[str, torch.Tensor]:
-    from hgraph.runtime.comm import ProcessGroupComm
+    from hgraph.runtime.kernels.comm import ProcessGroupComm
 
     comm = ProcessGroupComm()
     group = tuple(range(world))
@@ -352,7 +362,7 @@ def test_packed_attention_window_and_softcap_equal_a_dense_mask(window, softcap)
     k = torch.randn(2, 2, 14, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 14, 8, dtype=torch.float64, requires_grad=True)
     positions = packed_positions(lengths)
-    out = ops.packed_attention(q, k, v, positions, enable_gqa=True, window=window, softcap=softcap)
+    out = packed_attention(q, k, v, positions, enable_gqa=True, window=window, softcap=softcap)
     index = torch.arange(14)
     starts = [torch.cat([torch.full((n,), sum(row[:i])) for i, n in enumerate(row)]) for row in lengths]
     same = torch.stack([s[:, None] == s[None, :] for s in starts])

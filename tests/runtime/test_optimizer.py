@@ -6,9 +6,9 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.optimizer import ShardedAdamW
-from hgraph.runtime.trainer import Trainer
+from hgraph.training.trainer import Trainer
 
 
 def test_matches_torch_adamw_exactly():

@@ -7,7 +7,7 @@ from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.recompute import RecomputeConfig
-from hgraph.runtime.trainer import Trainer
+from hgraph.training.trainer import Trainer
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 STRATEGIES = ["tp2", "tp1,pp2", "2x tp1"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hgraph.layout import Layout, LayoutUnion, replicated, sharded
+from hgraph.core.layout import Layout, LayoutUnion, replicated, sharded
 from hgraph.lnk import is_partial, solve
 from hgraph.runtime.launch import launch
 
@@ -85,7 +85,7 @@ def _run_cases(world_size):
     """On every rank: execute each case with the default (torch.distributed) communicator."""
     import torch.distributed as dist
 
-    from hgraph.runtime.reshard import execute
+    from hgraph.runtime.kernels.reshard import execute
 
     rank = dist.get_rank()
     out = []

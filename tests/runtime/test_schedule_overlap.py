@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.errors import HGraphError, InputError
+from hgraph.core.errors import HGraphError, InputError
 from hgraph.models import Llama, LlamaConfig
-from hgraph.passes.schedule import OverlapConfig
-from hgraph.runtime.comm import run_threads
-from hgraph.actions import Action, Kind, ScheduleError, dry_run, format_actions, parse
-from hgraph.runtime.trainer import Trainer
+from hgraph.program.products import OverlapConfig
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.schedule.actions import Action, Kind, ScheduleError, dry_run, format_actions, parse
+from hgraph.training.trainer import Trainer
 
 WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
 
@@ -119,7 +119,7 @@ def test_inflight_cap_waits_early():
 
 
 def _dry_run(compiled, programs, lists):
-    """``hgraph.actions.dry_run`` of ``lists`` with the compiled programs' groups and stage ends."""
+    """``hgraph.schedule.actions.dry_run`` of ``lists`` with the compiled programs' groups and stage ends."""
     members = {(p.rank, pc.name): pc.pull.plan.ranks for p in programs.values() for pc in p.pulls}
     dry_run(lists, members=lambda r, g: members[(r, g)], first=lambda r, c: programs[r].stage == 0,
             last=lambda r, c: programs[r].is_last_stage)

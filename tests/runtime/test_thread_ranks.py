@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from adamw_oracle import single_process_adamw
 import hgraph
-from hgraph.errors import CommunicationError, TrainingError
+from hgraph.core.errors import CommunicationError, TrainingError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
-from hgraph.runtime.comm import run_threads
-from hgraph.runtime.trainer import Trainer
-from hgraph.zoo import zoo_model
+from hgraph.runtime.kernels.comm import run_threads
+from hgraph.training.trainer import Trainer
+from hgraph.models.zoo import zoo_model
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 

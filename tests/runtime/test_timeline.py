@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.errors import InputError
+from hgraph.core.errors import InputError
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.comm import run_threads
+from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.timeline import (
     Event,
     Timeline,
@@ -18,7 +18,7 @@ from hgraph.runtime.timeline import (
     summary,
     write_chrome_trace,
 )
-from hgraph.runtime.trainer import Trainer
+from hgraph.training.trainer import Trainer
 
 
 def ev(rank, kind, start, end, iteration=0):

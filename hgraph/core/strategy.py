@@ -1,0 +1,239 @@
+"""Parallel strategies: a ``Strategy`` is a set of ``Pipeline`` replicas on disjoint ranks.
+
+Each pipeline is one model replica with its own tensor- (tp), pipeline- (pp) and context-parallel
+(cp) degree. Inside a pipeline, rank order is stage-major, then cp, then tp (tp innermost), so a TP
+group is a run of consecutive ranks and stays inside one node when pipelines are placed largest-TP
+first. Model-dependent checks (degrees that must divide heads, hidden size, ...) live in
+``hgraph.compile``; this module checks what the strategy alone can tell.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional, Sequence
+
+from hgraph.core.errors import StrategyError
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """One model replica: ``pp`` stages, each a ``cp x tp`` mesh of ranks. With ``vpp > 1`` (interleaved
+    1F1B) the layers are cut into ``pp * vpp`` virtual stages and stage ``s`` holds the non-adjacent
+    chunks ``s, s + pp, ...``."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ranks: Optional[tuple[int, ...]] = None
+    vpp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise StrategyError(f"Pipeline {name}={value!r}; every degree must be an integer >= 1")
+        if self.vpp > 1 and self.pp < 2:
+            raise StrategyError(f"Pipeline vpp={self.vpp} needs pp >= 2 (interleaving chunks over stages); got pp={self.pp}")
+        if self.ranks is not None:
+            ranks = tuple(int(r) for r in self.ranks)
+            object.__setattr__(self, "ranks", ranks)
+            if len(ranks) != self.size:
+                raise StrategyError(
+                    f"Pipeline(tp={self.tp}, pp={self.pp}, cp={self.cp}) needs {self.size} ranks, "
+                    f"got {len(ranks)}: {ranks}"
+                )
+            if len(set(ranks)) != len(ranks):
+                raise StrategyError(f"Pipeline ranks {ranks} contain duplicates")
+            if any(r < 0 for r in ranks):
+                raise StrategyError(f"Pipeline ranks {ranks} contain a negative rank")
+
+    @property
+    def size(self) -> int:
+        """Number of ranks (GPUs) the pipeline uses."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def scheme(self) -> tuple[int, int, int]:
+        """``(tp, pp, cp)``: what the cost model needs to know about this pipeline."""
+        return (self.tp, self.pp, self.cp)
+
+    @property
+    def stage_mesh(self) -> tuple[int, int]:
+        """Mesh shape of one stage: ``(cp, tp)``."""
+        return (self.cp, self.tp)
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """Ranks of stage ``stage`` in row-major ``(cp, tp)`` order."""
+        if self.ranks is None:
+            raise StrategyError("this pipeline has no ranks yet; build it inside a Strategy")
+        if not 0 <= stage < self.pp:
+            raise StrategyError(f"stage {stage} out of range for pp={self.pp}")
+        n = self.cp * self.tp
+        return self.ranks[stage * n : (stage + 1) * n]
+
+    def stage_of(self, rank: int) -> int:
+        """Which stage ``rank`` belongs to."""
+        assert self.ranks is not None
+        return self.ranks.index(rank) // (self.cp * self.tp)
+
+    def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """The process groups ``rank`` belongs to in this pipeline: its ``tp`` and ``cp`` groups (a
+        stage's ranks are cp-major: position ``c * tp + t``), its whole ``stage`` and the ``pipeline``."""
+        ranks = self.stage_ranks(self.stage_of(rank))
+        c, t = divmod(ranks.index(rank), self.tp)
+        return {
+            "tp": tuple(ranks[c * self.tp + j] for j in range(self.tp)),
+            "cp": tuple(ranks[j * self.tp + t] for j in range(self.cp)),
+            "stage": tuple(ranks),
+            "pipeline": tuple(self.ranks or ()),
+        }
+
+    def __str__(self) -> str:
+        """The form ``Strategy.parse`` reads: ``tp2,pp2`` (degrees of 1 left out, tp always shown)."""
+        parts = [f"tp{self.tp}"]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        if self.vpp > 1:
+            parts.append(f"vpp{self.vpp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A set of pipelines on disjoint ranks; ranks are assigned when omitted.
+
+    Automatic placement orders pipelines by TP (largest first) and packs them onto consecutive
+    ranks, so with power-of-two degrees every TP group stays inside a node of ``gpus_per_node``.
+    """
+
+    pipelines: tuple[Pipeline, ...]
+    gpus_per_node: int = field(default=8, compare=False)
+
+    def __post_init__(self) -> None:
+        pipelines = tuple(self.pipelines)
+        if not pipelines:
+            raise StrategyError("a Strategy needs at least one Pipeline")
+        for p in pipelines:
+            if not isinstance(p, Pipeline):
+                raise StrategyError(f"Strategy takes Pipeline objects, got {p!r}")
+        if any(p.ranks is None for p in pipelines):
+            pipelines = _assign_ranks(pipelines)
+        seen: dict[int, int] = {}
+        for i, p in enumerate(pipelines):
+            assert p.ranks is not None
+            for r in p.ranks:
+                if r in seen:
+                    raise StrategyError(
+                        f"rank {r} is used by pipeline {seen[r]} ({pipelines[seen[r]]}) and pipeline {i} ({p}); "
+                        "pipelines of one strategy need disjoint ranks"
+                    )
+                seen[r] = i
+        object.__setattr__(self, "pipelines", pipelines)
+        ranks = sorted(seen)
+        if ranks != list(range(len(ranks))):
+            missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
+            raise StrategyError(
+                f"strategy {self} leaves ranks {missing} unused; ranks must be exactly 0..{len(ranks) - 1}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return sum(p.size for p in self.pipelines)
+
+    def pipeline_of(self, rank: int) -> int:
+        """Index of the pipeline that owns ``rank``."""
+        for i, p in enumerate(self.pipelines):
+            assert p.ranks is not None
+            if rank in p.ranks:
+                return i
+        raise StrategyError(f"rank {rank} is not used by strategy {self} (world size {self.world_size})")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise unless the strategy uses exactly ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise StrategyError(
+                f"strategy {self} uses {self.world_size} ranks but the world has {world_size}; "
+                "every strategy must cover the whole world"
+            )
+
+    @classmethod
+    def parse(cls, text: str, gpus_per_node: int = 8) -> "Strategy":
+        """Parse the form ``str`` prints: pipelines joined by ``+``, each ``[Nx ]degrees`` with degrees
+        ``tp``, ``pp``, ``cp``, ``vpp`` (omitted: 1), e.g. ``"tp2,pp2 + 2x tp1"`` or ``"tp1,pp2,vpp2"``.
+        The older printed form ``"(tp4) + 2×(tp2)"`` is read too."""
+        pipelines: list[Pipeline] = []
+        for part in text.split("+"):
+            part = part.strip()
+            if not part:
+                raise StrategyError(f"cannot parse strategy {text!r}: empty pipeline")
+            count = 1
+            m = re.match(r"^(\d+)\s*[x×*]\s*(.*)$", part)
+            if m:
+                count, part = int(m.group(1)), m.group(2)
+            part = part.strip().strip("()")
+            degrees = {"tp": 1, "pp": 1, "cp": 1, "vpp": 1}
+            for token in filter(None, (t.strip() for t in part.split(","))):
+                m2 = re.fullmatch(r"(tp|vpp|pp|cp)(\d+)", token)
+                if not m2:
+                    raise StrategyError(
+                        f"cannot parse {token!r} in strategy {text!r}; use e.g. 'tp2,pp2 + 2x tp1'"
+                    )
+                degrees[m2.group(1)] = int(m2.group(2))
+            pipelines.extend(Pipeline(**degrees) for _ in range(count))
+        return cls(tuple(pipelines), gpus_per_node=gpus_per_node)
+
+    def __str__(self) -> str:
+        groups: list[tuple[str, int]] = []
+        for p in self.pipelines:
+            s = str(p)
+            if groups and groups[-1][0] == s:
+                groups[-1] = (s, groups[-1][1] + 1)
+            else:
+                groups.append((s, 1))
+        return " + ".join(s if n == 1 else f"{n}x {s}" for s, n in groups)
+
+
+def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
+    """Give ranks to pipelines without them, largest TP first, on the lowest free ranks."""
+    taken = {r for p in pipelines if p.ranks is not None for r in p.ranks}
+    order = sorted(
+        (i for i, p in enumerate(pipelines) if p.ranks is None),
+        key=lambda i: (-pipelines[i].tp, -pipelines[i].size, i),
+    )
+    out = list(pipelines)
+    next_rank = 0
+    for i in order:
+        ranks: list[int] = []
+        while len(ranks) < pipelines[i].size:
+            if next_rank not in taken:
+                ranks.append(next_rank)
+            next_rank += 1
+        out[i] = replace(pipelines[i], ranks=tuple(ranks))
+    # Keep the largest-TP-first order visible in the strategy itself.
+    return tuple(sorted(out, key=lambda p: p.ranks[0] if p.ranks else 0))
+
+
+def homogeneous(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> Strategy:
+    """``world_size / (tp*pp*cp)`` identical pipelines (plain data parallelism over replicas)."""
+    size = tp * pp * cp
+    if world_size % size:
+        raise StrategyError(f"tp*pp*cp={size} does not divide world size {world_size}")
+    return Strategy(tuple(Pipeline(tp=tp, pp=pp, cp=cp) for _ in range(world_size // size)))
+
+
+def as_strategies(strategies: Iterable[Strategy | Pipeline | str]) -> list[Strategy]:
+    """Normalise user input: a Strategy, a single Pipeline or the readable string form."""
+    out = []
+    for s in strategies:
+        if isinstance(s, Strategy):
+            out.append(s)
+        elif isinstance(s, Pipeline):
+            out.append(Strategy((s,)))
+        elif isinstance(s, str):
+            out.append(Strategy.parse(s))
+        else:
+            raise StrategyError(f"cannot use {s!r} as a strategy; give a Strategy, a Pipeline or e.g. 'tp2 + 2x tp1'")
+    return out

@@ -1,0 +1,7 @@
+"""The frontend: capture a model and its loss as one torch.fx graph (``capture.py``: ``trace``,
+``TracedModel``), canonicalised (``canonicalize.py``), with hand-written attention recognised
+(``eager_attention.py``, ``mask_probe.py``)."""
+
+from hgraph.frontend.capture import TracedModel, default_loss, trace
+
+__all__ = ["TracedModel", "default_loss", "trace"]

@@ -1,0 +1,285 @@
+"""Canonical form of a traced graph, so sharding rules see one spelling of each construct.
+
+Models spell the same computation in different ways; the frontend rewrites a freshly exported graph
+(in place) so that:
+
+* metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
+* no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
+  ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
+* an in-place op on a fresh tensor used nowhere else (``out += attn``) is its functional form, and
+  ``x @ W.T`` of a 2-d parameter is ``linear(x, W)``; batch and sequence sizes are read from
+  ``input_ids`` (so every pipeline stage can compute them);
+* every causal self-attention is ``hgraph.runtime.kernels.packed_attention.packed_attention(q, k, v, position_ids)``:
+  causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
+  ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
+  ``position_ids`` alone (HuggingFace builds one to detect packed sequences) once the mask is checked
+  to be exactly that block-causal mask — or its sliding window, ``window=w`` — on probe inputs longer
+  than every length constant of the mask computation (a probe no longer than the window would see
+  plain causality); the dense mask computation then disappears. A mask whose constants would need a
+  probe longer than 8192 tokens keeps its computation.
+  Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
+  ``enable_gqa=True``. Attention written out by hand (``hgraph.frontend.eager_attention``: HuggingFace's eager
+  attention, Gemma 2's logit soft-capping) is treated the same way, its soft-cap kept.
+
+Attention with dropout, a mask of another kind (padding, ALiBi) or no causality stays as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from hgraph.frontend.eager_attention import match_eager_attention
+from hgraph.frontend.mask_probe import NOT_CAUSAL, block_causal
+from hgraph.runtime.kernels.packed_attention import packed_attention
+
+aten = torch.ops.aten
+_ASSERTIONS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+_CONVERSIONS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default}
+_SDPA = aten.scaled_dot_product_attention.default
+
+
+def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
+    """Rewrite ``gm`` in place (see the module docstring); ``example_args`` are its inputs."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTIONS:
+            graph.erase_node(node)
+    for node in list(graph.nodes):
+        source = _identity_source(node)
+        if source is not None:
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+    _sizes_from_inputs(graph)
+    for node in list(graph.nodes):
+        _functional_in_place(node)
+        _weight_matmul_as_linear(graph, node)
+    _packed_attention(gm, example_args)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+
+
+# ----------------------------------------------------------------------------- no-op nodes
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _same_tensor_type(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype and a.device == b.device and _same_shape(a.shape, b.shape)
+    )
+
+
+def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _identity_source(node: fx.Node) -> fx.Node | None:
+    """The input a no-op node merely passes on, or None."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    source, out = node.args[0], _val(node)
+    if not _same_tensor_type(_val(source), out):
+        return None
+    target, args = node.target, node.args
+    if target in _CONVERSIONS:
+        memory_format = node.kwargs.get("memory_format")
+        return source if memory_format in (None, torch.preserve_format) else None
+    if target == aten.dropout.default:
+        return source if args[1] == 0 or not args[2] else None
+    if target == aten.slice.Tensor:
+        start = args[2] if len(args) > 2 else None
+        end = args[3] if len(args) > 3 else None
+        step = args[4] if len(args) > 4 else 1
+        to_end = end is None or (isinstance(end, int) and end >= sys.maxsize)
+        return source if start in (None, 0) and to_end and step == 1 else None
+    if target == aten.mul.Tensor and isinstance(args[1], (int, float)) and args[1] == 1:
+        return source
+    if target == aten.add.Tensor and isinstance(args[1], (int, float)) and args[1] == 0:
+        return source
+    return None
+
+
+def _sizes_from_inputs(graph: fx.Graph) -> None:
+    """Read the batch and sequence sizes from the first data input wherever a model reads them from
+    an activation (Bloom's ``batch_size, seq_length, _ = hidden_states.shape`` inside each block): the
+    same symbol, but a size read from an input is available to every pipeline stage."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder" and n.name == "input_ids"]
+    if not inputs or not isinstance(_val(inputs[0]), torch.Tensor):
+        return
+    source = inputs[0]
+    symbols = {}
+    for d, size in enumerate(_val(source).shape):
+        if isinstance(size, torch.SymInt):
+            symbols.setdefault(size.node.expr, d)
+    if not symbols:
+        return
+    replacements: dict[int, fx.Node] = {}
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.sym_size.int or node.args[0] is source:
+            continue
+        size = _val(node)
+        d = symbols.get(size.node.expr) if isinstance(size, torch.SymInt) else None
+        if d is None:
+            continue
+        if d not in replacements:
+            with graph.inserting_after(last_placeholder):
+                replacements[d] = graph.call_function(aten.sym_size.int, (source, d))
+            replacements[d].meta = dict(node.meta)
+        node.replace_all_uses_with(replacements[d])
+        graph.erase_node(node)
+
+
+def _fresh(node: Any) -> bool:
+    """A computed tensor that aliases nothing (not an input, not a view)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and all(r.alias_info is None for r in schema.returns)
+
+
+def _functional_in_place(node: fx.Node) -> None:
+    """``a.add_(b)`` on a fresh ``a`` used only here (Falcon's ``mlp_out += attn_out``) -> ``a + b``."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") or not node.args:
+        return
+    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
+    self_arg = node.args[0]
+    if functional is None or not _fresh(self_arg) or len(self_arg.users) != 1:
+        return
+    node.target = functional
+
+
+def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
+    """``x @ W.T`` with ``W`` a 2-d parameter (Falcon's ``FalconLinear``) -> ``linear(x, W)``, so the
+    rules see a linear layer (column/row parallel) rather than a product with a transposed tensor."""
+    if node.op != "call_function" or node.target != aten.matmul.default:
+        return
+    x, transposed = node.args[:2]
+    if not (isinstance(transposed, fx.Node) and transposed.op == "call_function"):
+        return
+    weight = transposed.args[0] if transposed.args else None
+    if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and weight.name.startswith("p_")):
+        return
+    value = _val(weight)
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or _val(x) is None or _val(x).dim() < 2:
+        return
+    target, args = transposed.target, transposed.args
+    is_transpose = target in (aten.numpy_T.default, aten.t.default) or (
+        target == aten.transpose.int and sorted(a % 2 for a in args[1:3]) == [0, 1]
+    ) or (target == aten.permute.default and [a % 2 for a in args[1]] == [1, 0])
+    if not is_transpose:
+        return
+    node.target, node.args, node.kwargs = aten.linear.default, (x, weight), {}
+
+
+# ----------------------------------------------------------------------------- attention
+def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    arguments = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    arguments.update(zip(names, node.args))
+    arguments.update(node.kwargs)
+    return arguments
+
+
+def _position_input(gm: fx.GraphModule) -> fx.Node | None:
+    return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "position_ids"), None)
+
+
+def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
+    positions = _position_input(gm)
+    if positions is None:
+        return
+    causal, masked = [], []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node)
+        if a is None:
+            continue
+        q_len, k_len = _val(a["query"]).shape[-2], _val(a["key"]).shape[-2]
+        self_attention = _same_shape([q_len, k_len], [_val(positions).shape[1]] * 2)
+        if a["dropout_p"] != 0 or not self_attention:
+            continue
+        if a["is_causal"] and a["attn_mask"] is None:
+            causal.append((node, a))
+        elif a["attn_mask"] is not None and not a["is_causal"]:
+            if _data_inputs(a["attn_mask"]) <= {positions}:
+                masked.append((node, a))
+    windows = block_causal(gm, [a["attn_mask"] for _, a in masked], positions, example_args) if masked else []
+    for node, a in causal:
+        _replace(gm.graph, node, a, positions, None)
+    for (node, a), window in zip(masked, windows):
+        if window is not NOT_CAUSAL:
+            _replace(gm.graph, node, a, positions, window)
+
+
+def _data_inputs(node: fx.Node) -> set[fx.Node]:
+    """Placeholders whose *values* (not just sizes) ``node`` depends on."""
+    seen, found, stack = set(), set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            found.add(current)
+        elif not (current.op == "call_function" and current.target == aten.sym_size.int):
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
+    """``(kv, r)`` when ``node`` is ``reshape(expand(kv[:, :, None], [b, h, r, s, d]), [b, h·r, s, d])``."""
+    if not (isinstance(node, fx.Node) and node.target in (aten.reshape.default, aten.view.default)):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target == aten.expand.default):
+        return None
+    unsqueeze = expand.args[0]
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target == aten.unsqueeze.default):
+        return None
+    if unsqueeze.args[1] != 2:
+        return None
+    kv = unsqueeze.args[0]
+    shape, expanded, out = _val(kv).shape, _val(expand).shape, _val(node).shape
+    if len(shape) != 4 or len(expanded) != 5 or not isinstance(expanded[2], int):
+        return None
+    repeat = expanded[2]
+    if not _same_shape(out, (shape[0], shape[1] * repeat, shape[2], shape[3])):
+        return None
+    return kv, repeat
+
+
+def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, window: int | None) -> None:
+    key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
+    folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
+    if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
+        key, value, enable_gqa = folded_k[0], folded_v[0], True
+    kwargs: dict[str, Any] = {}
+    if a["scale"] is not None:
+        kwargs["scale"] = a["scale"]
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    if window is not None:
+        kwargs["window"] = window
+    if a.get("softcap") is not None:
+        kwargs["softcap"] = a["softcap"]
+    with graph.inserting_before(node):
+        new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
+    new.meta = dict(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+__all__ = ["canonicalize"]

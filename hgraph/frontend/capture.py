@@ -1,0 +1,453 @@
+"""Frontend: capture ``loss_fn(model(input_ids, position_ids), targets)`` as one torch.fx graph.
+
+Choice of capture: ``torch.export.export`` in its default *training IR* (ATen ops before
+functionalisation and decomposition). Parameters and buffers are lifted to explicit placeholder
+inputs, so the traced function is::
+
+    graph(*params, *buffers, input_ids, position_ids, targets) -> summed loss (a 0-d tensor)
+
+Only the forward (with the loss) is captured; the backward comes from ordinary torch autograd when
+a (sharded, rewritten) copy of the graph runs. Why: training-IR ops are few and high level (``linear``,
+``embedding``, ``scaled_dot_product_attention``, ``cross_entropy_loss``), so sharding rules stay small,
+and every communication op in a compiled program is a ``torch.autograd.Function`` whose backward is its
+exact adjoint — gradients of sharded programs are then correct by construction and no backward-op rules
+are needed. Parameter gradients are still explicit values: they are the ``.grad`` of the placeholders.
+
+The loss is a *sum* over tokens (``reduction="sum"``, ``ignore_index=-100``); hgraph divides by the
+global token count of the iteration, so any batching, dispatch or packing gives the same gradients. A
+user ``loss_fn(outputs, targets)`` must likewise return a summed loss. ``targets`` are the already
+shifted next tokens (prepared outside the graph).
+
+Batch and sequence dims are dynamic (``torch.export.Dim``), so one graph serves every micro-batch
+length. A model that specialises on its input shape is traced again per shape instead (static
+fallback, cached per shape in ``TracedModel.graph_for``; rank threads share it, ``CAPTURE_LOCK``).
+
+After capture the graph is canonicalised (``canonicalize``): no-op conversions, eval-mode dropout
+and metadata assertions are removed, tied parameters share one placeholder, and attention is expressed
+as ``hgraph.runtime.kernels.packed_attention.packed_attention``. Anything export cannot capture raises ``TraceError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import os
+import re
+import threading
+import traceback
+from collections import Counter
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from hgraph.core.errors import InputError, TraceError
+from hgraph.frontend.canonicalize import canonicalize
+
+INPUT_NAMES = ("input_ids", "position_ids", "targets")
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+# torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
+# simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
+CAPTURE_LOCK = threading.RLock()
+
+
+def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over ``targets`` (-100 ignored); takes ``.logits`` of HF outputs."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=-100)
+
+
+class _LossModule(nn.Module):
+    """``model`` followed by the loss: the function hgraph traces."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        parameters = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in parameters
+        # Training never reads a KV cache: ask for none, or the cache's in-place updates are traced.
+        self.call_options = {"use_cache": False} if "use_cache" in parameters else {}
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        if self.takes_positions:
+            outputs = self.model(input_ids=input_ids, position_ids=position_ids, **self.call_options)
+        else:
+            outputs = self.model(input_ids, **self.call_options)
+        return self.loss_fn(outputs, targets)
+
+
+class TracedModel:
+    """A model's forward + loss as one fx graph with parameters and buffers as explicit inputs.
+
+    * ``graph_module``: ``(*params, *buffers, input_ids, position_ids, targets) -> loss``;
+    * ``param_names`` / ``buffer_names``: placeholder name -> FQN as in ``model.named_parameters()``
+      (in placeholder order); ``tied``: alias FQN -> canonical FQN for shared parameters;
+    * ``input_names``: the data inputs, in order; ``dynamic``: one graph for all shapes, or per shape.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        graph_module: fx.GraphModule,
+        param_names: dict[str, str],
+        buffer_names: dict[str, str],
+        tied: dict[str, str],
+        dynamic: bool,
+        example_shape: tuple[int, int],
+    ) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.param_names = param_names
+        self.buffer_names = buffer_names
+        self.tied = tied
+        self.dynamic = dynamic
+        self.input_names = INPUT_NAMES
+        self._graphs: dict[tuple[int, int] | None, fx.GraphModule] = {
+            None if dynamic else example_shape: graph_module
+        }
+        self._example_shape = example_shape
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.graph_for(*self._example_shape)
+
+    def graph_for(self, batch: int, seq: int) -> fx.GraphModule:
+        """The graph for inputs of shape ``[batch, seq]`` (traced on first use when shapes are static)."""
+        key = None if self.dynamic else (batch, seq)
+        graph = self._graphs.get(key)
+        if graph is None:
+            with CAPTURE_LOCK:  # two rank threads may meet a new shape at once: trace it once
+                graph = self._graphs.get(key)
+                if graph is None:
+                    inputs = _example_tensors({"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
+                    graph, *_ = _capture(_LossModule(self.model, self.loss_fn), inputs, dynamic=False)
+                    self._graphs[key] = graph
+        return graph
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Canonical FQN -> the model's live parameter tensor."""
+        named = dict(self.model.named_parameters())
+        return {fqn: named[fqn] for fqn in self.param_names.values()}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        named = dict(self.model.named_buffers(remove_duplicate=False))
+        return {fqn: named[fqn] for fqn in self.buffer_names.values()}
+
+    def layer_of(self, fqn: str) -> int | None:
+        """Layer index in a name like ``layers.3.attn...`` or ``h.3.mlp...``; None outside layers."""
+        match = _LAYER_RE.search(self.tied.get(fqn, fqn))
+        return int(match.group(1)) if match else None
+
+    def flat_args(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """The graph's positional arguments; ``params`` (FQN -> tensor) overrides the model's own."""
+        position_ids, targets = _fill_inputs(input_ids, position_ids, targets)
+        values = dict(self.params())
+        if params is not None:
+            values.update(params)
+        return [values[f] for f in self.param_names.values()] + list(self.buffers().values()) + [
+            input_ids, position_ids, targets
+        ]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Run the graph (under autograd) and return the summed loss."""
+        gm = self.graph_for(*input_ids.shape)
+        return gm(*self.flat_args(input_ids, position_ids, targets, params))
+
+    def op_counts(self) -> Counter:
+        return Counter(
+            _op_name(n.target) for n in self.graph_module.graph.nodes if n.op == "call_function"
+        )
+
+    def __str__(self) -> str:
+        counts = self.op_counts()
+        ops = ", ".join(f"{name}×{count}" for name, count in sorted(counts.items()))
+        tied = f", tied {self.tied}" if self.tied else ""
+        return (
+            f"TracedModel({type(self.model).__name__}: {len(self.param_names)} params, "
+            f"{len(self.buffer_names)} buffers{tied}, inputs {', '.join(self.input_names)}, "
+            f"{'dynamic' if self.dynamic else 'static'} shapes, {sum(counts.values())} ops)\n  ops: {ops}"
+        )
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | torch.Tensor,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    dynamic: bool = True,
+) -> TracedModel:
+    """Capture ``loss_fn(model(input_ids, position_ids), targets)`` as a ``TracedModel``.
+
+    ``example_inputs``: ``input_ids`` ``[b, s]`` alone, a tuple ``(input_ids[, position_ids[, targets]])``
+    or a dict with those keys; missing position ids default to ``arange``, missing targets are made up
+    (only shapes matter). ``loss_fn`` defaults to ``default_loss``.
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"trace needs a torch.nn.Module, got {type(model).__name__}")
+    inputs = _example_tensors(_as_dict(example_inputs))
+    wrapper = _LossModule(model, loss_fn or default_loss)
+    graph, param_names, buffer_names, tied, is_dynamic = _capture(wrapper, inputs, dynamic)
+    shape = tuple(inputs[0].shape)
+    return TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
+
+
+# ----------------------------------------------------------------------------- inputs
+def _as_dict(example_inputs: Any) -> dict[str, torch.Tensor]:
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if isinstance(example_inputs, Mapping):
+        unknown = set(example_inputs) - set(INPUT_NAMES)
+        if unknown or "input_ids" not in example_inputs:
+            raise InputError(
+                f"example_inputs keys {sorted(example_inputs)}: need 'input_ids', may add 'position_ids' "
+                "and 'targets'"
+            )
+        inputs = dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)) and 1 <= len(example_inputs) <= 3:
+        inputs = dict(zip(INPUT_NAMES, example_inputs))
+    else:
+        raise InputError(
+            "example_inputs must be input_ids, a tuple (input_ids[, position_ids[, targets]]) or a dict, "
+            f"got {type(example_inputs).__name__}"
+        )
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            kind = type(value).__name__
+            raise InputError(f"example input '{name}' must be an int64 tensor [batch, seq], got {kind}")
+        if value.dim() != 2 or value.dtype != torch.long:
+            got = f"{value.dtype} {tuple(value.shape)}"
+            raise InputError(f"example input '{name}' must be an int64 tensor [batch, seq], got {got}")
+    return inputs
+
+
+def _fill_inputs(
+    input_ids: torch.Tensor, position_ids: torch.Tensor | None, targets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if targets is None:
+        targets = torch.roll(input_ids, -1, dims=1)
+    return position_ids, targets
+
+
+def _example_tensors(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Complete inputs to (input_ids, position_ids, targets), all the shape of ``input_ids``."""
+    input_ids = inputs["input_ids"]
+    position_ids, targets = _fill_inputs(input_ids, inputs.get("position_ids"), inputs.get("targets"))
+    for name, value in (("position_ids", position_ids), ("targets", targets)):
+        if value.shape != input_ids.shape:
+            raise InputError(
+                f"example {name} has shape {tuple(value.shape)}, input_ids {tuple(input_ids.shape)}; "
+                "they must match"
+            )
+    # Fresh contiguous copies: a view's strides (``ids[:, :8]`` keeps the parent's row stride) are
+    # not expressible in the symbolic sizes, and export would pin the example's shape into the graph.
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids, position_ids, targets))
+
+
+def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Inputs with batch and sequence of at least 2: export would specialise a size of 1 to a constant."""
+    input_ids, position_ids, targets = inputs
+    b, s = input_ids.shape
+    if b >= 2 and s >= 2:
+        return inputs
+    reps = (2 if b < 2 else 1, 2 if s < 2 else 1)
+    input_ids, targets = input_ids.repeat(*reps), targets.repeat(*reps)
+    if s < 2:
+        position_ids = torch.arange(2 * s).expand(input_ids.shape).contiguous()
+    else:
+        position_ids = position_ids.repeat(*reps)
+    return input_ids, position_ids, targets
+
+
+# ----------------------------------------------------------------------------- capture
+def _capture(
+    wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
+    """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes."""
+    if dynamic:
+        program = None
+        # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
+        # table, which only specialises at the limit itself).
+        for limit in dict.fromkeys([None, _position_limit(wrapper.model)]):
+            batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=limit)
+            spec = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
+            try:
+                program = _export(wrapper, _tracing_examples(inputs), spec)
+                break
+            except TraceError as exc:
+                if not exc.shape_specialised:  # type: ignore[attr-defined]
+                    raise
+        dynamic = program is not None
+    if not dynamic:
+        program = _export(wrapper, inputs, None)
+    graph, param_names, buffer_names, tied = _lift(wrapper, program)
+    params = dict(wrapper.model.named_parameters())
+    buffers = dict(wrapper.model.named_buffers(remove_duplicate=False))
+    example_args = [params[f] for f in param_names.values()] + [buffers[f] for f in buffer_names.values()]
+    canonicalize(graph, example_args + list(inputs))
+    return graph, param_names, buffer_names, tied, dynamic
+
+
+def _position_limit(model: nn.Module) -> int | None:
+    """One less than the longest sequence the model's config allows, if it names one."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 2:
+            return value - 1
+    return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export prints partial graphs and warnings on failure; our TraceError says what matters."""
+    logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _export(
+    wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], spec: Any
+) -> torch.export.ExportedProgram:
+    try:
+        with _quiet():
+            return torch.export.export(wrapper, inputs, dynamic_shapes=spec)
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+        raise _trace_error(exc, wrapper) from exc
+
+
+def _trace_error(exc: BaseException, wrapper: _LossModule) -> TraceError:
+    """A TraceError naming what failed, where in the user's code, and in which module."""
+    model = wrapper.model
+    text = str(exc).strip()
+    first = text.splitlines()[0].split(" (unhinted")[0] if text else type(exc).__name__
+    kind = type(exc).__name__
+    if "data-dependent" in text:
+        what = f"data-dependent control flow or value ({first})"
+    elif "Constraints violated" in text or "specialized" in text or "specialize" in text:
+        what = f"the model specialises on its input shape ({first})"
+    else:
+        what = f"{kind}: {first}"
+    where = ""
+    modules = {id(m): name for name, m in model.named_modules()}
+    user_frames = [
+        f for f, _ in traceback.walk_tb(exc.__traceback__)
+        if not f.f_code.co_filename.startswith(_TORCH_DIR) and f.f_code.co_filename != __file__
+    ]
+    if user_frames:
+        frame = user_frames[-1]
+        info = inspect.getframeinfo(frame, context=1)
+        code = info.code_context[0].strip() if info.code_context else ""
+        owner = frame.f_locals.get("self")
+        module = ""
+        if isinstance(owner, nn.Module):
+            name = modules.get(id(owner))
+            label = f"module '{name or '<root>'}' " if name is not None else ""
+            module = f" in {label}({type(owner).__name__})"
+        where = f" at {info.filename}:{info.lineno}{module}: `{code}`"
+    error = TraceError(f"cannot trace {type(model).__name__}: {what}{where}")
+    error.shape_specialised = what.startswith("the model specialises")  # type: ignore[attr-defined]
+    return error
+
+
+def _lift(
+    wrapper: _LossModule, program: torch.export.ExportedProgram
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str]]:
+    """Rebuild the exported graph as ``(*params, *buffers, *inputs) -> loss`` with readable names.
+
+    Placeholders are named after FQNs (``p_layers_0_attn_q_proj_weight``); tied parameters collapse
+    onto the canonical name (the one ``model.named_parameters()`` reports); lifted tensor constants
+    become attributes of the GraphModule.
+    """
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    model = wrapper.model
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    all_params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {name: canonical[id(p)] for name, p in all_params.items() if canonical[id(p)] != name}
+    for spec in program.graph_signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise TraceError(
+                f"cannot trace {type(model).__name__}: it updates '{spec.target}' in place during forward "
+                f"({spec.kind.name}); hgraph needs a pure forward"
+            )
+
+    old = program.graph_module
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    param_names: dict[str, str] = {}
+    buffer_names: dict[str, str] = {}
+    by_fqn: dict[str, fx.Node] = {}
+    constants: dict[str, torch.Tensor] = {}
+    placeholders = [n for n in old.graph.nodes if n.op == "placeholder"]
+    user_inputs, constant_inputs = [], []
+    for node, spec in zip(placeholders, program.graph_signature.input_specs):
+        target = spec.target.removeprefix("model.") if spec.target else None
+        if spec.kind == InputKind.PARAMETER:
+            fqn = tied.get(target, target)
+            if fqn not in by_fqn:
+                by_fqn[fqn] = graph.placeholder("p_" + fqn.replace(".", "_"))
+                by_fqn[fqn].meta = dict(node.meta)
+                param_names[by_fqn[fqn].name] = fqn
+            env[node] = by_fqn[fqn]
+        elif spec.kind == InputKind.BUFFER:
+            env[node] = graph.placeholder("b_" + target.replace(".", "_"))
+            env[node].meta = dict(node.meta)
+            buffer_names[env[node].name] = target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(node)
+        else:
+            constant_inputs.append((node, spec))
+    for node in user_inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node, spec in constant_inputs:
+        attr = f"_const_{len(constants)}"
+        constants[attr] = program.constants[spec.target]
+        env[node] = graph.get_attr(attr)
+        env[node].meta = dict(node.meta)
+    for node in old.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            (result,) = node.args[0]
+            graph.output(env[result])
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    for attr, value in constants.items():
+        old.register_buffer(attr, value)
+    gm = fx.GraphModule(old, graph, class_name=type(model).__name__ + "Loss")
+    return gm, param_names, buffer_names, tied
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__module__", "") + "." + getattr(target, "__qualname__", str(target))

@@ -1,0 +1,467 @@
+"""Multi-rank profiling: measure ``T(l)`` of every scheme on real local gloo ranks, fit, build a table.
+
+``profile_ranks(model_factory, world_size, schemes, lengths)`` launches ``world_size`` processes
+once (``hgraph.launch``); every rank compiles the model for the homogeneous strategy of each scheme
+(``world_size / (tp*pp*cp)`` replicas; under cp each rank gets its load-balanced chunks of every
+micro-batch, as in training, so ``--schemes tp1,cp2`` measures context parallelism itself). Per scheme, each iteration is one ``run_iteration`` (Pull, 1F1B,
+Push) in which every pipeline runs one micro-batch per length (one sequence of ``l`` tokens each,
+in a seeded shuffled order that all ranks share): one warm-up iteration per scheme, then ``repeats``
+rounds of one timed iteration per scheme (rounds outermost, so that load from other programs on
+the machine falls on every scheme alike).
+
+What ``T(l)`` means: the per-stage forward+backward time of one micro-batch of ``l`` tokens, the
+quantity the planner's 1F1B formula ``Σ T + (pp−1)·max T`` adds up. Each rank times its own F and B
+steps of each micro-batch (the ``on_step`` hook of ``run_iteration``): the stage computation with the
+tensor-parallel collectives inside it, under the contention of all ranks running at once as in
+training. Not included: Pull/Push and the inter-stage sends/receives (separate steps of the schedule;
+the simulator adds Pull/Push from the LNK model). ``T(l)`` is the slowest stage's median over all its
+samples (the ranks holding that stage, TP ranks and data-parallel replicas, times the repeats), and
+``a, b, c >= 0`` are fitted per scheme (``fit_stage_cost``, least squares on relative error).
+
+Memory (MaxLen, DESIGN.md A5): the warm-up iteration counts, per rank and micro-batch, the bytes of
+the distinct storages autograd saves for backward in that micro-batch's forward
+(``saved_tensors_hooks``). Their slope between the two largest lengths is the activation bytes per
+token on that rank (parameters and other fixed bytes cancel; packed attention saves nothing
+quadratic). Summing the slope over the stages (the largest rank of each stage) gives the whole
+model's bytes per token per TP rank, embedding and LM head included, and
+``A_tp = that / (L · H/tp)`` (the largest over the schemes of one ``tp``). ``B`` comes from one
+decoder block's parameters (16 B/param), the device memory is the ``memory_gb`` budget given (CPU
+ranks have no device limit of their own; the default makes MaxLen a few thousand tokens for the
+demo-sized models), ``safe_bound`` 10% of it, no context gap. ``utilization_seqlen`` per tp: the
+shortest multiple of 128 at which ``a·l² + b·l >= 2·c``.
+
+Raw measurements are cached in ``$HGRAPH_CACHE/profile`` (default ``~/.cache/hgraph``) keyed by model
+(factory name, sizes and parameter count), schemes, lengths, world size, repeats and torch version;
+the table is rebuilt from them each time (so ``memory_gb`` can change without measuring again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from hgraph.core.errors import CostModelError
+from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.planner.memory import MemoryRegression
+from hgraph.models import load_factory
+from hgraph.core.model_info import decoder_blocks, embedding_of
+from hgraph.planner.fit import Fit, fit_stage_cost
+from hgraph.planner.machine import machine
+
+ModelFactory = Union[str, Callable[[], Any]]
+DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
+# Part of the cache key: change it whenever the measurement method changes.
+_METHOD = "per-micro-batch F+B steps, lengths in one iteration, repeats outermost, v4"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profiled cost model with its fits, the measured points and how long profiling took."""
+
+    cost_model: CostModel
+    fits: dict[Scheme, Fit]
+    times_ms: dict[Scheme, tuple[float, ...]]  # T(l) per scheme, in the order of ``lengths``
+    lengths: tuple[int, ...]
+    seconds: float
+    cache_path: Path
+    cached: bool
+
+    def __str__(self) -> str:
+        source = f"measured in {self.seconds:.1f} s"
+        source += f", cached in {self.cache_path}" if self.cached else ""
+        lines = [f"{self.cost_model.name}: {len(self.fits)} schemes, lengths {list(self.lengths)} ({source})"]
+        noise = self.cost_model.extra.get("_fit", {})
+        for scheme, fit in self.fits.items():
+            spread = noise.get(str(scheme), {}).get("noise")
+            extra = "" if spread is None else f", noise {spread:.1%}"
+            lines.append(f"  {scheme!s:<10} {fit}  MaxLen {self.cost_model.max_len(scheme)}{extra}")
+        return "\n".join(lines)
+
+
+def parse_schemes(text: str) -> list[Scheme]:
+    """Schemes (pipeline shapes) in the strategy syntax, ``;``-separated: ``"tp1; tp2; tp1,pp2"``. The
+    older forms ``"tp1,tp2,tp1pp2"`` (compact) and ``"tp1,pp1 tp2,pp2"`` (spaces) are read too."""
+    if ";" in text:
+        schemes = [Scheme.parse(part) for part in text.split(";") if part.strip()]
+        if not schemes:
+            raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
+        return list(dict.fromkeys(schemes))
+    tokens = text.split()
+    if len(tokens) == 1 and all(p.strip().startswith("tp") for p in tokens[0].split(",") if p.strip()):
+        tokens = [p.strip() for p in tokens[0].split(",") if p.strip()]
+    schemes = []
+    for token in tokens:
+        parts = [p for p in _split_degrees(token) if p]
+        schemes.append(Scheme.parse(",".join(parts)))
+    if not schemes:
+        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
+    return list(dict.fromkeys(schemes))
+
+
+def _split_degrees(token: str) -> list[str]:
+    """``"tp2pp2"`` -> ``["tp2", "pp2"]``; other spellings pass through to ``Scheme.parse``."""
+    out, current = [], ""
+    for ch in token:
+        if ch.isalpha() and current and current[-1].isdigit():
+            out.append(current)
+            current = ""
+        current += ch
+    return out + [current]
+
+
+def factory_name(model_factory: ModelFactory) -> str:
+    """``"module:factory"`` naming a factory (the cache key); it must be picklable for the ranks."""
+    if isinstance(model_factory, str):
+        return model_factory
+    if not callable(model_factory):
+        raise CostModelError(
+            f"model factory {model_factory!r} is not callable; pass a function returning the model"
+        )
+    name = getattr(model_factory, "__qualname__", None)
+    if name is None or "<" in name:
+        try:
+            pickle.dumps(model_factory)
+        except Exception:  # noqa: BLE001 - any pickling failure means the same thing here
+            name = None
+        else:
+            name = repr(model_factory)  # a picklable callable object, e.g. a frozen dataclass
+    if name is None or "<lambda>" in name or "<locals>" in name:
+        raise CostModelError(
+            f"model factory {model_factory!r} cannot be sent to other processes; "
+            "pass a module-level function, a picklable callable object or a 'package.module:factory' string"
+        )
+    return f"{getattr(model_factory, '__module__', '?')}:{name}"
+
+
+def resolve_factory(model_factory: ModelFactory) -> Callable[[], Any]:
+    return load_factory(model_factory) if isinstance(model_factory, str) else model_factory
+
+
+# -- on every rank ---------------------------------------------------------------------------------
+
+
+def _key(tp: int, pp: int, cp: int = 1) -> str:
+    """The per-rank measurement key of a scheme: ``"tp2,pp1"``, ``"tp1,pp1,cp2"``."""
+    return f"tp{tp},pp{pp}" + (f",cp{cp}" if cp > 1 else "")
+
+
+def _rank_main(
+    factory: ModelFactory, schemes: list[tuple[int, ...]], lengths: list[int], repeats: int
+) -> dict[str, Any]:
+    """Runs on each rank: per scheme, the saved bytes of each length's micro-batch (warm-up) and, per
+    repeat, the forward+backward milliseconds of each length's micro-batch on this rank's stage."""
+    import random
+
+    import torch
+
+    from hgraph.compiler.compiled_model import compile as compile_model
+    from hgraph.runtime.kernels.context import RankContext, rank_context
+    from hgraph.runtime.kernels.reshard import default_comm
+    from hgraph.core.strategy import homogeneous
+
+    comm = default_comm()
+    rank = comm.rank
+    torch.manual_seed(0)
+    model = resolve_factory(factory)()
+    vocab = embedding_of(model).num_embeddings
+    start = time.perf_counter()
+    schemes = [tuple(s) + (1,) * (3 - len(s)) for s in schemes]  # (tp, pp, cp)
+    strategies = [homogeneous(comm.world_size, tp=tp, pp=pp, cp=cp) for tp, pp, cp in schemes]
+    compiled = compile_model(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
+    params = compiled.traced.params()
+    shards = {
+        fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank)
+        for fqn, layout in compiled.optimizer_layouts.items()
+    }
+    buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, vocab, (length,), generator=gen) for length in lengths]
+    out: dict[str, Any] = {"saved_bytes": {}, "compute_ms": {}, "compile_s": time.perf_counter() - start}
+    programs = {_key(*s): compiled.program(i, rank) for i, s in enumerate(schemes)}
+    inputs = {}
+    for key, program in programs.items():  # this rank's micro-batches (its chunks under cp)
+        inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]
+    for key, program in programs.items():  # warm-up, counting saved bytes
+        with rank_context(RankContext(rank, comm, program.groups)):
+            out["saved_bytes"][key] = _saved_bytes(program, shards, inputs[key])
+        out["compute_ms"][key] = []
+    # Repeats outermost: a burst of load from elsewhere on the machine hits every scheme alike.
+    for repeat in range(repeats):
+        order = list(range(len(lengths)))
+        random.Random(repeat).shuffle(order)  # the same order on every rank
+        for key, program in programs.items():
+            with rank_context(RankContext(rank, comm, program.groups)):
+                ms = _compute_ms(program, shards, [inputs[key][i] for i in order])
+            out["compute_ms"][key].append([ms[order.index(i)] for i in range(len(lengths))])
+    out["total_s"] = time.perf_counter() - start
+    return out
+
+
+def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
+    """One sequence as this rank's micro-batch: under cp, its load-balanced chunks of the packed
+    tokens (padded to ``2·cp``), as ``Trainer`` feeds them."""
+    from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
+
+    packed = pack_micro_batch([sequence], micro_batch_align(program.groups))
+    return local_micro_batches([packed], program.groups, rank, buffers)[0]
+
+
+def _compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
+    """One iteration; the milliseconds of the F and B steps of each micro-batch on this rank."""
+    from hgraph.runtime.executor import run_iteration
+
+    ms = [0.0] * len(batches)
+    begun = [0.0]
+
+    def on_step(when: str, action: Any) -> None:
+        if action.kind.value in ("F", "B"):
+            if when == "begin":
+                begun[0] = time.perf_counter()
+            else:
+                ms[action.mb] += (time.perf_counter() - begun[0]) * 1e3
+
+    run_iteration(program, shards, batches, 1.0 / sum(b["input_ids"].shape[-1] for b in batches), on_step)
+    return ms
+
+
+def _saved_bytes(program: Any, shards: dict, batches: list) -> list[int]:
+    """One iteration; per micro-batch, the bytes of the distinct storages autograd saves for backward
+    in its forward step (kept per micro-batch: a storage freed by one micro-batch's backward may be
+    reused by a later one, but not within one forward)."""
+    import torch
+
+    from hgraph.runtime.executor import run_iteration
+
+    seen: list[dict[int, int]] = [{} for _ in batches]
+    current: list[Optional[int]] = [None]
+
+    def on_step(when: str, action: Any) -> None:
+        if action.kind.value == "F":
+            current[0] = action.mb if when == "begin" else None
+
+    def pack(t: Any) -> Any:
+        if current[0] is not None:  # not what a backward step saves while it recomputes
+            storage = t.untyped_storage()
+            seen[current[0]][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_iteration(program, shards, batches, 1.0, on_step)
+    return [sum(s.values()) for s in seen]
+
+
+# -- in the parent ---------------------------------------------------------------------------------
+
+
+def _cache_path(key: dict[str, Any]) -> Path:
+    root = Path(os.environ.get("HGRAPH_CACHE", Path.home() / ".cache" / "hgraph"))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return root / "profile" / f"ranks-{digest}.json"
+
+
+def model_facts(model: Any) -> dict[str, int]:
+    embedding, blocks = embedding_of(model), decoder_blocks(model)
+    return {
+        "hidden": embedding.embedding_dim,
+        "vocab": embedding.num_embeddings,
+        "layers": len(blocks),
+        "block_params": sum(p.numel() for p in blocks[0].parameters()),
+    }
+
+
+def _check(
+    world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int], repeats: int, model: Any
+) -> None:
+    from hgraph.core.model_info import model_dims, validate_strategies
+    from hgraph.core.strategy import homogeneous
+
+    if world_size < 1:
+        raise CostModelError(f"world_size={world_size}; profiling needs at least 1 rank")
+    if len(set(lengths)) < 3 or min(lengths) < 2:
+        raise CostModelError(f"lengths {list(lengths)}: need at least 3 distinct lengths >= 2 to fit a, b, c")
+    if repeats < 1:
+        raise CostModelError(f"repeats={repeats}; need at least 1")
+    for s in schemes:
+        if world_size % s.gpus:
+            raise CostModelError(
+                f"scheme {s} needs {s.gpus} ranks per pipeline, which does not divide world size {world_size}"
+            )
+    validate_strategies([homogeneous(world_size, s.tp, s.pp, s.cp) for s in schemes], world_size, model_dims(model))
+    short = [l for l in lengths if any(l < 2 * s.cp for s in schemes)]
+    if short:
+        raise CostModelError(f"lengths {short}: a cp scheme splits each sequence into 2·cp chunks; use longer lengths")
+
+
+def measure_ranks(
+    model_factory: ModelFactory, world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int],
+    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0, measure: bool = True,
+) -> tuple[dict[str, Any], Path, bool]:
+    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
+    ``measure=False``: the cached ones only (``CostModelError`` when there are none)."""
+    import torch
+
+    from hgraph.runtime.launch import launch
+
+    name = factory_name(model_factory)
+    lengths = sorted(set(int(l) for l in lengths))
+    model = resolve_factory(model_factory)()
+    _check(world_size, schemes, lengths, repeats, model)
+    key = {
+        "model": name, **model_facts(model), "parameters": sum(p.numel() for p in model.parameters()),
+        "world_size": world_size, "schemes": [str(s) for s in schemes], "lengths": lengths,
+        "repeats": repeats, "torch": torch.__version__, "method": _METHOD, "machine": machine(),
+    }
+    path = _cache_path(key)
+    if use_cache and path.exists():
+        return json.loads(path.read_text()), path, True
+    if not measure:
+        raise CostModelError(f"no profile of {name} on {world_size} ranks of this machine is cached (looked for {path})")
+    start = time.perf_counter()
+    per_rank = launch(
+        _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp) for s in schemes], lengths, repeats),
+        timeout=timeout,
+    )
+    raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(raw))
+    return raw, path, False
+
+
+def _stage_ranks(world_size: int, scheme: Scheme) -> list[list[int]]:
+    """Ranks of each stage over all replicas of the homogeneous strategy of ``scheme``."""
+    from hgraph.core.strategy import homogeneous
+
+    pipelines = homogeneous(world_size, scheme.tp, scheme.pp, scheme.cp).pipelines
+    return [[r for p in pipelines for r in p.stage_ranks(s)] for s in range(scheme.pp)]
+
+
+def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
+    """``T(l)`` per length: the slowest stage's median forward+backward time of the ``l``-token
+    micro-batch, the median taken over every sample of that stage (its ranks times the repeats)."""
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]  # [rank][repeat][length]
+    stages = _stage_ranks(raw["world_size"], scheme)
+    repeats = range(raw["repeats"])
+    return [
+        max(statistics.median(ms[r][rep][i] for r in ranks for rep in repeats) for ranks in stages)
+        for i in range(len(raw["lengths"]))
+    ]
+
+
+def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
+    """Measurement noise of ``T(l)``: per length, the median relative deviation of the slowest stage's
+    samples from their median; the median over the lengths."""
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]
+    out = []
+    for i in range(len(raw["lengths"])):
+        stages = [[ms[r][rep][i] for r in ranks for rep in range(raw["repeats"])]
+                  for ranks in _stage_ranks(raw["world_size"], scheme)]
+        samples = max(stages, key=statistics.median)
+        mid = statistics.median(samples)
+        out.append(statistics.median(abs(v - mid) for v in samples) / mid if mid > 0 else 0.0)
+    return statistics.median(out)
+
+
+def activation_per_token(raw: dict[str, Any], scheme: Scheme) -> float:
+    """Saved-for-backward bytes per token of the whole model on one TP rank (see module docstring);
+    under cp, per token of the micro-batch's ``1/cp`` share on the rank."""
+    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    hi, lo = len(raw["lengths"]) - 1, len(raw["lengths"]) - 2
+    dl = raw["lengths"][hi] - raw["lengths"][lo]
+    slope = [(r["saved_bytes"][key][hi] - r["saved_bytes"][key][lo]) / dl * scheme.cp for r in raw["per_rank"]]
+    return sum(max(slope[r] for r in ranks) for ranks in _stage_ranks(raw["world_size"], scheme))
+
+
+def utilization_seqlen(cost: StageCost, longest: int) -> int:
+    """Shortest length (a multiple of 128) whose variable time ``a·l² + b·l`` is at least ``2·c``."""
+    length = 128
+    while cost.seq_time(length) < 2 * cost.c and length < longest:
+        length += 128
+    return length
+
+
+def build_ranks_table(
+    raw: dict[str, Any], memory_gb: float, name: str = "profiled"
+) -> tuple[CostModel, dict[Scheme, Fit], dict[Scheme, list[float]]]:
+    """Fit every scheme of the raw measurements and assemble the cost model (MaxLen from ``memory_gb``)."""
+    if not memory_gb > 0:
+        raise CostModelError(f"memory budget {memory_gb} GB; give a positive number of GB")
+    schemes = [Scheme.parse(s) for s in raw["schemes"]]
+    hidden, layers = raw["hidden"], raw["layers"]
+    times = {s: stage_times(raw, s) for s in schemes}
+    fits = {s: fit_stage_cost(raw["lengths"], times[s]) for s in schemes}
+    activation: dict[int, float] = {}
+    for s in schemes:
+        a_tp = max(activation_per_token(raw, s), 1.0) / (layers * hidden / s.tp)
+        activation[s.tp] = max(activation.get(s.tp, 0.0), a_tp)
+    memory = float(memory_gb) * 1e9
+    regression = MemoryRegression(
+        activation=tuple(sorted(activation.items())),
+        bytes_per_layer_h2=16.0 * raw["block_params"] / hidden**2,
+        alpha=0.75,
+        gap=(("node", 0.0),),
+        safe_bound=0.1 * memory,
+        gpu_memory=memory,
+        hidden=hidden,
+        layers=layers,
+        vocab=raw["vocab"],
+    )
+    util: dict[str, int] = {}
+    for s in sorted(schemes, key=lambda s: (s.tp, s.pp), reverse=True):  # the smallest pp of each tp wins
+        util[f"tp{s.tp}"] = utilization_seqlen(fits[s].cost, max(raw["lengths"]))
+    extra = {
+        "_about": (
+            f"Profiled by hgraph profile on {raw['world_size']} local gloo ranks ({raw['model']}), lengths "
+            f"{raw['lengths']}: T(l) = per-stage forward+backward ms of one l-token micro-batch (slowest "
+            "stage); see hgraph.profiling.profile_ranks."
+        ),
+        "_fit": {
+            str(s): {"r2": f.r2, "max_rel_error": f.max_rel_error, "times_ms": times[s], "noise": stage_noise(raw, s)}
+            for s, f in fits.items()
+        },
+        "utilization_seqlen": dict(sorted(util.items(), key=lambda kv: int(kv[0][2:]))),
+    }
+    model = CostModel(
+        name, {s: f.cost for s, f in fits.items()}, regression, gpus_per_node=raw["world_size"],
+        world_size=raw["world_size"], extra=extra, sources={s: "profiled" for s in fits},
+    )
+    return model, fits, times
+
+
+def profile_ranks(
+    model_factory: ModelFactory,
+    world_size: int,
+    schemes: Sequence[Union[Scheme, str]],
+    lengths: Sequence[int],
+    *,
+    repeats: int = 3,
+    memory_gb: float = DEFAULT_MEMORY_GB,
+    use_cache: bool = True,
+    name: str = "profiled",
+    timeout: float = 600.0,
+    measure: bool = True,
+) -> Profile:
+    """Measure ``schemes`` on ``world_size`` local ranks (or read the cache) and fit the cost model.
+
+    ``model_factory``: a module-level callable returning the model, or ``"package.module:factory"``.
+    """
+    parsed = [s if isinstance(s, Scheme) else Scheme.parse(",".join(_split_degrees(s))) for s in schemes]
+    if not parsed:
+        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
+    start = time.perf_counter()
+    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout, measure)
+    model, fits, times = build_ranks_table(raw, memory_gb, name)
+    seconds = raw["seconds"] if cached else time.perf_counter() - start
+    return Profile(
+        model, fits, {s: tuple(t) for s, t in times.items()}, tuple(raw["lengths"]), seconds, path, cached
+    )
+

@@ -1,0 +1,409 @@
+"""``hgraph.Trainer``: one training iteration per ``step`` on every rank, any strategy each time.
+
+Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors);
+``step`` checks that they did (a digest of the lengths and tokens, gathered from every rank) and
+raises ``InputError`` naming the first rank whose batch differs. With one reader, ``step_data``
+reads the batch on rank 0 and sends each rank only its tokens. The planner (or the given strategy with a default dispatch) decides which pipeline runs which
+sequences, packed into which micro-batches; each rank builds its own micro-batches from that
+decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
+token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
+same gradients as one device. One all-reduce closes every iteration: the loss, whether some rank was
+asked to stop (SIGTERM, ``trainer.stop_requested``) and, with ``metrics=MetricsConfig(...)``, every
+rank's peak memory and exposed communication for rank 0's metrics writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
+from hgraph.core.errors import CheckpointError, InputError, TrainingError
+from hgraph.core.flops import ModelFlops
+from hgraph.core.layout import Layout, Replicate
+from hgraph.lnk import solve
+from hgraph.planner.dispatch import default_dispatch
+from hgraph.planner.plan import Dispatch
+from hgraph.runtime import preemption
+from hgraph.runtime.agreement import check_same_parameters
+from hgraph.runtime.kernels.comm import Communicator
+from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
+from hgraph.runtime.optimizer import ShardedAdamW
+from hgraph.runtime.kernels.reshard import default_comm, execute
+from hgraph.runtime.timeline import Timeline, exposed_communication, gather_events
+
+if TYPE_CHECKING:
+    from hgraph.compiler.compiled_model import CompiledModel
+    from hgraph.planner.assign import Planner
+
+log = logging.getLogger("hgraph.trainer")
+
+
+def params_without_gradient(traced: Any) -> frozenset[str]:
+    """FQNs that never get a gradient: frozen (``requires_grad=False``) or not on the loss's path.
+
+    The optimizer skips them, as ``torch.optim.AdamW`` skips a parameter whose ``.grad`` is ``None``
+    (the Push of such a parameter still runs, carrying zeros, so every rank issues the same plans).
+    """
+    graph = traced.graph_module.graph
+    stack = [n for n in graph.nodes if n.op == "output"]
+    reaches_loss: set[str] = set()
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            if node.name not in reaches_loss:
+                reaches_loss.add(node.name)
+                stack.append(node)
+    params = traced.params()
+    return frozenset(
+        fqn
+        for placeholder, fqn in traced.param_names.items()
+        if placeholder not in reaches_loss or not params[fqn].requires_grad
+    )
+
+
+class Trainer:
+    """Trains a ``CompiledModel`` with a sharded AdamW; construct and call it on every rank."""
+
+    def __init__(
+        self,
+        compiled: "CompiledModel",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: Optional[float] = None,
+        planner: Optional["Planner"] = None,
+        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+        comm: Optional[Communicator] = None,
+        micro_batch_tokens: int = 4096,
+        timeline: bool = False,
+        device: Union[str, torch.device, None] = None,
+        metrics: Optional[MetricsConfig] = None,
+    ) -> None:
+        self.compiled = compiled
+        self.comm = comm if comm is not None else default_comm()
+        # Shards, micro-batches and every tensor handed to a collective live here (default: the
+        # communicator's device, i.e. this rank's GPU under NCCL, else CPU).
+        self.device = torch.device(device) if device is not None else self.comm.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.comm.world_size != compiled.world_size:
+            raise InputError(
+                f"the program was compiled for {compiled.world_size} ranks but this world has "
+                f"{self.comm.world_size}; launch with world_size={compiled.world_size}"
+            )
+        self.rank = self.comm.rank
+        self.world = tuple(range(compiled.world_size))
+        self.planner = planner
+        self.grad_clip = grad_clip
+        self.micro_batch_tokens = micro_batch_tokens
+        params = compiled.master_parameters()
+        check_same_parameters({**params, **compiled.traced.buffers()}, self.comm, self.world, self.device)
+        layouts = compiled.optimizer_layouts
+        shards = {
+            fqn: layout.local_of(params[fqn].detach().to(torch.float32), self.rank).to(self.device)
+            for fqn, layout in layouts.items()
+        }
+        replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
+        self.optimizer = ShardedAdamW(shards, lr, betas, eps, weight_decay, replicated)
+        self.frozen = params_without_gradient(compiled.traced)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.iteration = 0
+        self.history: list[dict[str, Any]] = []
+        self.data: Any = None  # the TokenLoader of step_data; its position is saved with the checkpoint
+        self._feed_batch: Optional[Sequence[torch.Tensor]] = None  # rank 0: the batch being fed
+        # timeline=True: this rank's intervals of every step (runtime/timeline.py); gather_timeline()
+        self.timeline: Optional[Timeline] = Timeline(self.rank) if timeline else None
+        from hgraph.core.model_info import model_dims
+
+        self.vocab: Optional[int] = model_dims(compiled.model).get("vocab")
+        # metrics: rank 0 writes them (runtime/metrics.py); every rank measures its memory and exposed
+        # communication (on a timeline of its own when none was asked for)
+        self.metrics: Optional[MetricsWriter] = None
+        self._comm_timeline = self.timeline if self.timeline is not None or metrics is None else Timeline(self.rank)
+        if metrics is not None:
+            reset_peak_memory(self.device)
+            if self.rank == 0:
+                try:
+                    flops: Optional[ModelFlops] = ModelFlops.of(compiled.model)
+                except InputError as exc:
+                    log.warning("no TFLOPs or MFU in the metrics: %s", exc)
+                    flops = None
+                self.metrics = MetricsWriter(metrics, len(self.world), flops)
+        self.measure = metrics is not None
+        self.stop_requested = False  # some rank got SIGTERM (runtime/preemption.py); set every step
+
+    # ------------------------------------------------------------------ planning
+    def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
+        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given)."""
+        if strategy is None and self.planner is not None:
+            # Rank 0 plans and broadcasts: planners may use time budgets, so ranks planning on their
+            # own could disagree and then wait on each other forever.
+            payload = b""
+            if self.rank == 0:
+                plan = self.planner.plan(list(lengths))
+                payload = plan.dispatch(self.compiled.strategy_index(plan.strategy)).encode()
+            return Dispatch.decode(self._broadcast_bytes(payload))
+        index = self.compiled.strategy_index(0 if strategy is None else strategy)
+        pipelines = self.compiled.strategies[index].pipelines
+        return Dispatch(index, default_dispatch(pipelines, lengths, self.micro_batch_tokens))
+
+    def _broadcast_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's ``payload`` on every rank."""
+        if len(self.world) == 1:
+            return payload
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        size = self.comm.broadcast(size, 0, self.world)
+        buf = torch.zeros(int(size[0]), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        return bytes(self.comm.broadcast(buf, 0, self.world).tolist())
+
+    # ------------------------------------------------------------------ training
+    def step(self, sequences: Sequence[torch.Tensor], strategy: Union[int, Any, None] = None) -> float:
+        """One iteration on the global batch ``sequences``; returns the token-mean loss."""
+        start = time.perf_counter()
+        lengths = self._check_sequences(sequences)
+        self._check_same_batch(sequences)
+        return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), start)
+
+    def _check_same_batch(self, sequences: Sequence[torch.Tensor]) -> None:
+        """``InputError`` on every rank unless every rank passed this batch (a 63-bit digest of the
+        lengths and tokens, all-gathered): ranks given their own shards would otherwise slice
+        different batches by one dispatch and train on them without a word."""
+        if len(self.world) == 1:
+            return
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr([len(s) for s in sequences]).encode())
+        for s in sequences:
+            h.update(s.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        digest = int.from_bytes(h.digest(), "little") >> 1  # fits an int64
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        every = [int(d) for d in self.comm.all_gather(mine, self.world).reshape(-1).tolist()]
+        differing = next((r for r, d in enumerate(every) if d != every[0]), None)
+        if differing is not None:
+            raise InputError(
+                f"Trainer.step: rank {differing} passed a different batch from rank 0 (digest of the lengths and "
+                f"tokens; {len(set(every))} distinct batches over {len(every)} ranks). step() takes the same "
+                "global batch on every rank, which the planner splits; to read it once, use "
+                "step_data(loader) (rank 0 reads, each rank receives its tokens), or give every rank the "
+                "same sampler seed without per-rank sharding (no DistributedSampler)")
+
+    def step_data(self, loader: Any, strategy: Union[int, Any, None] = None) -> Optional[float]:
+        """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
+        reads it, every rank receives just its pipeline's tokens); ``None`` when the data are over.
+        ``save`` then stores the loader's position."""
+        from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+        start = time.perf_counter()
+        self.data = loader
+        lengths = share_lengths(self, lambda: self._checked(loader.next_batch()))
+        if lengths is None:
+            return None
+        d = self.dispatch(lengths, strategy)
+        return self._train_on(lengths, scatter_sequences(self, d, lengths), d, start)
+
+    def evaluate(self, batches: Optional[Sequence[Sequence[torch.Tensor]]],
+                 strategy: Union[int, Any, None] = None) -> float:
+        """Token-mean loss over ``batches`` (held out: forward only, no gradients, parameters and
+        optimizer untouched), with any compiled strategy. Rank 0's ``batches`` count; other ranks
+        may pass ``None`` and receive only their pipeline's tokens."""
+        from hgraph.runtime.evaluate import forward_iteration
+        from hgraph.runtime.feed import scatter_sequences, share_lengths
+
+        todo = iter(batches or []) if self.rank == 0 else iter(())
+        loss_sum, tokens = 0.0, 0
+        while True:
+            lengths = share_lengths(self, lambda: self._checked(next(todo)))
+            if lengths is None:
+                break
+            d = self.dispatch(lengths, strategy)
+            mbs = self._local_micro_batches(d, scatter_sequences(self, d, lengths))
+            program = self.compiled.program(d.strategy_index, self.rank)
+            with rank_context(RankContext(self.rank, self.comm, program.groups)):
+                loss_sum += forward_iteration(program, self.optimizer.shards, mbs)
+            tokens += sum(n - 1 for n in lengths)
+        if tokens == 0:
+            raise InputError("evaluate got no batch; give rank 0 at least one held-out batch")
+        total = self.comm.all_reduce(torch.tensor([loss_sum], dtype=torch.float64, device=self.device), self.world)
+        return float(total) / tokens
+
+    def _checked(self, sequences: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        self._check_sequences(sequences)
+        return sequences
+
+    def _check_sequences(self, sequences: Sequence[torch.Tensor]) -> list[int]:
+        """The lengths of a valid batch; ``InputError`` naming the first bad sequence otherwise."""
+        if not sequences:
+            raise InputError("trainer.step got an empty batch; give at least one sequence")
+        lengths = []
+        for i, s in enumerate(sequences):
+            if not isinstance(s, torch.Tensor) or s.dim() != 1 or s.dtype != torch.long:
+                raise InputError(f"sequence {i} must be a 1-D LongTensor of token ids, got {type(s).__name__} "
+                                 f"{getattr(s, 'dtype', '')} {tuple(getattr(s, 'shape', ()))}")
+            if len(s) < 2:
+                raise InputError(f"sequence {i} has {len(s)} token(s); need at least 2 to predict a next token")
+            if self.vocab is not None and (int(s.min()) < 0 or int(s.max()) >= self.vocab):
+                bad = int(s.min()) if int(s.min()) < 0 else int(s.max())
+                raise InputError(f"sequence {i} holds token id {bad}; ids must be in 0..{self.vocab - 1} (the vocabulary)")
+            lengths.append(len(s))
+        return lengths
+
+    def _local_micro_batches(self, d: Dispatch, sequences: Any) -> list[dict[str, torch.Tensor]]:
+        """This rank's packed micro-batches of dispatch ``d`` (``sequences[i]`` for its pipeline's i)."""
+        program = self.compiled.program(d.strategy_index, self.rank)
+        align = micro_batch_align(program.groups, self.compiled.options.sequence_parallel)
+        buffers = {
+            ph: self.compiled.traced.buffers()[fqn].to(self.device)
+            for ph, fqn in self.compiled.traced.buffer_names.items()
+        }
+        rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in d.micro_batches[program.pipeline]]
+        return local_micro_batches(rows, program.groups, self.rank, buffers, self.device)
+
+    def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
+        """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
+        run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
+        program = self.compiled.program(d.strategy_index, self.rank)
+        tokens = sum(l - 1 for l in lengths)
+        mbs = self._local_micro_batches(d, sequences)
+        if program.overlap is not None:  # dry run of this dispatch's communication order (cached)
+            self.compiled.check_overlap(d.strategy_index, [len(m) for m in d.micro_batches])
+        timeline = self._comm_timeline
+        if timeline is not None:
+            timeline.iteration = self.iteration
+            first_event = len(timeline.events)
+        with rank_context(RankContext(self.rank, self.comm, program.groups)):
+            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline)
+        # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
+        # communication per rank] (each rank fills its own slots; -1: not measured)
+        n = len(self.world)
+        stats = torch.zeros(2 + 2 * n, dtype=torch.float64)
+        stats[0], stats[1] = out.loss_sum, float(preemption.requested())
+        stats[2 + self.rank] = peak_memory_bytes(self.device) if self.measure else -1.0
+        if timeline is not None:
+            mine = exposed_communication(timeline.events[first_event:]).get(self.rank, {})
+            stats[2 + n + self.rank] = 1e3 * mine.get(self.iteration, 0.0)
+            if timeline is not self.timeline:
+                timeline.clear()
+        else:
+            stats[2 + n + self.rank] = -1.0
+        stats = self.comm.all_reduce(stats.to(self.device), self.world).cpu()
+        loss = float(stats[0]) / tokens
+        self.stop_requested = bool(stats[1] > 0)
+        memory, exposed = stats[2:2 + n].tolist(), stats[2 + n:].tolist()
+        if not math.isfinite(loss):
+            raise TrainingError(
+                f"non-finite loss {loss} at iteration {self.iteration}; optimizer state left unchanged "
+                "(lower the learning rate or check the data)"
+            )
+        grads = {n: None if n in self.frozen else g for n, g in out.grad_shards.items()}
+        optimizer_start = time.perf_counter()
+        norm = self.optimizer.global_grad_norm(grads, self.comm, self.world)
+        if not math.isfinite(norm):
+            raise TrainingError(
+                f"non-finite gradient norm {norm} at iteration {self.iteration} (loss {loss}); optimizer state "
+                "left unchanged (lower the learning rate, clip gradients or use a wider compute dtype)"
+            )
+        scale = 1.0
+        if self.grad_clip is not None and norm > self.grad_clip:
+            scale = self.grad_clip / (norm + 1e-6)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.apply(grads, scale)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        end = time.perf_counter()
+        record = {
+            "iteration": self.iteration,
+            "loss": loss,
+            "strategy": str(self.compiled.strategies[d.strategy_index]),
+            "strategy_index": d.strategy_index,
+            "grad_norm": norm,
+            "predicted_ms": d.predicted_ms,
+            "predicted_raw_ms": None if d.prediction is None else d.prediction.total_ms,
+            "prediction": None if d.prediction is None else asdict(d.prediction),
+            "measured_ms": (end - run_start) * 1e3,
+            "optimizer_ms": (end - optimizer_start) * 1e3,
+            "seconds": end - start,
+            "lengths": lengths,
+            "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
+            "lr": float(lr),
+            "peak_memory_bytes": [int(m) for m in memory] if self.measure else None,
+            "exposed_comm_ms": None if min(exposed) < 0 else exposed,
+        }
+        self.history.append(record)
+        if self.metrics is not None:
+            self.metrics.record(record)
+        if self.measure:
+            reset_peak_memory(self.device)
+        observe = getattr(self.planner, "observe", None)
+        if self.rank == 0 and observe is not None and d.prediction is not None:
+            observe(d.prediction, record["measured_ms"])  # online correction of the cost model
+        log.info("iter %d loss %.4f strategy %s %.3fs predicted %s ms measured %.1f ms", self.iteration, loss,
+                 record["strategy"], record["seconds"],
+                 "-" if d.predicted_ms is None else f"{d.predicted_ms:.1f}", record["measured_ms"])
+        self.iteration += 1
+        return loss
+
+    def close(self) -> None:
+        """Flush and close the metrics files (rank 0); training on reopens them."""
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def gather_timeline(self, dst: int = 0) -> list[Any]:
+        """Every rank's timeline events on rank ``dst`` (``[]`` elsewhere); call on every rank."""
+        if self.timeline is None:
+            raise InputError("this Trainer records no timeline; construct it with timeline=True")
+        return gather_events(self.timeline.events, self.comm, dst)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
+        out = {}
+        world = self.world
+        for fqn, shard in self.optimizer.shards.items():
+            src = self.compiled.optimizer_layouts[fqn]
+            dst = Layout(src.shape, world, (len(world),), (Replicate(),))
+            out[fqn] = execute(solve(src, dst), shard.detach(), self.comm)
+        return out
+
+    def save(self, path: str, extra: Optional[dict[str, Any]] = None) -> Any:
+        """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``), with the data position of
+        the loader ``step_data`` reads; call on every rank."""
+        from hgraph.runtime import checkpoint
+
+        return checkpoint.save(self, path, extra)
+
+    def load(self, path: str, data: Any = None) -> dict[str, Any]:
+        """Resume from a checkpoint, resharding if the world or layouts changed; returns its ``extra``.
+        ``data``: the ``TokenLoader`` to put back at the saved position (then read by ``step_data``)."""
+        from hgraph.runtime import checkpoint
+
+        path = str(checkpoint.resolve(path))
+        extra = checkpoint.load(self, path)
+        if data is not None:
+            state = checkpoint.read_manifest(path).get("data")
+            if state is None:
+                raise CheckpointError(f"checkpoint {path} holds no data position (it was saved before any "
+                                      "step_data); resume the data another way or pass data=None")
+            data.load_state_dict(state)
+            self.data = data
+        return extra
+
+    def state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """The unmodified model's ``state_dict`` with the trained parameters: the model's own names
+        (tied aliases included), full tensors on CPU, each in its dtype in the model (or ``dtype``);
+        buffers as the model holds them. Call on every rank (the parameters are gathered)."""
+        full = self.full_parameters()
+        canonical = {id(p): fqn for fqn, p in self.compiled.model.named_parameters()}
+        out = {}
+        for name, ref in self.compiled.model.state_dict(keep_vars=True).items():
+            value = full.get(canonical.get(id(ref), ""), ref)
+            out[name] = value.detach().to(device="cpu", dtype=dtype or ref.dtype).clone()
+        return out

@@ -1,0 +1,173 @@
+"""Causal attention over packed sequences: ``hgraph.packed_attention`` and its backward as custom ops.
+
+A sequence starts wherever ``position_ids == 0`` and attention never crosses that boundary (cost
+Σ lᵢ²). The backward op (``hgraph.packed_attention_backward``) recomputes the forward; the kernel per
+device, construct and attention variant (window, soft-cap: ``AttentionVariant``) comes from
+``runtime/kernels/attention_kernels.py`` (per-sequence SDPA on CPU, varlen or FlexAttention on CUDA). With context parallelism the K/V gathers are ``hgraph.all_gather`` calls
+outside the op. ``own_kv_heads`` picks the key/value head a rank's query heads read when tp exceeds
+the kv heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Optional
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from hgraph.core.batch import load_balance_indices
+from hgraph.core.errors import ShardingRuleError
+from hgraph.runtime.kernels import attention_kernels
+from hgraph.runtime.kernels.attention_kernels import VARIANT_SCHEMA, AttentionVariant
+from hgraph.runtime.kernels.collectives import active_context, all_gather, entered
+from hgraph.runtime.kernels.context import current
+
+Tensor = torch.Tensor
+
+
+def own_kv_heads(kv: Tensor, mesh_dim: str) -> Tensor:
+    """The key/value head (dim 1) the query heads of this rank read, when tp exceeds the kv heads.
+
+    Query heads are split contiguously over ``mesh_dim``; with ``kv`` heads and ``tp`` ranks
+    (``tp % kv == 0``) rank ``r`` reads head ``r·kv // tp``. ``kv`` is replicated, so the gradient
+    of each rank is partial and summed by the caller's adjoint.
+    """
+    rc = current()
+    size, index = rc.size(mesh_dim), rc.index(mesh_dim)
+    return kv.narrow(1, index * kv.shape[1] // size, 1)
+
+
+def _packed_attention_local(
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
+    variant: AttentionVariant,
+) -> Tensor:
+    """Attention of the local queries; with ``cp`` k, v and positions are the cp-gathered ones."""
+    if cp:
+        rc = current()
+        size, index = rc.size("cp"), rc.index("cp")
+        total = position_ids.shape[1]
+        layout = torch.cat([load_balance_indices(total, size, r) for r in range(size)])
+        order = torch.argsort(layout).to(q.device)  # gathered slot of each stream index
+        k, v, stream_positions = k[:, :, order], v[:, :, order], position_ids[:, order]
+        local_stream = load_balance_indices(total, size, index).to(q.device)
+    else:
+        stream_positions = position_ids
+        local_stream = torch.arange(q.shape[2], device=q.device)
+    kernel = attention_kernels.choose_kernel(q.device, q.dtype, cp=cp, needs_grad=torch.is_grad_enabled(),
+                                             variant=variant)
+    return attention_kernels.attend(kernel, q, k, v, stream_positions, local_stream, scale, enable_gqa, variant)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Let autograd record again inside a custom op's kernel (the dispatcher excludes it there)."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded - autograd):
+        with torch.enable_grad():
+            yield
+
+
+# The ops take the variant's fields as trailing arguments (their schema comes from AttentionVariant,
+# so a new variant field needs no change here).
+_HEAD = "Tensor q, Tensor k, Tensor v, Tensor position_ids, float? scale, bool cp, bool enable_gqa"
+torch.library.define("hgraph::packed_attention", f"({_HEAD}, {VARIANT_SCHEMA}) -> Tensor")
+torch.library.define(
+    "hgraph::packed_attention_backward", f"(Tensor grad, {_HEAD}, {VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.impl("hgraph::packed_attention", "CompositeExplicitAutograd")
+def _packed_attention(
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
+    *variant: Any,
+) -> Tensor:
+    with torch.no_grad():
+        return _packed_attention_local(
+            q, k, v, position_ids, scale, cp, enable_gqa, AttentionVariant(*variant)
+        ).contiguous()
+
+
+@torch.library.impl("hgraph::packed_attention_backward", "CompositeExplicitAutograd")
+def _packed_attention_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
+    enable_gqa: bool, *variant: Any,
+) -> tuple[Tensor, Tensor, Tensor]:
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with _autograd_inside_op():
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, AttentionVariant(*variant))
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@torch.library.register_fake("hgraph::packed_attention")
+def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.register_fake("hgraph::packed_attention_backward")
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.rc = active_context()
+    ctx.save_for_backward(*inputs[:4])
+    ctx.args = inputs[4:]
+
+
+def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
+    with entered(ctx.rc):
+        dq, dk, dv = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
+    return (dq, dk, dv, *(None for _ in range(1 + len(ctx.args))))
+
+
+torch.library.register_autograd("hgraph::packed_attention", _attention_backward, setup_context=_save_attention)
+
+
+def packed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    position_ids: Tensor,
+    *,
+    scale: float | None = None,
+    cp: bool = False,
+    enable_gqa: bool = False,
+    **variant: Any,
+) -> Tensor:
+    """Causal attention inside each packed sequence; a sequence starts where ``position_ids == 0``.
+
+    ``variant``: the fields of ``AttentionVariant`` — ``window`` (sliding-window attention: a query
+    sees itself and the ``window - 1`` keys before it, Mistral's ``sliding_window``), ``softcap``
+    (logits capped as ``softcap · tanh(logits / softcap)``, Gemma 2). Every kernel implements them.
+
+    q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]``, position_ids ``[b, s]``. Attention never crosses a
+    sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
+    With ``cp=True`` the sequence dim is split over the ``"cp"`` group with the load-balanced layout
+    of ``load_balance_indices``; K, V and positions are gathered here (``hgraph.all_gather``; dK, dV
+    are reduce-scattered back by its adjoint). On fake tensors without a rank context (shape
+    propagation of the global graph) only the output's shape and dtype are computed.
+    """
+    unknown = sorted(set(variant) - {f.name for f in dataclasses.fields(AttentionVariant)})
+    if unknown:
+        raise ShardingRuleError(
+            f"packed_attention: unknown attention variant {', '.join(unknown)}; the variants are "
+            f"{', '.join(f.name for f in dataclasses.fields(AttentionVariant))}"
+        )
+    chosen = AttentionVariant(**variant)
+    shape_only = is_fake(q) and active_context() is None
+    if not is_fake(q) and position_ids.shape != (q.shape[0], q.shape[2]):
+        raise ShardingRuleError(
+            f"packed_attention: position_ids {tuple(position_ids.shape)} do not match q {tuple(q.shape)} "
+            "(need [batch, seq])"
+        )
+    if cp and not shape_only:
+        k = all_gather(k, "cp", 2, grad_partial=True)
+        v = all_gather(v, "cp", 2, grad_partial=True)
+        position_ids = torch.ops.hgraph.all_gather(position_ids.detach(), "cp", 1, False)
+    return torch.ops.hgraph.packed_attention(
+        q, k, v, position_ids, scale, cp and not shape_only, enable_gqa, *chosen.op_args()
+    )
