@@ -98,3 +98,24 @@ def test_readme_is_short_and_has_no_development_notes():
     assert len(text.splitlines()) <= 300
     for pattern in (r"\bissue \d+", r"\b[0-9a-f]{7,40}\b(?<!\d{7})", r"\bgoal\b", r"engineers?'"):
         assert not re.search(pattern, text, re.I), pattern
+
+
+# Pages, tests and benchmarks the README names that land with work not merged yet (the README's
+# feature table lists them); each entry goes when its file is on this branch.
+PENDING = {
+    "docs/packing.md", "tests/compiler/test_packing_proof.py",
+    "docs/expert_parallelism.md", "tests/compiler/test_expert_parallel.py", "benchmarks/moe_bench.py",
+    "docs/big_models.md", "tests/compiler/test_meta_compile.py", "tests/runtime/test_weights_loading.py",
+    "benchmarks/big_model_bench.py",
+}
+
+
+def test_every_path_the_readme_names_exists():
+    """Each claim names its test or benchmark: those files, and every page the README links, exist."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    named = re.findall(r"`((?:tests|benchmarks|examples|docs)/[A-Za-z0-9_./-]*)", text)
+    paths = {p.rstrip("/") for p in links + named if not p.startswith(("http://", "https://"))}
+    assert len(paths) > 30, paths
+    missing = sorted(p for p in paths - PENDING if not (ROOT / p).exists())
+    assert not missing, f"the README names files that do not exist: {missing}"
