@@ -205,14 +205,14 @@ def compile_options(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
     import torch.distributed as dist
 
-    from hgraph.compiler import compiled_model
+    from hgraph.compiler import entry
     from hgraph.runtime.checkpoint_manager import CheckpointManager
     from hgraph.training.trainer import Trainer
 
     model = ModelSpec(cfg.model, cfg.seed)()
     vocab = model_vocab(model) or 256
-    compiled = compiled_model.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
-                                      **compile_options(cfg))
+    compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
+                             **compile_options(cfg))
     planner = None
     if cost_table is not None:
         from hgraph.planner.assign import Planner
