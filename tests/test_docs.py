@@ -103,7 +103,6 @@ def test_readme_is_short_and_has_no_development_notes():
 # Pages, tests and benchmarks the README names that land with work not merged yet (the README's
 # feature table lists them); each entry goes when its file is on this branch.
 PENDING = {
-    "docs/packing.md", "tests/compiler/test_packing_proof.py",
     "docs/expert_parallelism.md", "tests/compiler/test_expert_parallel.py", "benchmarks/moe_bench.py",
 }
 

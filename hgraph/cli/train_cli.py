@@ -32,6 +32,8 @@ import json
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +42,8 @@ from typing import Any, Optional
 import torch
 
 from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
-from hgraph.core.errors import CommunicationError, InputError
+from hgraph.core.errors import CommunicationError, HGraphError, InputError
+from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
 from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
 
@@ -417,8 +420,6 @@ def run(args: argparse.Namespace) -> int:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else cfg.world_size
     backend = choose_backend(cfg, local_ranks)
     if torchrun:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0
-        from hgraph.runtime import preemption
-
         preemption.install()
     precheck(cfg)
     batches = length_batches(cfg) if cfg.data is None else None
@@ -445,7 +446,11 @@ def run(args: argparse.Namespace) -> int:
         from hgraph.runtime.launch import init_from_env
 
         init_from_env(backend, timeout=args.comm_timeout)
-        result = train_rank(cfg, batches, cost_table)
+        try:
+            result = train_rank(cfg, batches, cost_table)
+        except HGraphError as exc:
+            leave_at_once_if_stopped(exc)
+            raise
         if not lead:
             return 0
     else:
@@ -457,6 +462,20 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(result["error"])
     write_outputs(Path(cfg.out), result)
     return 0
+
+
+def leave_at_once_if_stopped(exc: HGraphError) -> None:
+    """This torchrun worker failed (a peer died): there is no iteration to finish and no checkpoint to
+    write, so SIGTERM gets its default action back. If torchrun's SIGTERM already came (it stops the
+    survivors of a lost rank before restarting the job), die of it now, after naming the error, instead
+    of making the restart wait for this interpreter's teardown (seconds under load; torchrun waits up
+    to 30 s)."""
+    signalled = preemption.requested()
+    preemption.uninstall()
+    if signalled:
+        print(f"hgraph train: error: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> None:

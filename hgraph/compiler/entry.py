@@ -44,6 +44,7 @@ def compile(
     cache_dir: Optional[str] = None,
     pipeline_schedule: str = "1f1b",
     trust_shared_cache: bool = False,
+    packing: str = "auto",
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -73,7 +74,11 @@ def compile(
     ``trust_shared_cache=True`` (everyone who can write it is trusted; docs/reliability.md, "Trust").
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
-    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``.
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``. ``packing``: ``"auto"``
+    (several documents per micro-batch once packing is proved exact for this model, from the graph
+    or by probing; else one document per micro-batch with a ``PackingWarning``), ``"require"``
+    (an unproved model is a ``PackingError``) or ``"off"`` (one document per micro-batch);
+    ``compiled.packing`` says which and why (``hgraph.compiler.packing_proof``).
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -100,7 +105,7 @@ def compile(
             )
         own = _own_rank(world) if rank == "auto" else rank
         return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir,
-                             trust_shared_cache)
+                             trust_shared_cache=trust_shared_cache, packing=packing)
 
 
 def _own_rank(world: int) -> Optional[int]:
