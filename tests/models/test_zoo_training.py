@@ -1,7 +1,7 @@
 """Zoo families in their default configs trained by ``hgraph.Trainer`` on real gloo processes.
 
 Every family: one packed step on tp2 (two processes) equal to ``torch.optim.AdamW`` on the unmodified
-model (the two below by default, all with the slow tests). Four families in depth: 3 iterations on 4
+model (the two below by default, all with the slow tests). In depth: 3 iterations on 4
 gloo processes, switching strategy every iteration, equal to single-process ``torch.optim.AdamW`` on
 the unmodified model: Mistral (sliding window shorter than the longest sequences, grouped-query
 attention), Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token), and two mixtures of experts on
