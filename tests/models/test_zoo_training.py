@@ -18,6 +18,8 @@ to ``GRAD_ATOL`` (float32 summation order under tp) allow parameters to differ b
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -185,6 +187,9 @@ def mismatches(families: list[str]) -> dict[str, str]:
 # whole row) cross document boundaries when packed: issue 20 (branch `packing`) fixes them. They must
 # differ here until then; when they train equal, this set goes.
 PACKING_PENDING = {"opt", "bloom", "mpt"}
+# Layers with no packed kernel (Mamba's selective scan, MiniMax's lightning attention): compile refuses
+# them before tracing, naming the module and the construct (docs/families_2026.md).
+NO_PACKED_KERNEL = {"minimax": "lightning-attention", "falcon_h1": "state-space", "nemotron_h": "state-space"}
 
 
 def test_gpt_bigcode_and_gemma2_train_one_packed_tp2_step_on_gloo_ranks():
@@ -196,7 +201,9 @@ def test_gpt_bigcode_and_gemma2_train_one_packed_tp2_step_on_gloo_ranks():
 @pytest.mark.slow  # every family in one launch: several minutes on two cores
 def test_every_zoo_family_trains_one_packed_tp2_step_on_gloo_ranks():
     got = mismatches(list(FAMILIES))
-    wrong = {f: why for f, why in got.items() if why and f not in PACKING_PENDING}
+    wrong = {f: why for f, why in got.items() if why and f not in PACKING_PENDING | NO_PACKED_KERNEL.keys()}
     assert not wrong, wrong
+    for family, construct in NO_PACKED_KERNEL.items():
+        assert re.search(rf"TraceError: .*module '.*' \(\w+\) is a {construct}", got[family]), got[family]
     fixed = sorted(f for f in PACKING_PENDING if not got[f])
     assert not fixed, f"{fixed} now train equal: remove them from PACKING_PENDING"
