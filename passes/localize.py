@@ -44,6 +44,7 @@ from hgraph.rules.base import (
     StridedShard,
     example_size,
     local_shape,
+    module_of,
     op_name,
     spec_str,
     with_placement,
@@ -324,7 +325,9 @@ class _Builder(LowerContext):
 
     def _where(self) -> str:
         node = self.current
-        return f"{op_name(node.target)} at node '{node.name}'" if node is not None and node.op == "call_function" else "output"
+        if node is None or node.op != "call_function":
+            return "output"
+        return f"{op_name(node.target)} at node '{node.name}'{module_of(node)}"
 
 
 __all__ = ["localize"]
