@@ -49,34 +49,39 @@ def _union(layouts: list[Layout], hetero: str) -> AnyLayout:
 def parameter_layouts(
     strategy: Strategy,
     users: dict[str, list[tuple[int, int]]],
-    specs: dict[tuple[int, int], dict[str, tuple]],
-    grad_specs: dict[tuple[int, int], dict[str, tuple]],
+    specs: dict[tuple[int, int, int], dict[str, tuple]],
+    grad_specs: dict[tuple[int, int, int], dict[str, tuple]],
     shapes: dict[str, tuple[int, ...]],
     optimizer_layouts: dict[str, Layout],
+    meshes: Optional[dict[tuple[int, int, int], dict[str, tuple[int, int]]]] = None,
 ) -> dict[str, ParameterLayouts]:
     """Pull/push layouts of every parameter of ``strategy``.
 
     ``users[name]`` lists the (pipeline, stage) pairs whose stage program takes the parameter;
-    ``specs[(cp, tp)][name]`` / ``grad_specs[...]`` are its compute and gradient placements on that
-    stage mesh.
+    ``specs[(cp, tp, ep)][name]`` / ``grad_specs[...]`` are its compute and gradient placements in the
+    local program of that pipeline key (``Pipeline.program_key``), on the stage mesh ``(cp, tp)`` or,
+    for the expert weights listed in ``meshes[key]``, on the expert mesh ``(ep, etp)`` (same ranks).
     """
     out: dict[str, ParameterLayouts] = {}
-    held: dict[int, tuple[tuple[tuple[int, int], ...], tuple]] = {}  # id(holders) -> holders, their meshes
+    held: dict[int, tuple[tuple[tuple[int, int], ...], tuple]] = {}  # id(holders) -> holders, their program keys
     unions: dict[tuple, tuple[AnyLayout, AnyLayout]] = {}  # parameters of equal shape and placement share them
+    meshes = meshes or {}
     for name, holders in users.items():
         if id(holders) not in held:
-            meshes = tuple(dict.fromkeys(strategy.pipelines[i].stage_mesh for i, _ in holders))
-            held[id(holders)] = (tuple(holders), meshes)
-        holder_tuple, meshes = held[id(holders)]
-        key = (id(holders), shapes[name], tuple(specs[m][name] for m in meshes), tuple(grad_specs[m][name] for m in meshes))
+            keys = tuple(dict.fromkeys(strategy.pipelines[i].program_key for i, _ in holders))
+            held[id(holders)] = (tuple(holders), keys)
+        holder_tuple, keys = held[id(holders)]
+        key = (id(holders), shapes[name], tuple(specs[k][name] for k in keys), tuple(grad_specs[k][name] for k in keys),
+               tuple(meshes.get(k, {}).get(name) for k in keys))
         if key not in unions:
             compute, grads = [], []
             for pipeline_index, stage in holder_tuple:
                 pipeline = strategy.pipelines[pipeline_index]
-                mesh = pipeline.stage_mesh
+                program = pipeline.program_key
+                mesh = meshes.get(program, {}).get(name, pipeline.stage_mesh)
                 ranks = pipeline.stage_ranks(stage)
-                compute.append(_layout(shapes[name], ranks, mesh, specs[mesh][name]))
-                grads.append(_layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
+                compute.append(_layout(shapes[name], ranks, mesh, specs[program][name]))
+                grads.append(_layout(shapes[name], ranks, mesh, grad_specs[program][name]))
             unions[key] = (_union(compute, "duplicate"), _union(grads, "partial"))
         out[name] = ParameterLayouts(name, holder_tuple, optimizer_layouts[name], *unions[key])
     return out

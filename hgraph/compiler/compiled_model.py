@@ -4,7 +4,7 @@ Data flow (every step a named pass of ``hgraph.passes.pipeline``, results cached
 docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp):  annotate -> localize                             = local program
+      per stage mesh (cp, tp, ep): annotate -> localize                          = local program
       per (cp, tp, pp):         partition; per stage: precision -> recompute     = stage programs
       per strategy:             insert_comm: Pull / Push layouts, activation boundaries
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
@@ -35,11 +35,12 @@ from torch import nn
 
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.schedule.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
-from hgraph.core.errors import HGraphError, InputError, StrategyError
+from hgraph.core.errors import HGraphError, InputError, ShardingRuleError, StrategyError
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel, trace
 from hgraph.core.layout import InterleavedShard, Layout
 from hgraph.core.model_info import model_dims as model_dims
 from hgraph.core.model_info import validate_strategies as validate_strategies
+from hgraph.passes.experts import find_expert_blocks, route_experts
 from hgraph.passes.insert_comm import activation_record, activation_subgraphs, parameter_layouts, plan_parameters
 from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
@@ -70,9 +71,11 @@ VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to t
 
 
 def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Specs of every value; under expert parallelism each MoE layer's tokens are first routed
+    through dispatch and combine (``hgraph.passes.experts``), whose specs annotate then decides."""
     from hgraph.passes.annotate import annotate
 
-    return annotate(gm, ctx)
+    return annotate(route_experts(gm, ctx), ctx)
 
 
 def _localize_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -137,8 +140,8 @@ class CompiledModel:
         self._passes = {level: PassManager.for_level(level, [Pass(n, builtin[n]) for n in names], user, off)
                         for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
-        self._local: dict[tuple[int, int], fx.GraphModule] = {}
-        self._stages: dict[tuple[int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp)
+        self._local: dict[tuple[int, int, int], fx.GraphModule] = {}  # (cp, tp, ep)
+        self._stages: dict[tuple[int, int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp, ep)
         self._plan_inputs: dict[int, tuple[dict, dict, dict]] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
@@ -211,28 +214,49 @@ class CompiledModel:
     def _context(self, **kw: Any) -> CompileContext:
         return CompileContext(self.traced, self.world_size, self.options, **kw)
 
-    def local_program(self, cp: int, tp: int) -> fx.GraphModule:
-        """The local (per-rank) program of a ``cp x tp`` stage mesh, before pipeline cuts."""
-        key = (cp, tp)
+    def local_program(self, cp: int, tp: int, ep: int = 1) -> fx.GraphModule:
+        """The local (per-rank) program of a ``cp x tp`` stage mesh (its MoE experts split ``ep``
+        ways), before pipeline cuts."""
+        key = (cp, tp, ep)
         if key not in self._local:
             gm = copy.deepcopy(self.traced.graph_module)
-            self._local[key], records = self._passes["mesh"].run(gm, self._context(cp=cp, tp=tp), f"cp{cp},tp{tp}")
+            scope = f"cp{cp},tp{tp}" + (f",ep{ep}" if ep > 1 else "")
+            try:
+                self._local[key], records = self._passes["mesh"].run(gm, self._context(cp=cp, tp=tp, ep=ep), scope)
+            except ShardingRuleError as exc:
+                raise self._router_error(exc, scope) if ep > 1 else exc
             self.pass_history += records
         return self._local[key]
 
+    def _router_error(self, exc: ShardingRuleError, scope: str) -> HGraphError:
+        """A rule that refused a node of an MoE layer under expert parallelism: the layer's router
+        cannot run on this rank's share of the tokens (``StrategyError``); any other error as it was."""
+        blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
+        layer = next((b.layer for b in blocks if b.layer and f"module '{b.layer}" in str(exc)), None)
+        if layer is None:
+            return exc
+        error = StrategyError(
+            f"{scope}: the router of MoE layer '{layer}' cannot be split by token, which expert parallelism "
+            f"needs (each rank routes its own tokens): {exc}. Use ep=1 for this strategy, or a strategy without "
+            "the split it refuses (e.g. no cp)"
+        )
+        error.__cause__ = exc
+        return error
+
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
-        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
+        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
         if key not in self._stages:
             with _gc_paused():
                 self._stages[key] = self._stage_graphs(pipeline, key)
         return self._stages[key]
 
-    def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int]) -> list[StageGraph]:
+    def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int, int]) -> list[StageGraph]:
         """``stage_graphs`` built: the pipeline passes, then the stage passes on each stage."""
-        gm = self.local_program(pipeline.cp, pipeline.tp)
-        scope = f"cp{pipeline.cp},tp{pipeline.tp},pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else "")
-        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp,
+        gm = self.local_program(*pipeline.program_key)
+        scope = (f"cp{pipeline.cp},tp{pipeline.tp}" + (f",ep{pipeline.ep}" if pipeline.ep > 1 else "")
+                 + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
+        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,
                             recompute=self.options.recompute_for(*key[:3]))
         _, records = self._passes["pipeline"].run(gm, ctx, scope)
         stages = []
@@ -245,20 +269,30 @@ class CompiledModel:
         return stages
 
     def _optimizer_layouts(self) -> dict[str, Layout]:
-        """The fixed ZeRO layouts; a fused projection cut by blocks on some stage mesh keeps its blocks."""
+        """The fixed ZeRO layouts; a fused projection cut by blocks on some stage mesh keeps its blocks;
+        expert weights ``[E, ...]`` are cut along their expert dim (``hgraph.core.zero``)."""
         blocks: dict[str, InterleavedShard] = {}
-        meshes = list(dict.fromkeys(p.stage_mesh for s in self.strategies for p in s.pipelines))
+        keys = list(dict.fromkeys(p.program_key for s in self.strategies for p in s.pipelines))
         with _gc_paused():  # builds every stage mesh's local program
-            specs = [self._specs(*mesh, "hgraph_param_spec") for mesh in meshes]
+            specs = [self._specs(key, "hgraph_param_spec") for key in keys]
         for mesh_specs in specs:
             for fqn, spec in mesh_specs.items():
                 for p in spec:
                     if isinstance(p, InterleavedShard):
                         blocks.setdefault(fqn, p)
-        return {fqn: optimizer_layout(shape, self.world_size, blocks.get(fqn)) for fqn, shape in self.param_shapes.items()}
+        experts = self.expert_weights()
+        return {fqn: optimizer_layout(shape, self.world_size, blocks.get(fqn), fqn in experts)
+                for fqn, shape in self.param_shapes.items()}
 
-    def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
-        gm = self.local_program(cp, tp)
+    def expert_weights(self) -> set[str]:
+        """Names of the parameters that hold one slice per routed expert (``[E, ...]``)."""
+        if not hasattr(self, "_expert_weights"):
+            blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
+            self._expert_weights = {self.traced.param_names[w.name] for b in blocks for w in b.weights}
+        return self._expert_weights
+
+    def _specs(self, program_key: tuple[int, int, int], key: str) -> dict[str, tuple]:
+        gm = self.local_program(*program_key)
         out = {}
         for n in gm.graph.nodes:
             if n.op == "placeholder" and n.name in self.traced.param_names:
@@ -267,6 +301,13 @@ class CompiledModel:
                     raise HGraphError(f"localize left parameter {n.name} without {key}")
                 out[self.traced.param_names[n.name]] = tuple(spec)
         return out
+
+    def _param_meshes(self, program_key: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
+        """The expert weights of that local program, each with the expert mesh ``(ep, etp)`` its
+        specs are on (every other parameter's are on the stage mesh)."""
+        gm = self.local_program(*program_key)
+        return {self.traced.param_names[n.name]: tuple(n.meta["hgraph_param_mesh"]) for n in gm.graph.nodes
+                if n.op == "placeholder" and n.name in self.traced.param_names and "hgraph_param_mesh" in n.meta}
 
     def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
         """The cache entry of this compile's own plans, keyed by everything they are built from."""
@@ -281,26 +322,29 @@ class CompiledModel:
         )
         return CompileCache(directory, plan_key(inputs))
 
-    def _comm_inputs(self, index: int) -> tuple[dict, dict, dict]:
-        """Strategy ``index``'s parameter users ``name -> [(pipeline, stage)]`` and per-mesh compute and
-        gradient placements ``mesh -> {name: spec}``: what its Pull / Push layouts are built from."""
+    def _comm_inputs(self, index: int) -> tuple[dict, dict, dict, dict]:
+        """Strategy ``index``'s parameter users ``name -> [(pipeline, stage)]``, per local program
+        (``Pipeline.program_key``) compute and gradient placements ``key -> {name: spec}`` and the
+        expert meshes of its expert weights ``key -> {name: (ep, etp)}``: what its Pull / Push layouts
+        are built from."""
         if index in self._plan_inputs:
             return self._plan_inputs[index]
         strategy = self.strategies[index]
-        stages_of: dict[tuple[int, int, int, int], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
-        specs, grad_specs = {}, {}
+        stages_of: dict[tuple[int, int, int, int, int], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
+        specs, grad_specs, meshes = {}, {}, {}
         for pipeline in strategy.pipelines:
-            mesh, scheme = pipeline.stage_mesh, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
+            mesh, scheme = pipeline.program_key, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
             if mesh not in specs:
-                specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
-                grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
+                specs[mesh] = self._specs(mesh, "hgraph_param_spec")
+                grad_specs[mesh] = self._specs(mesh, "hgraph_grad_spec")
+                meshes[mesh] = self._param_meshes(mesh)
             if scheme not in stages_of:  # data-parallel pipelines of one scheme share their stage programs
                 held: dict[str, dict[int, None]] = {}
                 for sg in self.stage_graphs(pipeline):
                     for ph in sg.params:  # the physical stage running this chunk
                         held.setdefault(self.traced.param_names[ph], {})[sg.stage % pipeline.pp] = None
                 stages_of[scheme] = {name: tuple(st) for name, st in held.items()}
-        schemes = [(p.cp, p.tp, p.pp, p.vpp) for p in strategy.pipelines]
+        schemes = [(p.cp, p.tp, p.pp, p.vpp, p.ep) for p in strategy.pipelines]
         shared: dict[tuple, list[tuple[int, int]]] = {}  # parameters held alike share one holder list
         users: dict[str, list[tuple[int, int]]] = {}
         for name in dict.fromkeys(n for held in stages_of.values() for n in held):  # first use, as the stages hold them
@@ -309,7 +353,7 @@ class CompiledModel:
                 at = dict(zip(stages_of, pattern))
                 shared[pattern] = [(i, st) for i, scheme in enumerate(schemes) for st in at[scheme]]
             users[name] = shared[pattern]
-        self._plan_inputs[index] = (users, specs, grad_specs)
+        self._plan_inputs[index] = (users, specs, grad_specs, meshes)
         return self._plan_inputs[index]
 
     def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
@@ -318,7 +362,7 @@ class CompiledModel:
         if index not in self._param_layouts:
             strategy = self.strategies[index]
             ctx = self._context(strategy=strategy)
-            gm = self.local_program(*strategy.pipelines[0].stage_mesh)
+            gm = self.local_program(*strategy.pipelines[0].program_key)
             with _gc_paused():
                 _, records = self._passes["strategy"].run(gm, ctx, f"strategy {strategy}")
             self.pass_history += records
@@ -328,9 +372,9 @@ class CompiledModel:
     def _insert_comm_pass(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         """The Pull Parameter / Push Gradient layouts of every parameter of ``ctx.strategy``."""
         assert ctx.strategy is not None
-        users, specs, grad_specs = self._comm_inputs(self.strategy_index(ctx.strategy))
+        users, specs, grad_specs, meshes = self._comm_inputs(self.strategy_index(ctx.strategy))
         ctx.parameter_layouts = parameter_layouts(
-            ctx.strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts
+            ctx.strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, meshes
         )
         return gm
 
@@ -413,7 +457,7 @@ class CompiledModel:
             coalesce=self.options.coalesce,
             pipeline_schedule=self.options.pipeline_schedule,
         )
-        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, strategy=s, program=program)
+        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, ep=pipeline.ep, strategy=s, program=program)
         _, records = self._passes["rank"].run(program.stage_graph.gm, ctx, f"strategy {s} rank {rank}")
         self.pass_history += records
         return program

@@ -262,6 +262,7 @@ class CompileContext:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual stages per pipeline stage: partition cuts pp * vpp stage programs
+    ep: int = 1  # expert-parallel degree: the MoE layers' experts split over the stage's ranks
     strategy: Optional[Strategy] = None
     stages: Optional[list[StageGraph]] = None
     parameter_layouts: dict[str, ParameterLayouts] = field(default_factory=dict)  # insert_comm's
@@ -283,7 +284,8 @@ class CompileContext:
 
     def __str__(self) -> str:
         where = f", strategy {self.strategy}" if self.strategy is not None else ""
-        return f"CompileContext(world {self.world_size}, cp={self.cp}, tp={self.tp}, pp={self.pp}{where})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"CompileContext(world {self.world_size}, cp={self.cp}, tp={self.tp}{ep}, pp={self.pp}{where})"
 
 
 def current_index(groups: dict[str, tuple[int, ...]], dim: str, rank: int) -> int:
