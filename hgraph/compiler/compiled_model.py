@@ -270,7 +270,9 @@ class CompiledModel:
 
     def _optimizer_layouts(self) -> dict[str, Layout]:
         """The fixed ZeRO layouts; a fused projection cut by blocks on some stage mesh keeps its blocks;
-        expert weights ``[E, ...]`` are cut along their expert dim (``hgraph.core.zero``)."""
+        with an expert-parallel strategy among them, expert weights ``[E, ...]`` are cut along their
+        expert dim (``hgraph.core.zero``: ep Pulls read whole experts; without one, tp-sharded experts
+        keep the cut that matches theirs)."""
         blocks: dict[str, InterleavedShard] = {}
         keys = list(dict.fromkeys(p.program_key for s in self.strategies for p in s.pipelines))
         with _gc_paused():  # builds every stage mesh's local program
@@ -280,7 +282,7 @@ class CompiledModel:
                 for p in spec:
                     if isinstance(p, InterleavedShard):
                         blocks.setdefault(fqn, p)
-        experts = self.expert_weights()
+        experts = self.expert_weights() if any(p.ep > 1 for s in self.strategies for p in s.pipelines) else set()
         return {fqn: optimizer_layout(shape, self.world_size, blocks.get(fqn), fqn in experts)
                 for fqn, shape in self.param_shapes.items()}
 
