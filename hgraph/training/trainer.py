@@ -23,10 +23,12 @@ from hgraph.core.errors import CheckpointError, InputError, TrainingError
 from hgraph.core.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
+from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.runtime.kernels.reshard import default_comm, execute
@@ -221,6 +223,21 @@ class Trainer:
         rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in d.micro_batches[program.pipeline]]
         return local_micro_batches(rows, program.groups, self.rank, buffers, self.device)
 
+    def _routing_statistics(self, program: Any, routing: Optional[list]) -> dict[str, Any]:
+        """Router statistics of an expert-parallel iteration: ``expert_counts`` (rows routed to each
+        expert of each MoE layer of this rank's stage, summed over the stage's ranks and micro-batches)
+        and ``expert_imbalance`` (the busiest expert group's rows over the mean, slowest layer:
+        ``hgraph.planner.experts``); nothing without ep."""
+        if routing is None:
+            return {}
+        layers = sum(1 for sg in program.chunks for n in sg.gm.graph.nodes if n.target is expert_dispatch)
+        if not routing or not layers:
+            return {}
+        counts = torch.stack(routing).view(-1, layers, routing[0].numel()).sum(0).to(self.device)
+        counts = self.comm.all_reduce(counts, tuple(program.groups["stage"])).cpu()
+        ep = len(program.groups["ep"])
+        return {"expert_counts": counts.tolist(), "expert_imbalance": layer_imbalance(counts.tolist(), ep)}
+
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
         run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
@@ -231,8 +248,10 @@ class Trainer:
             self.compiled.check_overlap(d.strategy_index, [len(m) for m in d.micro_batches])
         if self.timeline is not None:
             self.timeline.iteration = self.iteration
-        with rank_context(RankContext(self.rank, self.comm, program.groups)):
+        routing: Optional[list] = [] if "ep" in program.groups else None
+        with rank_context(RankContext(self.rank, self.comm, program.groups, routing)):
             out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=self.timeline)
+        routed = self._routing_statistics(program, routing)
         loss_sum = torch.tensor([out.loss_sum], dtype=torch.float64, device=self.device)
         loss = float(self.comm.all_reduce(loss_sum, self.world)) / tokens
         if not math.isfinite(loss):
@@ -269,6 +288,7 @@ class Trainer:
             "seconds": end - start,
             "lengths": lengths,
             "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
+            **routed,
         }
         self.history.append(record)
         observe = getattr(self.planner, "observe", None)

@@ -155,6 +155,8 @@ def _agree_layout(rc: RankContext, counts: Tensor) -> Tensor:
 @torch.library.custom_op("hgraph::expert_dispatch", mutates_args=())
 def _expert_dispatch(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     rc = current()
+    if rc.routing is not None:
+        rc.routing.append(counts.detach().to("cpu", torch.int64))
     layout = _agree_layout(rc, counts)
     rows_e = _to_experts(rc, rows, counts, layout)
     return rows_e, torch.cumsum(layout.sum((0, 1)), 0, dtype=torch.int32), layout
