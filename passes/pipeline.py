@@ -1,22 +1,27 @@
-"""The pass pipeline: every compile stage is a named pass ``(GraphModule, CompileContext) -> GraphModule``.
+"""The pass pipeline: every compile stage is a named point where passes ``(GraphModule, CompileContext)
+-> GraphModule`` run, with a read-only context.
 
-The built-in passes, in order, and the graph each one (and every user pass anchored at it) sees::
+The built-in points, in order, and the graph each pass (and every user pass anchored there) sees::
 
-    annotate, localize    the local program of a (cp, tp) stage mesh
-    partition             that program, once per pipeline scheme (cp, tp, pp); cuts ctx.stages
-    precision, recompute  each stage program (ctx.stage)
-    insert_comm           once per strategy (ctx.strategy), on the local program of its first
-                          pipeline: the Pull/Push layouts of every parameter from the stage programs into
-                          ctx.parameter_layouts (each rank plans its part later)
-    schedule              the stage program of one rank (ctx.program): lowers its schedule
-                          (``schedule="overlap"``: the pull/push order, ``RankSchedule``)
+    annotate, localize    passes on the local program of a (cp, tp) stage mesh
+    partition             step: that program cut into stage programs, once per pipeline scheme
+                          (cp, tp, pp); passes after it see them in ctx.stages
+    precision, recompute  passes on each stage program (ctx.stage)
+    insert_comm           step: once per strategy (ctx.strategy), the Pull/Push layouts of every
+                          parameter (ctx.parameter_layouts after it), on the local program of its first
+                          pipeline (each rank plans its part later)
+    schedule              step: the rank's program lowered (ctx.program; ``schedule="overlap"``: its
+                          pull/push order, ``RankSchedule``), on the rank's stage program
 
-Every run is timed and kept as a ``PassRecord`` (``compiled.pass_history``). User passes plug in
-``after=`` or ``before=`` any built-in pass (``Pass("bucket_pushes", fn, after="insert_comm")``) and
-run at that pass's level; ``disable=`` switches passes off by name. An unknown anchor or name raises
-``InputError`` listing the valid ones. Passes that leave products in the context (partition,
-insert_comm, schedule) must hand back the graph they got unchanged: a user pass at their level that
-returns another graph (or changes its node count) raises, as the change would be lost.
+A *pass* transforms the graph it is given. A *step* (partition, insert_comm, schedule) computes a
+product instead: the compiler calls a plain typed function there (``hgraph.compiler``) and hands
+the passes anchored after it a new context holding the product. Every run is timed and kept as a
+``PassRecord`` (``compiled.pass_history``). User passes plug in ``after=`` or ``before=`` any point
+(``Pass("bucket_pushes", fn, after="insert_comm")``) and run at that point's level; ``disable=``
+switches passes off by name (steps cannot be). An unknown anchor or name raises ``InputError``
+listing the valid ones. At a step's level the graph is not what the compile keeps, so a user pass
+there must hand back the graph it got unchanged: one that returns another graph (or changes its
+node count) raises, as the change would be lost.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch.fx as fx
 
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hgraph.passes")
 
 PassFn = Callable[[fx.GraphModule, "CompileContext"], fx.GraphModule]
+T = TypeVar("T")
 
 # The built-in passes by level, in order; a level's graph is described in the module docstring.
 LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -46,8 +52,8 @@ LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rank", ("schedule",)),
 )
 BUILTIN = tuple(name for _, names in LEVELS for name in names)
-REQUIRED = frozenset({"partition", "insert_comm", "schedule"})  # they make what later stages read
-KEEPS_GRAPH = frozenset({"pipeline", "strategy", "rank"})  # levels whose products live in the context
+STEPS = {"pipeline": "partition", "strategy": "insert_comm", "rank": "schedule"}  # level -> its compile step
+REQUIRED = frozenset(STEPS.values())  # steps: they make what later stages read
 
 
 @dataclass(frozen=True)
@@ -123,36 +129,64 @@ def checked_disabled(disabled: Iterable[str], user: Sequence[Pass]) -> frozenset
 
 @dataclass(frozen=True)
 class PassManager:
-    """The passes of one level in order (built-ins with the user passes anchored at them)."""
+    """The passes of one level in order: built-ins with the user passes anchored at them, or at a step
+    level the user passes before and after the step (its name stands where the step runs)."""
 
     level: str
-    passes: tuple[Pass, ...]
+    order: tuple[Union[Pass, str], ...]
     disabled: frozenset[str] = frozenset()
 
     @classmethod
-    def for_level(cls, level: str, builtin: Sequence[Pass], user: Sequence[Pass] = (),
+    def for_level(cls, level: str, builtin: Optional[Mapping[str, PassFn]] = None, user: Sequence[Pass] = (),
                   disabled: frozenset[str] = frozenset()) -> "PassManager":
-        """``builtin`` (this level's passes) with the ``user`` passes anchored at them inserted."""
-        order = list(builtin)
-        names = {p.name for p in builtin}
-        if names != set(dict(LEVELS)[level]):
-            raise HGraphError(f"level {level} runs {sorted(dict(LEVELS)[level])}, got {sorted(names)}")
+        """This level's built-in passes (``builtin``: name -> function; none at a step level) with the
+        ``user`` passes anchored at its points inserted."""
+        names, builtin = dict(LEVELS)[level], builtin or {}
+        if set(builtin) != {n for n in names if n not in REQUIRED}:
+            raise HGraphError(f"level {level} runs {[n for n in names if n not in REQUIRED]}, got {sorted(builtin)}")
+        order: list[Union[Pass, str]] = [n if n in REQUIRED else Pass(n, builtin[n]) for n in names]
         for p in user:
             anchor = p.after or p.before
             if anchor not in names:
                 continue
-            i = next(i for i, x in enumerate(order) if x.name == anchor)
+            i = next(i for i, x in enumerate(order) if _name(x) == anchor)
             if p.after:  # after the anchor and after the user passes already placed after it
                 i += 1
-                while i < len(order) and order[i].after == anchor:
+                while i < len(order) and isinstance(order[i], Pass) and order[i].after == anchor:
                     i += 1
             order.insert(i, p)
         return cls(level, tuple(order), disabled)
 
+    @property
+    def passes(self) -> tuple[Pass, ...]:
+        return tuple(p for p in self.order if isinstance(p, Pass))
+
     def run(self, gm: fx.GraphModule, ctx: "CompileContext", scope: str = "") -> tuple[fx.GraphModule, list[PassRecord]]:
-        """Run every enabled pass on ``gm``; the final graph and one record per pass run."""
+        """Run every enabled pass of a graph level on ``gm``; the final graph and one record per pass run."""
+        if self.level in STEPS:
+            raise HGraphError(f"the {self.level} level runs around its step: use PassManager.around")
+        return self._run(self.order, gm, ctx, scope)
+
+    def around(self, gm: fx.GraphModule, ctx: "CompileContext", scope: str, step: Callable[[], T],
+               with_product: Callable[[T], "CompileContext"]) -> tuple[T, list[PassRecord]]:
+        """At a step level: the passes before the step on ``(gm, ctx)``, the step (``step()``: its
+        product, timed as a record of the step's name), the passes after it on ``(gm,
+        with_product(product))``; returns the product and the records."""
+        at = self.order.index(STEPS[self.level])
+        _, records = self._run(self.order[:at], gm, ctx, scope)
+        start = time.perf_counter()
+        product = step()
+        nodes = len(gm.graph.nodes)
+        records.append(PassRecord(STEPS[self.level], time.perf_counter() - start, nodes, nodes, scope))
+        log.info("pass %s", records[-1])
+        _, more = self._run(self.order[at + 1:], gm, with_product(product), scope)
+        return product, records + more
+
+    def _run(self, passes: Sequence[Union[Pass, str]], gm: fx.GraphModule, ctx: "CompileContext",
+             scope: str) -> tuple[fx.GraphModule, list[PassRecord]]:
         records = []
-        for p in self.passes:
+        for p in passes:
+            assert isinstance(p, Pass)
             if p.name in self.disabled:
                 log.info("pass %s [%s]: disabled", p.name, scope)
                 continue
@@ -163,7 +197,7 @@ class PassManager:
                 raise HGraphError(
                     f"pass {p.name} [{scope}] returned {type(out).__name__}; a pass must return a GraphModule"
                 )
-            if self.level in KEEPS_GRAPH and (out is not gm or len(out.graph.nodes) != before):
+            if self.level in STEPS and (out is not gm or len(out.graph.nodes) != before):
                 raise HGraphError(
                     f"pass {p.name} [{scope}] changed the graph at the {self.level} level, whose products "
                     f"live in the context ({', '.join(dict(LEVELS)[self.level])}); return the graph it got "
@@ -176,4 +210,10 @@ class PassManager:
         return gm, records
 
     def __str__(self) -> str:
-        return f"{self.level}: " + " -> ".join(p.name + (" (off)" if p.name in self.disabled else "") for p in self.passes)
+        return f"{self.level}: " + " -> ".join(
+            _name(p) + (" (off)" if _name(p) in self.disabled else " (step)" if isinstance(p, str) else "")
+            for p in self.order)
+
+
+def _name(point: Union[Pass, str]) -> str:
+    return point if isinstance(point, str) else point.name

@@ -1,15 +1,16 @@
 """``hgraph.compile``: one explicit, inspectable program per strategy and rank.
 
-Data flow (every step a named pass of ``hgraph.passes.pipeline``, results cached; see
-docs/architecture.md)::
+Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes transform graphs,
+steps compute products with the typed functions named; results cached; see docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
       per stage mesh (cp, tp, ep): annotate -> localize                          = local program
-      per (cp, tp, pp):         partition; per stage: precision -> recompute     = stage programs
-      per strategy:             insert_comm: Pull / Push layouts, activation boundaries
+      per (cp, tp, pp):         partition step (``partition``); per stage: precision -> recompute
+                                                                                 = stage programs
+      per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
                                 RankProgram (hgraph.program.products) = stage program + pulls + pushes
-                                + 1F1B schedule; schedule: its lowering (overlap order)
+                                + pipeline schedule; schedule step (``rank_schedule``): its overlap order
 
 Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
 per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
@@ -27,12 +28,14 @@ import gc
 import time
 import warnings
 from dataclasses import replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch import nn
 
+from hgraph.compiler.overlap_order import rank_schedule
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.schedule.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
 from hgraph.core.errors import HGraphError, InputError, ShardingRuleError, StrategyError
@@ -43,7 +46,9 @@ from hgraph.core.model_info import validate_strategies as validate_strategies
 from hgraph.passes.experts import find_expert_blocks, route_experts
 from hgraph.passes.insert_comm import activation_record, activation_subgraphs, parameter_layouts, plan_parameters
 from hgraph.passes.partition import partition
-from hgraph.passes.pipeline import LEVELS, Pass, PassManager, PassRecord, checked_disabled, checked_user_passes
+from hgraph.passes.annotate import annotate
+from hgraph.passes.localize import localize
+from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import fp32_loss
 from hgraph.passes.recompute import recompute
 from hgraph.runtime.kernels.reshard import late_peers
@@ -73,21 +78,7 @@ VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to t
 def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     """Specs of every value; under expert parallelism each MoE layer's tokens are first routed
     through dispatch and combine (``hgraph.passes.experts``), whose specs annotate then decides."""
-    from hgraph.passes.annotate import annotate
-
     return annotate(route_experts(gm, ctx), ctx)
-
-
-def _localize_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    from hgraph.passes.localize import localize
-
-    return localize(gm, ctx)
-
-
-def _partition_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    params = set(ctx.traced.param_names)
-    ctx.stages = partition(gm, ctx.pp * ctx.vpp, lambda n: n.name in params, ctx.options.layer_costs)
-    return gm
 
 
 def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -98,13 +89,7 @@ def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm if ctx.recompute is None or ctx.recompute.mode == "none" else recompute(gm, ctx)
 
 
-def _schedule_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Lower the rank's schedule: under ``schedule="overlap"`` its pull/push order (``RankSchedule``)."""
-    if ctx.options.schedule == "overlap" and ctx.program is not None:
-        from hgraph.passes.schedule import build
-
-        ctx.program.overlap = build(ctx.program, ctx.options.overlap)
-    return gm
+BUILTIN_PASSES = {"annotate": _annotate_pass, "localize": localize, "precision": _precision_pass, "recompute": _recompute_pass}
 
 
 class CompiledModel:
@@ -133,16 +118,14 @@ class CompiledModel:
         self.verify = self.world_size <= VERIFY_WORLD if verify is None else bool(verify)
         self.pass_history: list[PassRecord] = []
         user = checked_user_passes(user_passes)
-        builtin = {"annotate": _annotate_pass, "localize": _localize_pass, "partition": _partition_pass,
-                   "precision": _precision_pass, "recompute": _recompute_pass,
-                   "insert_comm": self._insert_comm_pass, "schedule": _schedule_pass}
         off = checked_disabled(disabled, user)
-        self._passes = {level: PassManager.for_level(level, [Pass(n, builtin[n]) for n in names], user, off)
+        self._passes = {level: PassManager.for_level(level, {n: BUILTIN_PASSES[n] for n in names if n in BUILTIN_PASSES},
+                                                     user, off)
                         for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int, int], fx.GraphModule] = {}  # (cp, tp, ep)
         self._stages: dict[tuple[int, int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp, ep)
-        self._plan_inputs: dict[int, tuple[dict, dict, dict]] = {}
+        self._plan_inputs: dict[int, tuple[dict, dict, dict, dict]] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
@@ -258,11 +241,14 @@ class CompiledModel:
                  + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,
                             recompute=self.options.recompute_for(*key[:3]))
-        _, records = self._passes["pipeline"].run(gm, ctx, scope)
+        params = set(self.traced.param_names)
+        cut, records = self._passes["pipeline"].around(
+            gm, ctx, scope,
+            lambda: tuple(partition(gm, pipeline.pp * pipeline.vpp, lambda n: n.name in params, self.options.layer_costs)),
+            lambda stages: replace(ctx, stages=stages))
         stages = []
-        for sg in ctx.stages or ():
-            ctx.stage = sg
-            out, more = self._passes["stage"].run(sg.gm, ctx, f"{scope} stage {sg.stage}")
+        for sg in cut:
+            out, more = self._passes["stage"].run(sg.gm, replace(ctx, stages=cut, stage=sg), f"{scope} stage {sg.stage}")
             stages.append(replace(sg, gm=out))
             records += more
         self.pass_history += records
@@ -366,19 +352,14 @@ class CompiledModel:
             ctx = self._context(strategy=strategy)
             gm = self.local_program(*strategy.pipelines[0].program_key)
             with _gc_paused():
-                _, records = self._passes["strategy"].run(gm, ctx, f"strategy {strategy}")
+                layouts, records = self._passes["strategy"].around(
+                    gm, ctx, f"strategy {strategy}",
+                    lambda: parameter_layouts(strategy, *self._comm_inputs(index)[:3], self.param_shapes,
+                                              self.optimizer_layouts, self._comm_inputs(index)[3]),
+                    lambda layouts: replace(ctx, parameter_layouts=MappingProxyType(layouts)))
             self.pass_history += records
-            self._param_layouts[index] = ctx.parameter_layouts
+            self._param_layouts[index] = layouts
         return self._param_layouts[index]
-
-    def _insert_comm_pass(self, gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-        """The Pull Parameter / Push Gradient layouts of every parameter of ``ctx.strategy``."""
-        assert ctx.strategy is not None
-        users, specs, grad_specs, meshes = self._comm_inputs(self.strategy_index(ctx.strategy))
-        ctx.parameter_layouts = parameter_layouts(
-            ctx.strategy, users, specs, grad_specs, self.param_shapes, self.optimizer_layouts, meshes
-        )
-        return gm
 
     def parameter_comm(self, strategy: StrategyLike, rank: int) -> dict[str, ParameterComm]:
         """Pull / Push subgraphs of every parameter in ``strategy`` with ``rank``'s part of each plan
@@ -439,7 +420,7 @@ class CompiledModel:
         stages = self.stage_graphs(pipeline)
         comm = self.parameter_comm(index, rank)
         order = self._layer_order()
-        pulls = [comm[name] for name in order if name in comm]
+        pulls = tuple(comm[name] for name in order if name in comm)
         program = RankProgram(
             strategy_index=index,
             rank=rank,
@@ -448,21 +429,29 @@ class CompiledModel:
             pp=pipeline.pp,
             groups=groups,
             stage_graph=stages[stage],
-            chunk_graphs=stages[stage::pipeline.pp],
+            chunk_graphs=tuple(stages[stage::pipeline.pp]),
             vpp=pipeline.vpp,
             param_of_placeholder=dict(self.traced.param_names),
             pulls=pulls,
-            pushes=list(reversed(pulls)),
-            activations=activation_subgraphs(stages, s, pi),
+            pushes=tuple(reversed(pulls)),
+            activations=tuple(activation_subgraphs(stages, s, pi)),
             compute_dtype=self.options.compute_dtype,
             reduce_dtype=self.options.reduce_dtype,
             coalesce=self.options.coalesce,
             pipeline_schedule=self.options.pipeline_schedule,
         )
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, ep=pipeline.ep, strategy=s, program=program)
-        _, records = self._passes["rank"].run(program.stage_graph.gm, ctx, f"strategy {s} rank {rank}")
+        program, records = self._passes["rank"].around(
+            program.stage_graph.gm, ctx, f"strategy {s} rank {rank}",
+            lambda: self._scheduled(program), lambda scheduled: replace(ctx, program=scheduled))
         self.pass_history += records
         return program
+
+    def _scheduled(self, program: RankProgram) -> RankProgram:
+        """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order)."""
+        if self.options.schedule != "overlap":
+            return program
+        return replace(program, overlap=rank_schedule(program, self.options.overlap or OverlapConfig()))
 
     def _layer_order(self) -> list[str]:
         """Parameters in the order the forward pass uses them (placeholder order of the trace)."""
@@ -574,7 +563,7 @@ def compile(
     ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
     ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
-    ``hgraph.passes.schedule.OverlapConfig`` (prefetched pulls, early pushes; same results).
+    ``hgraph.program.products.OverlapConfig`` (prefetched pulls, early pushes; same results).
     ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
     (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``; or a dict from pipeline
     scheme (``"tp2,pp2"``) to one of those, e.g. the planner's ``choose_recompute`` per scheme. ``reduce_dtype``: dtype

@@ -4,16 +4,16 @@ Options in (``CompileOptions`` with ``RecomputeConfig`` and ``OverlapConfig``), 
 sees (``CompileContext``), and what the passes make: stage programs (``StageGraph`` with its
 ``Boundary`` values), communication subgraphs (``CommSubgraph``, ``ParameterComm``), a rank's
 overlap order (``RankSchedule``) and, finally, one ``RankProgram`` per (strategy, rank), which the
-runtime executes. Everything here is data; the passes that fill it live in ``hgraph.passes`` and the
-interpreter in ``hgraph.runtime``. The old paths (``hgraph.passes.partition.StageGraph``,
-``hgraph.passes.schedule.OverlapConfig``, ``hgraph.runtime.executor.RankProgram``, ...) re-export.
+runtime executes. Everything here is data, frozen; the compiler (``hgraph.compiler``) builds it with
+the passes of ``hgraph.passes``, and the runtime (``hgraph.runtime``) interprets it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -248,11 +248,11 @@ class RankSchedule:
         return "\n".join(lines)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompileContext:
-    """What passes see besides the graph: the traced model, the stage mesh and the options.
-
-    Passes that produce more than a graph (stage cuts, plans) leave it here for later passes.
+    """What a pass sees besides the graph (read-only): the traced model, the stage mesh, the options,
+    and the products of the compile steps before it (``stages`` after partition, ``parameter_layouts``
+    after insert_comm, ``program`` at the rank level); the compiler hands each level a new context.
     """
 
     traced: "TracedModel"
@@ -264,8 +264,8 @@ class CompileContext:
     vpp: int = 1  # virtual stages per pipeline stage: partition cuts pp * vpp stage programs
     ep: int = 1  # expert-parallel degree: the MoE layers' experts split over the stage's ranks
     strategy: Optional[Strategy] = None
-    stages: Optional[list[StageGraph]] = None
-    parameter_layouts: dict[str, ParameterLayouts] = field(default_factory=dict)  # insert_comm's
+    stages: Optional[tuple[StageGraph, ...]] = None  # the partition step's
+    parameter_layouts: Mapping[str, ParameterLayouts] = field(default_factory=lambda: MappingProxyType({}))  # insert_comm's
     recompute: Optional[RecomputeConfig] = None  # this pipeline scheme's, for the recompute pass
     stage: Optional[StageGraph] = None  # the stage program the stage-level passes are running on
     program: Optional["RankProgram"] = None  # the rank program the rank-level passes lower
@@ -294,12 +294,10 @@ def current_index(groups: dict[str, tuple[int, ...]], dim: str, rank: int) -> in
     return group.index(rank)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankProgram:
-    """Everything one rank runs in an iteration of one strategy (see ``CompiledModel.program``).
-
-    Not frozen: the runtime caches derived graphs on it, and fault-injection tests edit ``pushes``.
-    """
+    """Everything one rank runs in an iteration of one strategy (see ``CompiledModel.program``),
+    built whole by the compiler (its overlap order included); a variant is a ``dataclasses.replace``."""
 
     strategy_index: int
     rank: int
@@ -309,21 +307,21 @@ class RankProgram:
     groups: dict[str, tuple[int, ...]]
     stage_graph: StageGraph
     param_of_placeholder: dict[str, str]
-    pulls: list[ParameterComm]  # layer order
-    pushes: list[ParameterComm]  # reverse layer order
-    activations: list[CommSubgraph] = field(default_factory=list)
+    pulls: tuple[ParameterComm, ...]  # layer order
+    pushes: tuple[ParameterComm, ...]  # reverse layer order
+    activations: tuple[CommSubgraph, ...] = ()
     compute_dtype: Optional[torch.dtype] = None
     overlap: Optional[RankSchedule] = None  # under schedule="overlap"
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False  # pull/push one layer's parameters together (runtime/kernels/coalesce.py)
     pipeline_schedule: str = "1f1b"  # hgraph.schedule.actions.PIPELINE_SCHEDULES
-    chunk_graphs: list[StageGraph] = field(default_factory=list)  # per chunk (vpp > 1); chunk 0 is stage_graph
+    chunk_graphs: tuple[StageGraph, ...] = ()  # per chunk (vpp > 1); chunk 0 is stage_graph
     vpp: int = 1
 
     @property
-    def chunks(self) -> list[StageGraph]:
+    def chunks(self) -> tuple[StageGraph, ...]:
         """The stage programs this rank runs: ``stage_graph``, or every chunk under interleaving."""
-        return self.chunk_graphs or [self.stage_graph]
+        return self.chunk_graphs or (self.stage_graph,)
 
     @property
     def push_dtype(self) -> torch.dtype:

@@ -1,0 +1,130 @@
+"""The overlap order: when each rank starts and waits its Pull Parameters and Push Gradients.
+
+With ``hgraph.compile(..., schedule="overlap")`` every rank runs a ``RankSchedule`` instead of
+"all pulls, then 1F1B, then all pushes":
+
+* **Pulls** start in the global layer order (the same on every rank, so collectives match) and are
+  prefetched ``prefetch_layers`` layers ahead of the layer being computed. Each wait is sunk to just
+  before the first use of the parameter inside the first forward (``overlap_graph`` puts a wait node
+  there), so layer ``k`` computes while layer ``k + 1 ... k + d`` arrive. ``max_inflight_bytes``
+  caps the received bytes in flight on a rank (older pulls are waited first). Pulls a rank only
+  sends (it does not compute with the parameter) start as early as possible and are waited at the
+  end of the iteration.
+* **Pushes** are cut into buckets of at least ``bucket_bytes`` (consecutive in reverse layer order;
+  a bucket is a unit of start, the plans stay separate so sums are bit-identical) and start in that
+  order during the last backward, as soon as every gradient of the bucket is final (a
+  post-accumulate-grad hook); all are waited at the end.
+* **Pipeline sends** (activation headers and data) are asynchronous, waited at the end of the
+  iteration (as under ``schedule="none"``).
+
+Everything here is decided from the program alone (no timing), so the order is deterministic: the
+compiler's ``schedule`` step computes it (``rank_schedule``) when it builds the ``RankProgram``, and
+``RankProgram.actions`` lowers it into the rank's action list (``hgraph.schedule.actions.overlap_actions``),
+which the one executor runs and the one dry run (``hgraph.schedule.actions.dry_run``, through
+``CompiledModel.check_actions``) checks against every other rank before anything runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hgraph.program.products import Op, OverlapConfig, ParameterComm, RankProgram, RankSchedule, layer_of
+
+
+def first_use_order(program: RankProgram) -> list[str]:
+    """Parameter names in the order the stage forward first uses them."""
+    params = set(program.stage_graph.params)
+    seen: dict[str, None] = {}
+    for node in program.stage_graph.gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op == "placeholder" and arg.name in params:
+                seen.setdefault(program.param_of_placeholder[arg.name], None)
+    return list(seen)
+
+
+def holds(program: RankProgram, pc: ParameterComm) -> bool:
+    return any(h == (program.pipeline, program.stage) for h in pc.holders)
+
+
+def _dst_bytes(pc: ParameterComm, rank: int) -> int:
+    plan = pc.pull.plan
+    if rank not in plan.dst.ranks:
+        return 0
+    return int(torch.Size(plan.dst.local_shape(rank)).numel()) * plan.itemsize
+
+
+def rank_schedule(program: RankProgram, config: OverlapConfig) -> RankSchedule:
+    """The overlap order of one rank's program (see the module docstring for the rules)."""
+    pulls = program.pulls
+    names = [pc.name for pc in pulls]
+    index = {n: i for i, n in enumerate(names)}
+    layers = layer_of(names)
+    held = [holds(program, pc) for pc in pulls]
+    used = [n for n in first_use_order(program) if n in index and held[index[n]]]
+    nbytes = [_dst_bytes(pc, program.rank) if h else 0 for pc, h in zip(pulls, held)]
+    started, waited = 0, set()
+    inflight: list[int] = []  # held pulls started, not waited, oldest first
+
+    def start_upto(last: int, ops: list[Op]) -> None:
+        nonlocal started
+        while started <= min(last, len(pulls) - 1):
+            i = started
+            cap = config.max_inflight_bytes
+            while cap is not None and inflight and sum(nbytes[j] for j in inflight) + nbytes[i] > cap:
+                j = inflight.pop(0)
+                ops.append(("wait", j))
+                waited.add(j)
+            ops.append(("start", i))
+            if held[i]:
+                inflight.append(i)
+            started += 1
+
+    def window_end(layer: float) -> int:
+        """Index of the last pull whose layer is within ``prefetch_layers`` after ``layer``."""
+        last = -1
+        for i, lay in enumerate(layers):
+            if lay <= layer + config.prefetch_layers:
+                last = i
+        return last
+
+    prelude: list[Op] = []
+    first_layer = layers[index[used[0]]] if used else float("inf")
+    start_upto(window_end(first_layer - 1) if used else len(pulls) - 1, prelude)
+    at_use = []
+    for name in used:
+        i = index[name]
+        ops: list[Op] = []
+        start_upto(max(i, window_end(layers[i])), ops)
+        if i not in waited:
+            ops.append(("wait", i))
+            waited.add(i)
+            inflight.remove(i)
+        at_use.append((name, tuple(ops)))
+    after: list[Op] = []
+    start_upto(len(pulls) - 1, after)
+    for i in range(len(pulls)):  # held but unused by the forward graph: needed before the backward
+        if held[i] and i not in waited:
+            after.append(("wait", i))
+            waited.add(i)
+    at_end = tuple(("wait", i) for i in range(len(pulls)) if i not in waited)
+    return RankSchedule(program.rank, tuple(prelude), tuple(at_use), tuple(after), at_end,
+                        push_buckets(program, config), tuple(names))
+
+
+def push_buckets(program: RankProgram, config: OverlapConfig) -> tuple[tuple[int, ...], ...]:
+    """Consecutive pushes (reverse layer order) grouped until a bucket holds ``bucket_bytes``; the
+    same on every rank (it uses global tensor bytes)."""
+    buckets: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for i, pc in enumerate(program.pushes):
+        current.append(i)
+        size += int(pc.push.bytes)
+        if size >= config.bucket_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+    if current:
+        buckets.append(tuple(current))
+    return tuple(buckets)
