@@ -2,7 +2,7 @@
 
 Public API: layouts (``Layout``, ``LayoutUnion``, ``Shard``, ``Replicate``, ``Partial``), strategies
 (``Strategy``, ``Pipeline``), the layout solver (``hgraph.lnk``), the planner (``hgraph.planner``),
-``compile``, the runtime (``launch``, ``Trainer``), data (``hgraph.data``) and ``export_pretrained``.
+``compile``, the runtime (``launch``, ``Trainer``, ``CheckpointManager``, ``MetricsConfig``), data (``hgraph.data``) and ``export_pretrained``.
 Errors derive from ``HGraphError``.
 """
 
@@ -49,6 +49,14 @@ def __getattr__(name: str):
         from hgraph.training.trainer import Trainer
 
         return Trainer
+    if name == "CheckpointManager":
+        from hgraph.runtime.checkpoint_manager import CheckpointManager
+
+        return CheckpointManager
+    if name == "MetricsConfig":
+        from hgraph.runtime.metrics import MetricsConfig
+
+        return MetricsConfig
     if name in ("Planner", "CostModel", "propose", "load_cost_model", "IterationPlan"):
         from hgraph import planner
 
@@ -65,6 +73,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CheckpointError",
+    "CheckpointManager",
     "CompiledModel",
     "CostModel",
     "IterationPlan",
@@ -86,6 +95,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LayoutUnion",
+    "MetricsConfig",
     "Partial",
     "Pipeline",
     "PlanError",

@@ -73,7 +73,7 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
             specs[node] = REPLICATED if rin.is_tensor(node) else None
         elif node.op == "call_function":
             if node.target in _PARAM_VIEWS and node.args[0] in free:
-                free.add(node)  # a transposed parameter: placed by its consumer, like the parameter
+                free.add(node)  # a transposed or cast parameter: placed by its consumer, like the parameter
                 views[node] = node.args[0]
                 continue
             decision = _decide(node, rin)
@@ -110,15 +110,18 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
     return gm
 
 
-_PARAM_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.permute.default)
+_PARAM_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.ops.aten.permute.default,
+                torch.ops.aten.to.dtype)  # the precision pass's fp32 upcast of a bf16-pulled parameter
 
 
 def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: set, specs: dict) -> None:
-    """A transposed parameter placed as ``req`` by its consumer: the parameter takes the placement
-    that the transpose maps to ``req`` (when still free), then the transpose is decided as usual."""
+    """A transposed (or cast) parameter placed as ``req`` by its consumer: the parameter takes the
+    placement that the transpose maps to ``req`` (when still free), then the view is decided as usual."""
     if param in free:
         ndim = rin.ndim(param)
-        if view.target is torch.ops.aten.permute.default:
+        if view.target is torch.ops.aten.to.dtype:
+            source = list(range(ndim))
+        elif view.target is torch.ops.aten.permute.default:
             source = [d % ndim for d in view.args[1]]
         else:
             a, b = (0, 1) if view.target is torch.ops.aten.t.default else (view.args[1] % ndim, view.args[2] % ndim)

@@ -3,10 +3,11 @@
 
 The built-in points, in order, and the graph each pass (and every user pass anchored there) sees::
 
-    annotate, localize    passes on the local program of a (cp, tp) stage mesh
+    precision, annotate,  passes on the local program of a (cp, tp) stage mesh (precision: a reduced
+    localize              compute dtype computes as torch.autocast does)
     partition             step: that program cut into stage programs, once per pipeline scheme
                           (cp, tp, pp); passes after it see them in ctx.stages
-    precision, recompute  passes on each stage program (ctx.stage)
+    recompute             pass on each stage program (ctx.stage)
     insert_comm           step: once per strategy (ctx.strategy), the Pull/Push layouts of every
                           parameter (ctx.parameter_layouts after it), on the local program of its first
                           pipeline (each rank plans its part later)
@@ -45,9 +46,9 @@ T = TypeVar("T")
 
 # The built-in passes by level, in order; a level's graph is described in the module docstring.
 LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("mesh", ("annotate", "localize")),
+    ("mesh", ("precision", "annotate", "localize")),
     ("pipeline", ("partition",)),
-    ("stage", ("precision", "recompute")),
+    ("stage", ("recompute",)),
     ("strategy", ("insert_comm",)),
     ("rank", ("schedule",)),
 )

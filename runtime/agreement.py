@@ -3,13 +3,16 @@
 Each rank takes its ZeRO shards from its own copy of the model. Copies that differ (an unseeded
 construction in each process, or rank threads racing on torch's process-wide RNG) would make the
 Trainer train a patchwork of parameters that no rank built, silently. Every rank therefore
-contributes a fingerprint per parameter and buffer (float64 sum, norm, and a position-weighted sum of
-a fixed sample, which catches permuted values) to one all-gather; any difference raises
-``TrainingError`` on every rank, naming the first differing tensor and rank.
+contributes a fingerprint per parameter and buffer to one all-gather: for floating tensors a float64
+sum, norm and position-weighted sum of a fixed sample (which catches permuted values), compared up to
+summation order; for integer and bool tensors (GPT-BigCode's causal-mask buffer, position tables) a
+hash of their bytes, compared exactly. Any difference raises ``TrainingError`` on every rank, naming
+the first differing tensor and rank.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping
 
 import torch
@@ -23,10 +26,17 @@ _RTOL = 1e-9
 
 
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors), 3]`` float64: sum, 2-norm and a position-weighted sample sum of each tensor."""
+    """``[len(tensors), 3]`` float64: per floating tensor its sum, 2-norm and a position-weighted sample
+    sum; per other tensor (integer, bool, complex) three 32-bit words of a hash of its bytes (``exact_rows``)."""
     rows = []
     for value in tensors.values():
         t = value.detach()
+        if not t.is_floating_point():
+            data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            digest = hashlib.blake2b(data + str(t.dtype).encode(), digest_size=12).digest()
+            rows.append(torch.tensor([int.from_bytes(digest[i : i + 4], "little") for i in (0, 4, 8)],
+                                     dtype=torch.float64))
+            continue
         flat = t.reshape(-1)
         step = max(1, flat.numel() // _SAMPLES)
         sample = flat[::step][:_SAMPLES].to(torch.float64)
@@ -39,6 +49,11 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
+def exact_rows(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Which rows of ``fingerprints`` are hashes (compared exactly)."""
+    return torch.tensor([not t.is_floating_point() for t in tensors.values()], dtype=torch.bool)
+
+
 def check_same_parameters(
     tensors: Mapping[str, torch.Tensor], comm: Communicator, group: Group, device: torch.device
 ) -> None:
@@ -49,18 +64,25 @@ def check_same_parameters(
     every = comm.all_gather(mine.to(device), group).cpu()  # [ranks, tensors, 3]
     ref = every[0]
     scale = ref.abs() + ref[:, 1:2].abs()  # a sum may cancel to ~0: measure against the norm too
+    close = ~exact_rows(tensors)[:, None]  # hashes must be equal; statistics up to summation order
     for i, rank in enumerate(group[1:], start=1):
         other = every[i]
-        same = (other == ref) | ((other - ref).abs() <= _RTOL * scale) | (other.isnan() & ref.isnan())
+        same = (other == ref) | (close & ((other - ref).abs() <= _RTOL * scale)) | (other.isnan() & ref.isnan())
         bad = [name for name, ok in zip(tensors, same.all(dim=1).tolist()) if not ok]
         if bad:
             k = list(tensors).index(bad[0])
             more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise TrainingError(
                 f"rank {rank} holds a different model than rank {group[0]}: '{bad[0]}'{more} differs "
-                f"(sum {float(other[k, 0]):.6g} vs {float(ref[k, 0]):.6g}); the Trainer shards every rank's "
+                f"({_described(other[k], ref[k], bool(close[k]))}); the Trainer shards every rank's "
                 "own copy, so all ranks must start from the same parameters. Build the model with a fixed "
                 "seed in every process (torch.manual_seed(seed) before construction, or "
                 "hgraph.models.Llama(seed=...)); on simulated ranks (threads share torch's global RNG) build "
                 "it once outside run_threads or through hgraph.core.seeding.seeded_model(key, seed, build)"
             )
+
+
+def _described(other: torch.Tensor, ref: torch.Tensor, statistics: bool) -> str:
+    if statistics:
+        return f"sum {float(other[0]):.6g} vs {float(ref[0]):.6g}"
+    return "its bytes differ"

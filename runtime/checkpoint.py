@@ -3,14 +3,17 @@
 A checkpoint is a directory::
 
     manifest.json        format, world size, iteration, parameter shapes and optimizer layouts,
-                         per-file tensor shapes/dtypes and sha256, learning-rate state, user ``extra``
-    rank00000.pt ...     per rank: fp32 master shards, Adam moments and steps, RNG state
+                         per-file tensor shapes/dtypes and sha256, learning-rate state, data
+                         position, planner state (online correction), user ``extra``
+    rank00000.pt ...     per rank: fp32 master shards, Adam moments and steps, RNG state (CPU, CUDA)
 
 Only the optimizer side is saved (the propagation side is rebuilt by Pull Parameter), so a
-checkpoint does not depend on the strategies that trained it. Atomicity: every rank writes into
-``.<name>.partial``; after a barrier rank 0 checks nothing is missing, writes the manifest last and
-renames the directory to ``<name>``; a crash anywhere before the rename leaves no directory that
-``load`` accepts. Safety: rank files are read with ``torch.load(weights_only=True)`` after their
+checkpoint does not depend on the strategies that trained it. A save is ``snapshot`` (host copies of
+the state: the only part on the training path) then ``write`` (in this thread, or in the background:
+``checkpoint_manager.py``). Atomicity: every rank writes into ``.<name>.partial``; after a barrier
+rank 0 checks nothing is missing, writes the manifest last and renames the directory to ``<name>``;
+a crash anywhere before the rename leaves no directory that ``load`` accepts, and a crash while a
+save replaces ``<name>`` leaves the previous checkpoint at ``.<name>.old`` (``resolve``). Safety: rank files are read with ``torch.load(weights_only=True)`` after their
 checksum matched, the manifest is JSON. ``load`` into another world size or optimizer layout
 reshards every shard with the LNK solver (``hgraph.lnk.solve`` + ``simulate``) from the saved layout.
 """
@@ -21,12 +24,13 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from hgraph.core.errors import CheckpointError
+from hgraph.core.errors import CheckpointError, HGraphError
 from hgraph.core.layout import Layout, Replicate, parse_placement
 from hgraph.runtime.kernels.simulate import simulate
 from hgraph.lnk import solve
@@ -67,75 +71,47 @@ def _digest_tensor(hexdigest: str, size: int) -> torch.Tensor:
     return torch.tensor(list(bytes.fromhex(hexdigest)) + [size], dtype=torch.int64)
 
 
-def _rank_state(trainer: Any) -> dict[str, Any]:
-    """What this rank writes: its optimizer shards and RNG (tensors and plain values only)."""
+def _rank_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """What this rank writes: its optimizer shards and RNG, as host (CPU) copies."""
     tensors = {}
     for name, entry in trainer.optimizer.shard_state().items():
         for key, value in entry.items():
-            tensors[f"{key}/{name}"] = value
+            tensors[f"{key}/{name}"] = value.to("cpu", copy=True) if value.device.type != "cpu" else value
     tensors["rng/cpu"] = torch.get_rng_state()
+    if trainer.device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(trainer.device)
     return tensors
 
 
-def save(trainer: Any, path: PathLike, extra: Optional[dict[str, Any]] = None) -> Path:
-    """Write ``trainer``'s optimizer state to the checkpoint directory ``path``; call on every rank.
+@dataclass(frozen=True)
+class Snapshot:
+    """One rank's checkpoint content, copied off the training state at one iteration: its host tensors
+    and (on every rank, written by the first) the manifest fields that describe them."""
 
-    ``extra`` (JSON-serialisable) is stored in the manifest and returned by ``load``. An existing
-    checkpoint at ``path`` is replaced only once the new one is complete.
-    """
-    final = Path(path)
-    partial = final.with_name(f".{final.name}.partial")
-    comm, world, rank = trainer.comm, trainer.world, trainer.rank
+    rank: int
+    world: tuple[int, ...]
+    iteration: int
+    tensors: dict[str, torch.Tensor]
+    manifest: dict[str, Any]
+
+    def __str__(self) -> str:
+        size = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return f"Snapshot(rank {self.rank}, iteration {self.iteration}, {len(self.tensors)} tensors, {size} bytes)"
+
+
+def snapshot(trainer: Any, extra: Optional[dict[str, Any]] = None) -> Snapshot:
+    """Copy ``trainer``'s state to host memory (the only part of a save on the training path);
+    ``write`` puts a snapshot on disk, in this thread or another."""
     try:
         extra_json = json.loads(json.dumps(extra or {}))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(
             f"extra={extra!r} is not JSON-serialisable ({exc}); use numbers, strings, lists and dicts"
         ) from None
-    if rank == world[0]:
-        shutil.rmtree(partial, ignore_errors=True)  # leftovers of a crashed save
-        partial.mkdir(parents=True)
-    comm.barrier(world)
-    state = _rank_state(trainer)
-    file = partial / rank_file(rank)
-    with open(file, "wb") as fh:
-        torch.save(state, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
-    if rank == world[0]:
-        _write_manifest(trainer, partial, state, digests, extra_json)
-        if final.exists():
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            partial.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            partial.rename(final)
-    comm.barrier(world)
-    return final
-
-
-def _write_manifest(trainer: Any, partial: Path, state: dict[str, torch.Tensor], digests: torch.Tensor,
-                    extra: dict[str, Any]) -> None:
+    tensors = _rank_state(trainer)
     compiled = trainer.compiled
-    files = {}
-    for rank in trainer.world:
-        name = rank_file(rank)
-        if not (partial / name).is_file():
-            raise CheckpointError(f"rank {rank} did not write {partial / name}; the checkpoint is incomplete")
-        row = digests[rank].tolist()
-        tensors = {}
-        for key, value in state.items():
-            if key.startswith("rng/"):
-                tensors[key] = {"shape": list(value.shape), "dtype": str(value.dtype)}
-                continue
-            kind, fqn = key.split("/", 1)
-            shape = [] if kind == "step" else list(compiled.optimizer_layouts[fqn].local_shape(rank))
-            tensors[key] = {"shape": shape, "dtype": str(value.dtype)}
-        files[name] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32], "tensors": tensors}
     group = trainer.optimizer.param_groups[0]
+    planner = getattr(trainer, "planner", None)
     manifest = {
         "format": FORMAT,
         "world_size": len(trainer.world),
@@ -148,15 +124,95 @@ def _write_manifest(trainer: Any, partial: Path, state: dict[str, torch.Tensor],
         },
         "optimizer": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"},
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
-        "files": files,
-        "extra": extra,
+        "extra": extra_json,
         # the position of the TokenLoader that Trainer.step_data reads (rank 0 holds it)
         "data": trainer.data.state_dict() if getattr(trainer, "data", None) is not None else None,
+        # what the planner learnt (its online correction); rank 0's is the one that plans
+        "planner": planner.state_dict() if hasattr(planner, "state_dict") else None,
+        "tensors": {key: {"shape": list(v.shape), "dtype": str(v.dtype)} for key, v in tensors.items()},
     }
     try:
-        text = json.dumps(manifest, indent=1, sort_keys=True)
+        json.dumps(manifest)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"the learning-rate scheduler state is not JSON-serialisable ({exc})") from None
+    return Snapshot(trainer.rank, tuple(trainer.world), trainer.iteration, tensors, manifest)
+
+
+def save(trainer: Any, path: PathLike, extra: Optional[dict[str, Any]] = None) -> Path:
+    """Write ``trainer``'s optimizer state to the checkpoint directory ``path``; call on every rank.
+
+    ``extra`` (JSON-serialisable) is stored in the manifest and returned by ``load``. An existing
+    checkpoint at ``path`` is replaced only once the new one is complete.
+    """
+    return write(snapshot(trainer, extra), path, trainer.comm)
+
+
+def write(snap: Snapshot, path: PathLike, comm: Any) -> Path:
+    """Put ``snap`` (every rank's, at the same iteration) on disk at ``path``: each rank its file in
+    ``.<name>.partial``, then the first rank the manifest and the rename. ``comm``: any communicator
+    of the ranks (``all_gather`` and ``barrier`` over ``snap.world``) that no other thread is using."""
+    final = Path(path)
+    partial = final.with_name(f".{final.name}.partial")
+    world, rank = snap.world, snap.rank
+    if rank == world[0]:
+        shutil.rmtree(partial, ignore_errors=True)  # leftovers of a crashed save
+        partial.mkdir(parents=True)
+    comm.barrier(world)
+    file = partial / rank_file(rank)
+    with open(file, "wb") as fh:
+        torch.save(snap.tensors, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
+    if rank == world[0]:
+        _write_manifest(snap, partial, digests.cpu())
+        if final.exists():
+            # a crash between these renames leaves the previous checkpoint complete at .<name>.old,
+            # where load finds it
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            partial.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            partial.rename(final)
+        _fsync_directory(final.parent)
+    comm.barrier(world)
+    return final
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename in ``path`` durable (where the platform allows opening directories)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(snap: Snapshot, partial: Path, digests: torch.Tensor) -> None:
+    manifest = {k: v for k, v in snap.manifest.items() if k != "tensors"}
+    layouts = {fqn: _layout_from_json(p["shape"], p["optimizer_layout"]) for fqn, p in manifest["parameters"].items()}
+    files = {}
+    for rank in snap.world:
+        name = rank_file(rank)
+        if not (partial / name).is_file():
+            raise CheckpointError(f"rank {rank} did not write {partial / name}; the checkpoint is incomplete")
+        row = digests[rank].tolist()
+        tensors = {}
+        for key, spec in snap.manifest["tensors"].items():
+            if key.startswith("rng/") or key.startswith("step/"):
+                tensors[key] = spec
+                continue
+            tensors[key] = {"shape": list(layouts[key.split("/", 1)[1]].local_shape(rank)), "dtype": spec["dtype"]}
+        files[name] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32], "tensors": tensors}
+    manifest["files"] = files
+    text = json.dumps(manifest, indent=1, sort_keys=True)
     with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
@@ -164,6 +220,16 @@ def _write_manifest(trainer: Any, partial: Path, state: dict[str, torch.Tensor],
 
 
 # ----------------------------------------------------------------------------- reading
+def resolve(path: PathLike) -> Path:
+    """``path``, or the previous checkpoint a save that replaced ``path`` left complete at
+    ``.<name>.old`` when it was killed between its two renames."""
+    final = Path(path)
+    old = final.with_name(f".{final.name}.old")
+    if not (final / MANIFEST).is_file() and (old / MANIFEST).is_file():
+        return old
+    return final
+
+
 def read_manifest(path: PathLike) -> dict[str, Any]:
     """The manifest of checkpoint ``path``; ``CheckpointError`` when it is missing or malformed."""
     file = Path(path) / MANIFEST
@@ -235,6 +301,7 @@ def load(trainer: Any, path: PathLike) -> dict[str, Any]:
     Same world and layouts: each rank reads its own file. Otherwise every rank reads all rank files
     and reshards each tensor from the saved optimizer layout to its own (LNK plan, simulated).
     """
+    path = resolve(path)
     manifest = read_manifest(path)
     _check_model(manifest, trainer, path)
     rank = trainer.rank
@@ -246,11 +313,11 @@ def load(trainer: Any, path: PathLike) -> dict[str, Any]:
     )
     if same:
         mine = read_rank_file(path, manifest, rank_file(rank))
-        rng = mine["rng/cpu"]
+        rng, cuda_rng = mine["rng/cpu"], mine.get("rng/cuda")
         shards = {name: {key: mine[f"{key}/{name}"] for key in STATE_KEYS + ("step",)} for name in layouts}
     else:
         files = [read_rank_file(path, manifest, rank_file(r)) for r in range(saved_world)]
-        rng = files[rank % saved_world]["rng/cpu"]
+        rng, cuda_rng = files[rank % saved_world]["rng/cpu"], files[rank % saved_world].get("rng/cuda")
         shards = {}
         for name, layout in layouts.items():
             entry = manifest["parameters"][name]
@@ -273,7 +340,15 @@ def load(trainer: Any, path: PathLike) -> dict[str, Any]:
         )
     if trainer.lr_scheduler is not None:
         trainer.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
+    planner, planner_state = getattr(trainer, "planner", None), manifest.get("planner")
+    if planner_state is not None and hasattr(planner, "load_state_dict"):
+        try:
+            planner.load_state_dict(planner_state)
+        except HGraphError as exc:
+            raise CheckpointError(f"checkpoint {path}: {exc}") from None
     torch.set_rng_state(rng)
+    if cuda_rng is not None and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(cuda_rng, trainer.device)
     trainer.iteration = int(manifest["iteration"])
     trainer.comm.barrier(trainer.world)  # no rank trains on until every rank has its state
     return manifest["extra"]

@@ -23,11 +23,13 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
 from hgraph.core.errors import CommunicationError
+from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT, TIMEOUT_ENV, is_transport_error
 
 GRACE_SECONDS = 5.0
@@ -50,10 +52,12 @@ def _child_env(values: dict[str, str]) -> Iterator[None]:
 
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
-            fn: Callable[..., Any], args: Sequence[Any], results: Any) -> None:
+            fn: Callable[..., Any], args: Sequence[Any], results: Any, preemptible: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
+    if preemptible:
+        preemption.install()
     torch.set_num_threads(1)
     failed = False
     try:
@@ -97,10 +101,14 @@ def launch(
     timeout: float = 120.0,
     backend: str = "gloo",
     comm_timeout: float | None = None,
+    preemptible: bool = False,
 ) -> list:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
 
     ``timeout`` bounds the whole run; ``comm_timeout`` (default: ``timeout``) each collective.
+    ``preemptible``: every rank turns SIGTERM into a stop request (``hgraph.runtime.preemption``)
+    before ``fn`` runs, and a SIGTERM sent to this process is passed on to the ranks, so a training
+    ``fn`` can finish its iteration, checkpoint and return.
     """
     import torch.multiprocessing as mp
 
@@ -124,12 +132,14 @@ def launch(
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_worker,
-                    args=(rank, world_size, init_method, backend, comm_timeout, fn, tuple(args), results),
+                    args=(rank, world_size, init_method, backend, comm_timeout, fn, tuple(args), results,
+                          preemptible),
                     name=f"hgraph-rank{rank}",
                 )
                 p.start()
                 procs.append(p)
-        return _collect(procs, results, world_size, time.monotonic() + timeout, timeout)
+        with _forwarding_sigterm(procs, preemptible):
+            return _collect(procs, results, world_size, time.monotonic() + timeout, timeout)
     finally:
         for p in procs:
             if p.is_alive():
@@ -140,6 +150,26 @@ def launch(
                 p.kill()
                 p.join()
         shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _forwarding_sigterm(procs: list, enabled: bool) -> Iterator[None]:
+    """While ``enabled`` (and in the main thread): a SIGTERM to this process goes to the ranks instead."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _collect(procs: list, results: Any, world_size: int, deadline: float, timeout: float) -> list:
@@ -246,11 +276,34 @@ def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) 
             from hgraph.runtime.kernels.comm import local_device_index
 
             torch.cuda.set_device(local_device_index(int(os.environ["RANK"])))
-        dist.init_process_group(
-            backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout)
-        )
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout))
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]),
+                                    timeout=datetime.timedelta(seconds=timeout))
         atexit.register(_leave_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: float) -> Any:
+    """Under torchrun, a key space of this restart attempt's own in the store the agent shares with
+    its workers (``TORCHELASTIC_USE_AGENT_STORE``), else ``None`` (``env://`` as usual).
+
+    That store outlives a restart (torch's shared rendezvous store; pytorch/pytorch#135712), so the
+    ranks of attempt n+1 could read what the dead ranks of attempt n left there, e.g. gloo's listening
+    addresses ("Gloo connectFullMesh failed ... Connection refused"), and never connect. Every agent
+    counts the same failed attempts (``TORCHELASTIC_RESTART_COUNT``), so the count names the space.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    return dist.PrefixStore(f"hgraph/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def _leave_group() -> None:

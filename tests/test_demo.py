@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from hgraph.cli.command import main
 
 
@@ -28,3 +30,21 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
     # real code (the stdlib corpus): the held-out loss, on files never trained on, falls
     heldout = [e["loss"] for e in summary["heldout"]]
     assert len(heldout) == 2 and heldout[-1] < heldout[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_default_demo_switches_strategy_with_the_batch_and_compares(tmp_path, monkeypatch, capsys):
+    """`make demo`'s settings (files cut at 2048 tokens, 4096 tokens per iteration, 2 ranks), fewer
+    iterations: batches of two full-length files and batches of one long and shorter files want
+    different strategies, so the planner uses more than one; the same batches then run on the best
+    homogeneous strategy and the measured ratio is printed."""
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["demo", "--iterations", "10", "--eval-interval", "0", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "measured speedup (homogeneous / hgraph)" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["strategies_used"]) >= 2, summary["strategy_counts"]
+    assert summary["measured_speedup"] > 0 and summary["homogeneous"]["strategy"]
+    assert max(summary["longest_per_iteration"]) == 2048

@@ -2,8 +2,11 @@
 
 A small Llama-style model trains on local gloo ranks on real code: the source files of this
 interpreter's standard library (``hgraph.data.stdlib_corpus``, no download), tokenized by a
-byte-level BPE of 512 tokens trained locally on first use and cached, split into pieces of at most
-``--max-len`` tokens and batched to ``--tokens-per-iteration`` in a seeded order. The loss is a
+byte-level BPE of 512 tokens trained locally on first use and cached, one sequence per file, cut at
+``--max-len`` tokens (``--long-documents split``: split into pieces instead), batched to
+``--tokens-per-iteration`` in a seeded order. File lengths vary over two orders of magnitude (a
+quarter of the files are under 600 tokens, a quarter over 7,800), so batches range from one long
+file to a dozen short ones, and the best strategy changes from batch to batch. The loss is a
 language-modelling loss; the held-out loss (files never trained on) is measured every
 ``--eval-interval`` iterations, forward only. Steps:
 
@@ -15,8 +18,10 @@ language-modelling loss; the held-out loss (files never trained on) is measured 
    them into micro-batches; ``hgraph.Trainer`` runs it (Pull, 1F1B, Push, sharded AdamW), records the
    predicted and measured time, and the planner's ``OnlineCorrection`` refits the cost model.
 
-With ``--compare`` the same batches are also trained on the best single homogeneous strategy. The
-run folder gets the Perfetto trace, PNG plots, the plans as JSON and a summary.
+``--compare`` (on by default; ``--no-compare`` skips it) trains the same batches again on the best
+single homogeneous strategy (the cost model's pick, ``homogeneous_tuned``), through the same
+planner, dispatch and packing, and prints both step times and their measured ratio side by side.
+The run folder gets the Perfetto trace, PNG plots, the plans as JSON and a summary.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ SIZES: dict[str, dict[str, int]] = {
     "medium": dict(vocab_size=1024, hidden=256, layers=4, heads=8, kv_heads=8, ffn=512),
 }
 SCHEMES = ("tp1", "tp2", "tp4", "tp1,pp2", "tp2,pp2", "tp1,pp4")
+WORLD_SIZE = 2  # one rank per core of a 2-core machine
+MAX_LEN = 2048  # files are cut here: long enough that lengths vary, short enough for CPU attention
+TOKENS_PER_ITERATION = 4096
 
 
 @dataclass(frozen=True)
@@ -45,10 +53,11 @@ class DemoConfig:
     """Everything a rank needs to run its part of the demo (picklable)."""
 
     size: str = "tiny"
-    world_size: int = 4
+    world_size: int = WORLD_SIZE
     iterations: int = 30
-    tokens_per_iteration: int = 2048
-    max_len: int = 512
+    tokens_per_iteration: int = TOKENS_PER_ITERATION
+    max_len: int = MAX_LEN
+    long_documents: str = "cut"
     eval_interval: int = 10
     eval_batches: int = 4
     lr: float = 3e-3
@@ -86,7 +95,8 @@ def corpus_loaders(cfg: DemoConfig) -> tuple[Any, Any]:
 
     train, held = stdlib_corpus()
     tok = stdlib_tokenizer()
-    make = lambda src: TokenLoader(src, tok, cfg.max_len, cfg.tokens_per_iteration, seed=cfg.seed, window=64)  # noqa: E731
+    make = lambda src: TokenLoader(src, tok, cfg.max_len, cfg.tokens_per_iteration, seed=cfg.seed, window=64,  # noqa: E731
+                                   long_documents=cfg.long_documents)
     return make(train), make(held)
 
 
@@ -124,31 +134,24 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
 
     def evaluate() -> None:
         evals.append({"iteration": trainer.iteration, "loss": trainer.evaluate(held_batches)})
-        if bar is not None:
-            bar.write(f"iter {trainer.iteration:3d}  held-out loss {evals[-1]['loss']:7.4f}")
+        if rank == 0:
+            print(f"iter {trainer.iteration:3d}  held-out loss {evals[-1]['loss']:7.4f}", flush=True)
 
-    bar = None
-    if rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.iterations, desc=f"{len(cfg.candidates)} candidates", unit="it", leave=False)
-    for i in range(cfg.iterations):
+    for i in range(cfg.iterations):  # one console line per iteration (rank 0)
         if cfg.eval_interval and i % cfg.eval_interval == 0:
             evaluate()
         loss = trainer.step_data(train)
         rec = trainer.history[-1]
-        if bar is not None:
-            bar.update(1)
+        if rank == 0:
             exposed = _exposed_ms(trainer, i)
-            bar.write(
-                f"iter {i:3d}  loss {loss:7.4f}  {rec['strategy']:<28} predicted {rec['predicted_ms'] or 0:7.1f} ms"
+            print(
+                f"iter {i:3d}  loss {loss:7.4f}  longest {max(rec['lengths']):5d} of {len(rec['lengths']):2d}  "
+                f"{rec['strategy']:<22} predicted {rec['predicted_ms'] or 0:7.1f} ms"
                 f" (uncorrected {rec['predicted_raw_ms'] or 0:7.1f})  measured {rec['measured_ms']:7.1f} ms"
-                + (f"  exposed comm (rank 0) {exposed:6.1f} ms" if exposed is not None else "")
+                + (f"  exposed comm (rank 0) {exposed:6.1f} ms" if exposed is not None else ""), flush=True
             )
     if cfg.eval_interval:
         evaluate()
-    if bar is not None:
-        bar.close()
     events = trainer.gather_timeline() if cfg.timeline else []
     return {"history": trainer.history, "evals": evals, "compile_s": compile_s, "events": events,
             "strategies": [str(s) for s in compiled.strategies]}
@@ -218,15 +221,18 @@ def _fits(scheme: str, cfg: DemoConfig) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=4, help="local gloo ranks (default 4)")
+    parser.add_argument("--world-size", type=int, default=WORLD_SIZE, help=f"local gloo ranks (default {WORLD_SIZE})")
     parser.add_argument("--iterations", type=int, default=30, help="training iterations (default 30)")
     parser.add_argument("--out", default="runs/demo", help="run folder for plots, trace, plans (default runs/demo)")
     parser.add_argument("--model-size", choices=sorted(SIZES), default="tiny", help="model size (default tiny)")
-    parser.add_argument("--tokens-per-iteration", type=int, default=2048)
-    parser.add_argument("--max-len", type=int, default=512, help="context: longer files are split into pieces")
+    parser.add_argument("--tokens-per-iteration", type=int, default=TOKENS_PER_ITERATION)
+    parser.add_argument("--max-len", type=int, default=MAX_LEN, help=f"context (default {MAX_LEN})")
+    parser.add_argument("--long-documents", choices=("cut", "split"), default="cut",
+                        help="files longer than --max-len: cut (one sequence per file, default) or split into pieces")
     parser.add_argument("--eval-interval", type=int, default=10, help="held-out loss every N iterations (0: never)")
-    parser.add_argument("--compare", action="store_true",
-                        help="also train on the best single homogeneous strategy and report the speedup")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="also train the same batches on the best single homogeneous strategy and print the "
+                             "measured ratio (default: on; --no-compare skips it)")
     parser.add_argument("--schedule", choices=("overlap", "none"), default="overlap",
                         help="overlap Pull/Push/activation communication with compute (default) or not")
     parser.add_argument("--fresh-profile", action="store_true", help="measure the cost model again")
@@ -246,11 +252,12 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg = DemoConfig(size=args.model_size, world_size=args.world_size, iterations=args.iterations,
                      tokens_per_iteration=args.tokens_per_iteration, max_len=args.max_len, seed=args.seed,
+                     long_documents=args.long_documents,
                      schedule=args.schedule, eval_interval=args.eval_interval)
     batches = corpus_batches(cfg)
     print(f"hgraph demo: {SIZES[cfg.size]} model, {cfg.world_size} gloo ranks, {cfg.iterations} iterations, "
-          f"<= {cfg.tokens_per_iteration} tokens/iteration of the Python standard library (BPE 512, "
-          f"context {cfg.max_len})")
+          f"<= {cfg.tokens_per_iteration} tokens/iteration of the Python standard library (BPE 512, one "
+          f"sequence per file, {cfg.long_documents} at {cfg.max_len} tokens)")
     t0 = time.perf_counter()
     table = profiled_cost_table(cfg, fresh=args.fresh_profile)
     cost_model = CostModel.from_table(table)
@@ -272,7 +279,10 @@ def run(args: argparse.Namespace) -> int:
         best = str(homogeneous_tuned(cost_model, cfg.world_size, batches)[0].strategy)
         print(f"      --compare: training again on the best homogeneous strategy {best}")
         base_cfg = DemoConfig(**{**asdict(cfg), "candidates": (best,)})
+        t3 = time.perf_counter()
         comparison = launch(_rank_train, cfg.world_size, args=(base_cfg,), timeout=args.timeout)[0]
+        comparison["wall_s"] = time.perf_counter() - t3
+        print(f"      --compare took {comparison['wall_s']:.1f} s (start, compile, train)")
     print("[4/4] writing the run folder")
     summary = write_artifacts(out, cfg, cost_model, result, comparison, train_s)
     print(_summary_text(summary))
@@ -305,6 +315,9 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         "iterations": cfg.iterations,
         "candidates": list(cfg.candidates),
         "strategies_used": sorted({h["strategy"] for h in history}),
+        "strategy_counts": {name: sum(h["strategy"] == name for h in history)
+                            for name in sorted({h["strategy"] for h in history})},
+        "longest_per_iteration": [max(h["lengths"]) for h in history],
         "loss_first": history[0]["loss"],
         "loss_last": history[-1]["loss"],
         "heldout": result.get("evals") or [],
@@ -322,7 +335,7 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         base_steady = base[1:] if len(base) > 1 else base
         base_s = sum(h["seconds"] for h in base_steady)
         summary["homogeneous"] = {"strategy": base[0]["strategy"], "step_s_total_after_first": base_s,
-                                  "loss_last": base[-1]["loss"]}
+                                  "loss_last": base[-1]["loss"], "wall_s": comparison.get("wall_s")}
         summary["measured_speedup"] = base_s / measured if measured else None
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(_summary_text(summary) + "\n")
@@ -367,7 +380,7 @@ def _summary_text(s: dict[str, Any]) -> str:
     if s.get("heldout"):
         lines.append("held-out loss " + " -> ".join(f"{e['loss']:.3f} (it {e['iteration']})" for e in s["heldout"]))
     lines += [
-        f"strategies used: {', '.join(s['strategies_used'])}",
+        "strategies used: " + ", ".join(f"{k} ({n} iterations)" for k, n in s["strategy_counts"].items()),
         f"step time (iterations 2..): {s['step_s_total_after_first']:.2f} s with planning; without it measured "
         f"{s['measured_ms_total_after_first'] / 1000:.2f} s, predicted {s['predicted_ms_total_after_first'] / 1000:.2f} s; "
         f"compile {s['compile_s']:.1f} s per rank",
@@ -383,7 +396,12 @@ def _summary_text(s: dict[str, Any]) -> str:
         lines.append(f"exposed communication: {s['exposed_comm_s']:.2f} s")
     if "homogeneous" in s:
         h = s["homogeneous"]
-        lines.append(f"best homogeneous {h['strategy']}: {h['step_s_total_after_first']:.2f} s "
-                     f"-> measured speedup {s['measured_speedup']:.2f}x")
+        mine = f"hgraph, planner ({len(s['strategies_used'])} strategies)"
+        base = f"best homogeneous {h['strategy']}"
+        width = max(len(mine), len(base))
+        lines += [f"{'same batches, step time (iterations 2..)':<{width}}  seconds   last loss",
+                  f"{mine:<{width}}  {s['step_s_total_after_first']:7.2f}   {s['loss_last']:.4f}",
+                  f"{base:<{width}}  {h['step_s_total_after_first']:7.2f}   {h['loss_last']:.4f}",
+                  f"measured speedup (homogeneous / hgraph): {s['measured_speedup']:.2f}x"]
     lines.append("artifacts: " + ", ".join(s["artifacts"]))
     return "\n".join(lines)

@@ -3,18 +3,23 @@
 
 With ``data.paths``: documents from local files through ``hgraph.data`` (rank 0 reads; every rank
 gets only its pipeline's tokens), held-out loss every ``eval.interval`` iterations, checkpoints
-with the data position every ``checkpoint.interval`` (``checkpoint.resume`` continues exactly),
-export at the end (``export.dir``: HF ``save_pretrained`` format, or ``model.safetensors`` for other
-models). Without it: the synthetic learnable sequences of 0.1, lengths from a length file.
-Progress (tqdm, tokens/s) and a summary on rank 0; ``history.json``, ``eval.json``,
-``summary.json`` and ``loss.png`` in ``out``. Nothing in the config is executed except importing
-the model factory it names.
+(``checkpoint.dir/step-N``, written in the background, the newest ``checkpoint.keep`` kept) with the
+data position and planner state every ``checkpoint.interval`` (``checkpoint.resume`` continues
+exactly from the newest: also after ``torchrun --max-restarts`` restarted the job), export at the end
+(``export.dir``: HF ``save_pretrained`` format, or ``model.safetensors`` for other models). Without
+it: the synthetic learnable sequences of 0.1, lengths from a length file. SIGTERM (to ``hgraph
+train`` or to its ranks under torchrun): every rank finishes the iteration, a checkpoint is written,
+exit code 0. Metrics (``[metrics]``, ``hgraph.runtime.metrics``): ``metrics.jsonl`` and TensorBoard
+event files, one console line per iteration on rank 0; log records go to ``out/logs/rank<r>.log``.
+``history.json`` (over restarts too), ``eval.json``, ``summary.json`` and ``loss.png`` in ``out``.
+Nothing in the config is executed except importing the model factory it names.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import time
@@ -173,6 +178,7 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
     from hgraph.compiler import compiled_model
     from hgraph.training.trainer import Trainer
+    from hgraph.runtime.checkpoint_manager import CheckpointManager
 
     model = ModelSpec(cfg.model, cfg.seed)()
     vocab = model_vocab(model) or 256
@@ -188,25 +194,33 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
     if cfg.warmup or cfg.lr_schedule != "constant":
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))  # noqa: E731
     trainer = Trainer(compiled, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      planner=planner, lr_scheduler=scheduler)
+                      planner=planner, lr_scheduler=scheduler, metrics=metrics_config(cfg))
+    log_to_file(Path(cfg.out) / "logs", trainer.rank)
+    if trainer.metrics is not None:
+        trainer.metrics.iterations = cfg.iterations
     train, held = loaders(cfg) if cfg.data is not None else (None, None)
-    if cfg.resume and (Path(cfg.checkpoint_dir or "") / "manifest.json").is_file():
-        trainer.load(cfg.checkpoint_dir, data=train)
+    checkpoints = None
+    if cfg.checkpoint_dir:
+        checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint_interval, cfg.checkpoint_keep,
+                                        cfg.checkpoint_async)
+    resumed = checkpoints.resume(trainer, data=train) if checkpoints is not None and cfg.resume else None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    say = print if trainer.rank == 0 else (lambda *a, **k: None)
+    if restart and not cfg.resume:
+        say(f"hgraph train: restart {restart} of this torchrun job starts over (set checkpoint.resume = true "
+            "to continue from the newest checkpoint)", flush=True)
+    if resumed is not None:
+        say(f"hgraph train: resumed from {resumed} at iteration {trainer.iteration}", flush=True)
     held_batches = held.first_batches(cfg.eval_batches) if held is not None and trainer.rank == 0 else None
     evals: list[dict[str, Any]] = []
 
     def evaluate() -> None:
         if held is not None:
             evals.append({"iteration": trainer.iteration, "loss": trainer.evaluate(held_batches)})
-            if bar is not None:
-                bar.write(f"iter {trainer.iteration}: held-out loss {evals[-1]['loss']:.4f}")
+            say(f"iter {trainer.iteration}: held-out loss {evals[-1]['loss']:.4f}", flush=True)
 
-    bar = None
-    if trainer.rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.iterations, initial=trainer.iteration, unit="it", desc="hgraph train")
     start, first = time.perf_counter(), trainer.iteration
+    preempted = False
     if cfg.eval_interval:
         evaluate()
     while trainer.iteration < cfg.iterations:
@@ -221,30 +235,62 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
             loss = trainer.step([synthetic_sequence(n, vocab, g) for n in batches[i]], strategy)
         rec = trainer.history[-1]
         rec["tokens"] = sum(rec["lengths"])
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rec['tokens'] / rec['seconds']:.0f}")
         if cfg.eval_interval and trainer.iteration % cfg.eval_interval == 0:
             evaluate()
-        if cfg.checkpoint_interval and trainer.iteration % cfg.checkpoint_interval == 0:
-            trainer.save(cfg.checkpoint_dir)
+        saved = checkpoints.step(trainer) if checkpoints is not None else None
+        if trainer.stop_requested:  # SIGTERM on some rank: every rank stops after this same iteration
+            preempted = True
+            if checkpoints is not None and saved is None:
+                checkpoints.save(trainer)
+            say(f"hgraph train: stopped by a signal after iteration {trainer.iteration}"
+                + (f"; checkpoint in {cfg.checkpoint_dir}" if checkpoints is not None else
+                   " (no checkpoint.dir: nothing saved)"), flush=True)
+            break
     wall = time.perf_counter() - start
-    if bar is not None:
-        bar.close()
-    if cfg.eval_interval and (not evals or evals[-1]["iteration"] != trainer.iteration):
-        evaluate()
-    if cfg.checkpoint_dir and cfg.checkpoint_interval and trainer.iteration % cfg.checkpoint_interval:
-        trainer.save(cfg.checkpoint_dir)
-    exported = export(trainer, model, cfg.export_dir) if cfg.export_dir else None
+    if not preempted:
+        if cfg.eval_interval and (not evals or evals[-1]["iteration"] != trainer.iteration):
+            evaluate()
+        if checkpoints is not None and cfg.checkpoint_interval and trainer.iteration % cfg.checkpoint_interval:
+            checkpoints.save(trainer)
+    if checkpoints is not None:
+        checkpoints.close()  # the write in flight is complete (or its error raised) before we return
+    trainer.close()
+    exported = export(trainer, model, cfg.export_dir) if cfg.export_dir and not preempted else None
     tokens = sum(h["tokens"] for h in trainer.history)
     return {"history": trainer.history, "evals": evals, "summary": {
-        "iterations": trainer.iteration - first, "tokens": tokens, "wall_s": wall,
+        "iterations": trainer.iteration - first, "first_iteration": first, "tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,
         "loss_first": trainer.history[0]["loss"] if trainer.history else None,
         "loss_last": trainer.history[-1]["loss"] if trainer.history else None,
         "heldout_first": evals[0]["loss"] if evals else None, "heldout_last": evals[-1]["loss"] if evals else None,
         "strategies": [str(s) for s in compiled.strategies], "checkpoint": cfg.checkpoint_dir, "export": exported,
+        "resumed_from": str(resumed) if resumed is not None else None, "preempted": preempted,
+        "metrics": str(trainer.metrics.directory) if trainer.metrics is not None else None,
         "data_position": str(train.position) if train is not None else None}}
+
+
+def metrics_config(cfg: TrainConfig) -> Any:
+    """The ``[metrics]`` section as a ``MetricsConfig`` (``None`` when every sink is off)."""
+    from hgraph.runtime.metrics import MetricsConfig
+
+    if not (cfg.metrics_jsonl or cfg.metrics_tensorboard or cfg.metrics_console):
+        return None
+    return MetricsConfig(cfg.metrics_dir or str(Path(cfg.out) / "metrics"), cfg.metrics_jsonl,
+                         cfg.metrics_tensorboard, cfg.metrics_console, cfg.peak_tflops)
+
+
+def log_to_file(directory: Path, rank: int) -> Path:
+    """Send hgraph's log records to ``directory/rank<r>.log`` and not to the console, where the
+    progress lines go (so the two never interleave)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank{rank}.log"
+    logger = logging.getLogger("hgraph")
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return path
 
 
 def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
@@ -270,6 +316,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = read_config(args.config)
+    if "RANK" in os.environ:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0
+        from hgraph.runtime import preemption
+
+        preemption.install()
     if args.world_size:
         cfg = replace(cfg, world_size=args.world_size)
     precheck(cfg)
@@ -292,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from hgraph.runtime.launch import launch
 
-        result = launch(train_rank, cfg.world_size, args=(cfg, batches, cost_table), timeout=args.timeout)[0]
+        result = launch(train_rank, cfg.world_size, args=(cfg, batches, cost_table), timeout=args.timeout,
+                        preemptible=True)[0]
     if "error" in result:
         raise InputError(result["error"])
     write_outputs(Path(cfg.out), result)
@@ -303,6 +354,10 @@ def write_outputs(out: Path, result: dict[str, Any]) -> None:
     from hgraph.cli import plots
 
     out.mkdir(parents=True, exist_ok=True)
+    first = result["summary"].get("first_iteration") or 0
+    if first:  # a resumed run: the records of the iterations before the checkpoint, then this run's
+        result = {**result, "history": _earlier(out / "history.json", first) + result["history"],
+                  "evals": _earlier(out / "eval.json", first) + result["evals"]}
     (out / "history.json").write_text(json.dumps(result["history"], indent=1))
     (out / "eval.json").write_text(json.dumps(result["evals"], indent=1))
     (out / "summary.json").write_text(json.dumps(result["summary"], indent=1))
@@ -315,8 +370,20 @@ def write_outputs(out: Path, result: dict[str, Any]) -> None:
         lines.append(f"training loss {s['loss_first']:.4f} -> {s['loss_last']:.4f}")
     if s["heldout_first"] is not None:
         lines.append(f"held-out loss {s['heldout_first']:.4f} -> {s['heldout_last']:.4f}")
-    for key in ("checkpoint", "export", "data_position"):
-        if s[key]:
+    if s.get("preempted"):
+        lines.append(f"stopped by a signal after iteration {s['first_iteration'] + s['iterations']} "
+                     "(run again with checkpoint.resume = true to continue)")
+    for key in ("checkpoint", "export", "metrics", "data_position"):
+        if s.get(key):
             lines.append(f"{key.replace('_', ' ')}: {s[key]}")
     lines.append(f"wrote {out / 'history.json'}, eval.json, summary.json" + (", loss.png" if result["history"] else ""))
     print("\n".join(lines))
+
+
+def _earlier(path: Path, iteration: int) -> list[dict[str, Any]]:
+    """The records of ``path`` (a run's history.json or eval.json) before ``iteration``."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [r for r in records if isinstance(r, dict) and r.get("iteration", iteration) < iteration]

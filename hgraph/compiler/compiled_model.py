@@ -4,8 +4,8 @@ Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes trans
 steps compute products with the typed functions named; results cached; see docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp, ep): annotate -> localize                          = local program
-      per (cp, tp, pp):         partition step (``partition``); per stage: precision -> recompute
+      per stage mesh (cp, tp, ep): precision -> annotate -> localize              = local program
+      per (cp, tp, pp):         partition step (``partition``); per stage: recompute
                                                                                  = stage programs
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
@@ -49,7 +49,7 @@ from hgraph.passes.partition import partition
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
-from hgraph.passes.precision import fp32_loss
+from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.runtime.kernels.reshard import late_peers
 from hgraph.lnk.topology import Topology
@@ -82,7 +82,7 @@ def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 
 def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    return fp32_loss(gm, ctx) if ctx.stage is not None and ctx.stage.returns_loss else gm
+    return autocast(gm, ctx)
 
 
 def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -380,8 +380,7 @@ class CompiledModel:
         return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from (the
-        traced copy holds them in the compute dtype)."""
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from."""
         named = dict(self.model.named_parameters())
         return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 
@@ -560,8 +559,10 @@ def compile(
 
     ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
     ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
-    ``disable``: names of built-in passes to skip. ``compute_dtype``: cast pulled parameters (e.g.
-    ``torch.bfloat16``, halving Pull bytes). ``layer_costs``: per-layer cost for balancing stages.
+    ``disable``: names of built-in passes to skip. ``compute_dtype``: mixed precision as ``torch.autocast``
+    computes it (e.g. ``torch.bfloat16``: parameters pulled in bf16, halving Pull bytes; matmuls and
+    attention in bf16; buffers, norms, softmax, rotary application and the loss in fp32; see
+    ``hgraph.passes.precision``). ``layer_costs``: per-layer cost for balancing stages.
     ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
     ``hgraph.program.products.OverlapConfig`` (prefetched pulls, early pushes; same results).
     ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
@@ -632,14 +633,11 @@ def compile(
         coalesce=coalesce,
         pipeline_schedule=pipeline_schedule,
     )
-    # Trace a copy in the compute dtype, so dtypes the model derives while tracing (rotary tables cast
-    # to a buffer's or the hidden state's dtype) are those a bf16 model has; masters stay the user's.
-    source = model
-    if compute_dtype is not None and compute_dtype != torch.float32:
-        source = copy.deepcopy(model).to(compute_dtype)
+    # The user's model is traced as it is (fp32); a reduced compute_dtype is applied by the precision
+    # pass as torch.autocast would apply it (hgraph.passes.precision).
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
-            traced = trace(source, example_inputs, loss_fn)
+            traced = trace(model, example_inputs, loss_fn)
         own = _own_rank(world) if rank == "auto" else rank
         return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
 

@@ -152,6 +152,25 @@ class Planner:
         if self.correction is not None and prediction is not None:
             self.correction.observe(prediction, measured_ms)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the planner learns while it runs (the online correction), as JSON-able data; the
+        cost model, terms and candidates are inputs, rebuilt by whoever constructs the planner."""
+        return {"candidates": [str(s) for s in self.candidates],
+                "correction": self.correction.state_dict() if self.correction is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()`` (same candidates; a correction only if saved with one)."""
+        mine = [str(s) for s in self.candidates]
+        if state.get("candidates") != mine:
+            raise PlanError(f"the planner state was saved for the candidates {state.get('candidates')}, this "
+                            f"planner has {mine}; resume with the same strategies")
+        saved = state.get("correction")
+        if (saved is None) != (self.correction is None):
+            raise PlanError("the planner state was saved " + ("without" if saved is None else "with")
+                            + " an online correction; construct the Planner the same way to resume")
+        if self.correction is not None:
+            self.correction.load_state_dict(saved)
+
     def predicted(self, k: int, compute: Sequence[float]) -> float:
         """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push;
         with ``terms`` the measured terms, corrected when there is a ``correction``)."""

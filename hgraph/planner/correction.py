@@ -84,6 +84,33 @@ class OnlineCorrection:
             residuals.setdefault(strategy, []).append(measured - float(np.dot(self.scales, terms)))
         return {k: statistics.median(v) * len(v) / (len(v) + self.shrink) for k, v in residuals.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything ``observe`` has learnt, as JSON-able data (for checkpoints): with
+        ``load_state_dict`` a resumed run corrects exactly as the uninterrupted one would."""
+        return {"settings": {"window": self.window, "prior": self.prior, "huber": self.huber,
+                             "shrink": self.shrink, "bounds": list(self.bounds)},
+                "seen": [[strategy, list(terms), measured] for strategy, terms, measured in self._seen],
+                "scales": list(self.scales), "offsets": dict(self.offsets), "observations": self.observations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()``; ``CostModelError`` if it came from other settings."""
+        mine = self.state_dict()["settings"]
+        saved = state.get("settings") if isinstance(state, dict) else None
+        if saved != mine:
+            raise CostModelError(f"the online correction state was saved with settings {saved}, this "
+                                 f"correction has {mine}; construct OnlineCorrection the same way to resume")
+        try:
+            seen = [(str(s), tuple(float(t) for t in terms), float(m)) for s, terms, m in state["seen"]]
+            scales = tuple(float(v) for v in state["scales"])
+            offsets = {str(k): float(v) for k, v in state["offsets"].items()}
+            observations = int(state["observations"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CostModelError(f"malformed online correction state ({type(exc).__name__}: {exc})") from None
+        if len(scales) != len(TERMS) or any(len(t) != len(TERMS) for _, t, _ in seen):
+            raise CostModelError(f"online correction state has {len(scales)} scales; expected {len(TERMS)}")
+        self._seen = deque(seen, maxlen=self.window)
+        self.scales, self.offsets, self.observations = scales, offsets, observations
+
     def state(self) -> dict[str, Any]:
         """Scales and offsets as plain data (logged with every iteration)."""
         return {"scales": dict(zip(TERMS, self.scales)), "offsets_ms": dict(self.offsets),

@@ -241,6 +241,7 @@ class PipelineShape(Protocol):
 
     size: int
     pp: int
+    vpp: int
 
 
 def default_dispatch(
@@ -249,7 +250,9 @@ def default_dispatch(
     """The dispatch without a cost model: longest sequence first to the pipeline with the least tokens
     per rank, then each pipeline's sequences packed by ``first_fit_decreasing`` into micro-batches of
     at most ``micro_batch_tokens`` (a longer sequence gets a micro-batch of its own), at least ``pp``
-    of them when there are enough sequences so the pipeline fills."""
+    of them when there are enough sequences so the pipeline fills. An interleaved pipeline (``vpp >
+    1``) gets whole rounds of ``pp`` where micro-batches of several sequences can be split (else its
+    schedule leaves the missing ones out, ``hgraph.schedule.actions.interleaved_1f1b``)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     load = [0.0] * len(pipelines)
     assigned: list[list[int]] = [[] for _ in pipelines]
@@ -263,5 +266,25 @@ def default_dispatch(
         if p.pp > 1 and len(seqs) >= p.pp:
             total = sum(lengths[i] for i in seqs)
             budget = min(budget, max(max(lengths[i] for i in seqs), math.ceil(total / p.pp)))
-        out.append(tuple(tuple(b) for b in first_fit_decreasing(lengths, seqs, budget)))
+        bins = first_fit_decreasing(lengths, seqs, budget)
+        if p.vpp > 1:
+            bins = whole_rounds(bins, lengths, p.pp)
+        out.append(tuple(tuple(b) for b in bins))
     return tuple(out)
+
+
+def whole_rounds(bins: list[list[int]], lengths: Sequence[int], pp: int) -> list[list[int]]:
+    """``bins`` split until their number is a multiple of ``pp``: the fullest micro-batch of several
+    sequences is cut in two (longest-first into the lighter half) while any is left."""
+    bins = [list(b) for b in bins]
+    while len(bins) % pp:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            break
+        fullest = max(splittable, key=lambda b: sum(lengths[i] for i in b))
+        halves: tuple[list[int], list[int]] = ([], [])
+        for i in sorted(fullest, key=lambda i: -lengths[i]):
+            min(halves, key=lambda h: sum(lengths[j] for j in h)).append(i)
+        bins[bins.index(fullest)] = halves[0]
+        bins.append(halves[1])
+    return bins

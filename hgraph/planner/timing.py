@@ -60,14 +60,11 @@ def pipeline_time(stage_times: Sequence[float], pp: int, schedule: str = "1f1b",
     """A pipeline's time from its micro-batches' per-stage times (0 when idle). The one place the
     schedule's bubble enters a prediction: 1F1B in closed form, ``Σ T + (pp − 1)·max T``; ZB-H1
     (``"zb1p"``) and interleaved 1F1B (``vpp > 1``) by replaying the runtime's action lists
-    (``hgraph.schedule.bubble``), forward a third of a stage time, each chunk ``1/vpp`` of it. An
-    interleaved pipeline whose micro-batches are not a multiple of ``pp`` cannot run: ``inf``."""
+    (``hgraph.schedule.bubble``), forward a third of a stage time, each chunk ``1/vpp`` of it."""
     if not stage_times:
         return 0.0
     if schedule == "1f1b" and vpp == 1:
         return sum(stage_times) + (pp - 1) * max(stage_times)
-    if vpp > 1 and len(stage_times) % pp:
-        return math.inf
     from hgraph.schedule.bubble import pipeline_time as replay
 
     forward = [[t * FORWARD_SHARE / vpp for t in stage_times]] * (pp * vpp)

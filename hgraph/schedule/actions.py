@@ -213,14 +213,14 @@ def interleaved_1f1b(pp: int, vpp: int, stage: int, num_micro_batches: int) -> l
     ``stage, stage + pp, ...`` of the ``pp * vpp`` virtual stages. Micro-batches go through in rounds
     of ``pp``: forward order is (round, chunk, micro-batch of round); backward order the same with the
     chunks reversed. Warm-up is ``(pp - stage - 1) * 2 + (vpp - 1) * pp`` forwards (capped), then one
-    forward / one backward. Needs ``num_micro_batches`` divisible by ``pp``."""
-    if num_micro_batches % pp:
-        raise ScheduleError(
-            f"interleaved 1F1B (vpp={vpp}) needs micro-batches divisible by pp={pp}; got {num_micro_batches} "
-            "(split the batch into a multiple of pp micro-batches, or use vpp=1)"
-        )
+    forward / one backward. Any number of micro-batches: the schedule of the next multiple of ``pp``,
+    with the actions of the padding micro-batches (the last ones) left out on every stage — they cost
+    nothing, and what remains waits on a subset of what the whole schedule waits on, so it completes."""
+    if num_micro_batches < 1:
+        raise ScheduleError(f"interleaved 1F1B needs at least one micro-batch; got {num_micro_batches}")
+    padded = -(-num_micro_batches // pp) * pp
     b = _Builder(pp, vpp, stage)
-    total = num_micro_batches * vpp
+    total = padded * vpp
 
     def order(k: int, backward: bool) -> tuple[int, int]:
         rnd, rest = divmod(k, pp * vpp)
@@ -248,7 +248,7 @@ def interleaved_1f1b(pp: int, vpp: int, stage: int, num_micro_batches: int) -> l
         backward(k)
     for k in range(total - warmup, total):
         backward(k)
-    return _batch_exchanges(b.out)
+    return _batch_exchanges([a for a in b.out if a.mb < num_micro_batches])
 
 
 def _batch_exchanges(actions: list[Action]) -> list[Action]:

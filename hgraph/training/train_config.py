@@ -8,8 +8,10 @@ directory), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_s
 ``format``, ``text_field``, ``tokenizer``, ``context``, ``tokens_per_iteration``,
 ``long_documents``, ``seed``, ``window``; without ``paths``: the synthetic sequences of 0.1 with
 ``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``, ``interval``, ``batches``),
-``checkpoint`` (``dir``, ``interval``, ``resume``), ``export`` (``dir``), ``planner``
-(``cost_table``). ``"hgraph:stdlib"`` as ``data.paths`` / ``eval.paths`` / ``data.tokenizer``
+``checkpoint`` (``dir``: a folder of ``step-N`` checkpoints, ``interval``, ``resume``: continue from
+the newest, ``keep``: how many to keep, ``async``: write in the background), ``export`` (``dir``),
+``planner`` (``cost_table``), ``metrics`` (``dir``, default ``<out>/metrics``; ``jsonl``,
+``tensorboard``, ``console``: one line per iteration; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` / ``eval.paths`` / ``data.tokenizer``
 names the embedded corpus (training / held-out files) and its BPE. Input paths (model files, data, tokenizer, eval) are relative to the config file; output
 directories (``out``, checkpoint, export) to the working directory.
 """
@@ -27,14 +29,15 @@ from hgraph.core.errors import InputError
 
 STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
 TOP = {"model", "strategies", "world_size", "iterations", "lr", "weight_decay", "grad_clip", "warmup",
-       "lr_schedule", "min_lr_ratio", "seed", "data", "eval", "checkpoint", "export", "planner", "out"}
+       "lr_schedule", "min_lr_ratio", "seed", "data", "eval", "checkpoint", "export", "planner", "metrics", "out"}
 TABLES = {
     "data": {"paths", "format", "text_field", "tokenizer", "context", "tokens_per_iteration", "long_documents",
              "seed", "window", "lengths", "max_len", "length_scale"},
     "eval": {"paths", "interval", "batches"},
-    "checkpoint": {"dir", "interval", "resume"},
+    "checkpoint": {"dir", "interval", "resume", "keep", "async"},
     "export": {"dir"},
     "planner": {"cost_table"},
+    "metrics": {"dir", "jsonl", "tensorboard", "console", "peak_tflops"},
 }
 
 
@@ -78,9 +81,16 @@ class TrainConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_interval: int = 0
     resume: bool = False
+    checkpoint_keep: int = 2
+    checkpoint_async: bool = True
     export_dir: Optional[str] = None
     cost_table: Optional[str] = None
     out: str = "runs/train"
+    metrics_dir: Optional[str] = None  # None: <out>/metrics
+    metrics_jsonl: bool = True
+    metrics_tensorboard: bool = True
+    metrics_console: bool = True
+    peak_tflops: Optional[float] = None
     source: str = field(default="", compare=False)
 
     @property
@@ -162,7 +172,7 @@ def read_config(path: str) -> TrainConfig:
         strategies = ["auto"]
     if not isinstance(strategies, list) or not strategies or not all(isinstance(s, str) for s in strategies):
         raise top.fail("strategies", 'expected "auto" or a non-empty list like ["tp2", "2x tp1"]')
-    d, e, c = tables["data"], tables["eval"], tables["checkpoint"]
+    d, e, c, m = tables["data"], tables["eval"], tables["checkpoint"], tables["metrics"]
     data = None
     if "paths" in d.table:
         if "tokenizer" not in d.table:
@@ -209,11 +219,20 @@ def read_config(path: str) -> TrainConfig:
         checkpoint_dir=checkpoint_dir,
         checkpoint_interval=c.get("interval", int, 0, 0),
         resume=c.get("resume", bool, False),
+        checkpoint_keep=c.get("keep", int, 2, 0),
+        checkpoint_async=c.get("async", bool, True),
         export_dir=tables["export"].get("dir", str),
         cost_table=tables["planner"].get("cost_table", str),
         out=top.get("out", str, "runs/train"),
+        metrics_dir=m.get("dir", str),
+        metrics_jsonl=m.get("jsonl", bool, True),
+        metrics_tensorboard=m.get("tensorboard", bool, True),
+        metrics_console=m.get("console", bool, True),
+        peak_tflops=m.get("peak_tflops", float, None, 0),
         source=path,
     )
+    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
+        raise m.fail("peak_tflops", f"{cfg.peak_tflops}; give the per-rank peak in TFLOP/s (> 0)")
     if (cfg.checkpoint_interval or cfg.resume) and cfg.checkpoint_dir is None:
         raise InputError(f"config {path}: checkpoint.dir: missing (checkpoint.interval/resume need a directory)")
     if cfg.auto and cfg.data is None:

@@ -5,7 +5,9 @@ The planner (or the given strategy with a default dispatch) decides which pipeli
 sequences, packed into which micro-batches; each rank builds its own micro-batches from that
 decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
 token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
-same gradients as one device.
+same gradients as one device. One all-reduce closes every iteration: the loss, whether some rank was
+asked to stop (SIGTERM, ``trainer.stop_requested``) and, with ``metrics=MetricsConfig(...)``, every
+rank's peak memory and exposed communication for rank 0's metrics writer.
 """
 
 from __future__ import annotations
@@ -20,19 +22,22 @@ import torch
 
 from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
 from hgraph.core.errors import CheckpointError, InputError, TrainingError
+from hgraph.core.flops import ModelFlops
 from hgraph.core.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
+from hgraph.runtime import preemption
 from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.runtime.kernels.reshard import default_comm, execute
-from hgraph.runtime.timeline import Timeline, gather_events
+from hgraph.runtime.timeline import Timeline, exposed_communication, gather_events
 
 if TYPE_CHECKING:
     from hgraph.compiler.compiled_model import CompiledModel
@@ -80,6 +85,7 @@ class Trainer:
         micro_batch_tokens: int = 4096,
         timeline: bool = False,
         device: Union[str, torch.device, None] = None,
+        metrics: Optional[MetricsConfig] = None,
     ) -> None:
         self.compiled = compiled
         self.comm = comm if comm is not None else default_comm()
@@ -118,6 +124,21 @@ class Trainer:
         from hgraph.core.model_info import model_dims
 
         self.vocab: Optional[int] = model_dims(compiled.model).get("vocab")
+        # metrics: rank 0 writes them (runtime/metrics.py); every rank measures its memory and exposed
+        # communication (on a timeline of its own when none was asked for)
+        self.metrics: Optional[MetricsWriter] = None
+        self._comm_timeline = self.timeline if self.timeline is not None or metrics is None else Timeline(self.rank)
+        if metrics is not None:
+            reset_peak_memory(self.device)
+            if self.rank == 0:
+                try:
+                    flops: Optional[ModelFlops] = ModelFlops.of(compiled.model)
+                except InputError as exc:
+                    log.warning("no TFLOPs or MFU in the metrics: %s", exc)
+                    flops = None
+                self.metrics = MetricsWriter(metrics, len(self.world), flops)
+        self.measure = metrics is not None
+        self.stop_requested = False  # some rank got SIGTERM (runtime/preemption.py); set every step
 
     # ------------------------------------------------------------------ planning
     def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
@@ -246,14 +267,31 @@ class Trainer:
         mbs = self._local_micro_batches(d, sequences)
         if program.overlap is not None:  # dry run of this dispatch's communication order (cached)
             self.compiled.check_overlap(d.strategy_index, [len(m) for m in d.micro_batches])
-        if self.timeline is not None:
-            self.timeline.iteration = self.iteration
+        timeline = self._comm_timeline
+        if timeline is not None:
+            timeline.iteration = self.iteration
+            first_event = len(timeline.events)
         routing: Optional[list] = [] if "ep" in program.groups else None
         with rank_context(RankContext(self.rank, self.comm, program.groups, routing)):
-            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=self.timeline)
+            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline)
         routed = self._routing_statistics(program, routing)
-        loss_sum = torch.tensor([out.loss_sum], dtype=torch.float64, device=self.device)
-        loss = float(self.comm.all_reduce(loss_sum, self.world)) / tokens
+        # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
+        # communication per rank] (each rank fills its own slots; -1: not measured)
+        n = len(self.world)
+        stats = torch.zeros(2 + 2 * n, dtype=torch.float64)
+        stats[0], stats[1] = out.loss_sum, float(preemption.requested())
+        stats[2 + self.rank] = peak_memory_bytes(self.device) if self.measure else -1.0
+        if timeline is not None:
+            mine = exposed_communication(timeline.events[first_event:]).get(self.rank, {})
+            stats[2 + n + self.rank] = 1e3 * mine.get(self.iteration, 0.0)
+            if timeline is not self.timeline:
+                timeline.clear()
+        else:
+            stats[2 + n + self.rank] = -1.0
+        stats = self.comm.all_reduce(stats.to(self.device), self.world).cpu()
+        loss = float(stats[0]) / tokens
+        self.stop_requested = bool(stats[1] > 0)
+        memory, exposed = stats[2:2 + n].tolist(), stats[2 + n:].tolist()
         if not math.isfinite(loss):
             raise TrainingError(
                 f"non-finite loss {loss} at iteration {self.iteration}; optimizer state left unchanged "
@@ -270,6 +308,7 @@ class Trainer:
         scale = 1.0
         if self.grad_clip is not None and norm > self.grad_clip:
             scale = self.grad_clip / (norm + 1e-6)
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.apply(grads, scale)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -288,9 +327,16 @@ class Trainer:
             "seconds": end - start,
             "lengths": lengths,
             "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
+            "lr": float(lr),
+            "peak_memory_bytes": [int(m) for m in memory] if self.measure else None,
+            "exposed_comm_ms": None if min(exposed) < 0 else exposed,
             **routed,
         }
         self.history.append(record)
+        if self.metrics is not None:
+            self.metrics.record(record)
+        if self.measure:
+            reset_peak_memory(self.device)
         observe = getattr(self.planner, "observe", None)
         if self.rank == 0 and observe is not None and d.prediction is not None:
             observe(d.prediction, record["measured_ms"])  # online correction of the cost model
@@ -299,6 +345,11 @@ class Trainer:
                  "-" if d.predicted_ms is None else f"{d.predicted_ms:.1f}", record["measured_ms"])
         self.iteration += 1
         return loss
+
+    def close(self) -> None:
+        """Flush and close the metrics files (rank 0); training on reopens them."""
+        if self.metrics is not None:
+            self.metrics.close()
 
     def gather_timeline(self, dst: int = 0) -> list[Any]:
         """Every rank's timeline events on rank ``dst`` (``[]`` elsewhere); call on every rank."""
@@ -328,6 +379,7 @@ class Trainer:
         ``data``: the ``TokenLoader`` to put back at the saved position (then read by ``step_data``)."""
         from hgraph.runtime import checkpoint
 
+        path = str(checkpoint.resolve(path))
         extra = checkpoint.load(self, path)
         if data is not None:
             state = checkpoint.read_manifest(path).get("data")

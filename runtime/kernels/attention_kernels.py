@@ -192,8 +192,10 @@ def _attend_run(q: Tensor, k: Tensor, v: Tensor, first_query: int, first_key: in
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     head = torch.arange(q.shape[1], device=q.device)[:, None, None]
-    scores = variant.score(q @ k.transpose(-1, -2) * scale, head, query_pos, key_pos)
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    accumulate = torch.promote_types(q.dtype, torch.float32)  # logits and softmax in fp32, as fused kernels
+    logits = q.to(accumulate) @ k.to(accumulate).transpose(-1, -2) * scale
+    scores = variant.score(logits, head, query_pos, key_pos)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(v.dtype) @ v
 
 
 def _attend_row(q: Tensor, k: Tensor, v: Tensor, runs: list, scale: Optional[float], enable_gqa: bool,

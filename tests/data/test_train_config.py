@@ -79,7 +79,8 @@ def test_train_checkpoint_resume_export(tmp_path, capsys):
     path = setup_run(tmp_path)
     assert main(["train", path]) == 0
     first = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert first["iterations"] == 3 and (tmp_path / "ckpt" / "manifest.json").is_file()
+    assert first["iterations"] == 3 and (tmp_path / "ckpt" / "step-00000003" / "manifest.json").is_file()
+    first_history = json.loads((tmp_path / "out" / "history.json").read_text())
     cfg = json.loads(Path(path).read_text())
     cfg["iterations"] = 5
     Path(path).write_text(json.dumps(cfg))
@@ -88,9 +89,11 @@ def test_train_checkpoint_resume_export(tmp_path, capsys):
     assert "held-out loss" in out and "tokens/s" in out
     resumed = json.loads((tmp_path / "out" / "summary.json").read_text())
     history = json.loads((tmp_path / "out" / "history.json").read_text())
-    assert resumed["iterations"] == 2 and [h["iteration"] for h in history] == [3, 4]
+    assert resumed["iterations"] == 2 and resumed["first_iteration"] == 3
+    assert [h["iteration"] for h in history] == [0, 1, 2, 3, 4] and history[:3] == first_history  # over the resume
     evals = json.loads((tmp_path / "out" / "eval.json").read_text())
-    assert evals[0]["iteration"] == 3 and evals[0]["loss"] == pytest.approx(first["heldout_last"], rel=1e-6)
+    assert [e["iteration"] for e in evals] == [0, 3, 5]  # the first run's evaluation before the resume, then ours
+    assert evals[1]["loss"] == pytest.approx(first["heldout_last"], rel=1e-6)
     assert (tmp_path / "out" / "loss.png").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert model.config.vocab_size == 512

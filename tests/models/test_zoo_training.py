@@ -1,4 +1,7 @@
-"""Two zoo families in their default configs trained for 3 iterations by ``hgraph.Trainer`` on 4 real
+"""Zoo families in their default configs trained by ``hgraph.Trainer`` on real gloo processes.
+
+Every family: one packed step on tp2 (two processes) equal to ``torch.optim.AdamW`` on the unmodified
+model (the two below by default, all with the slow tests). Two families in depth: 3 iterations on 4
 gloo processes, switching strategy every iteration, equal to single-process ``torch.optim.AdamW`` on
 the unmodified model: Mistral (sliding window shorter than the longest sequences, grouped-query
 attention) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token).
@@ -22,7 +25,7 @@ from hgraph.core.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.runtime.kernels.reshard import execute
 from hgraph.training.trainer import Trainer
-from hgraph.models.zoo import zoo_model
+from hgraph.models.zoo import FAMILIES, zoo_model
 
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x cp2"]
 ITERATIONS = 3
@@ -96,3 +99,96 @@ def test_trained_on_gloo_processes_equals_adamw(family):
             for name, value in want.items():
                 torch.testing.assert_close(got[name], value, rtol=1e-5, atol=PARAM_ATOL,
                                            msg=lambda m: f"iter {it} {name}: {m}")
+
+
+# ----------------------------------------------------------------------------- every family, one step
+# One Trainer step of every zoo family on two gloo processes, tp2 (so every tensor-parallel rule and
+# the start-up agreement check run on real ranks), packed: documents of these lengths, micro-batches
+# of at most 32 tokens, so each holds several documents. The oracle is the unmodified model with
+# torch.optim.AdamW, each document run on its own.
+DOCUMENTS = (13, 5, 21, 9, 17, 3, 11, 7)
+PACKED_TOKENS = 32
+STEP_ATOL = OPT["lr"] / OPT["eps"] * GRAD_ATOL  # one step of Adam's amplification bound (see above)
+
+
+def documents(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in DOCUMENTS]
+
+
+def train_families(families: list[str]) -> dict[str, object]:
+    """On every rank: one packed tp2 step per family; its loss, parameters and micro-batch sizes, or
+    the error it raised (module level so spawned processes can import it)."""
+    out: dict[str, object] = {}
+    for family in families:
+        model = zoo_model(family).eval()
+        try:
+            compiled = hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 256, (1, 8)))
+            trainer = Trainer(compiled, micro_batch_tokens=PACKED_TOKENS, **OPT)
+            batch = documents(model.config.vocab_size)
+            packing = [len(mb) for mb in trainer.dispatch([len(d) for d in batch]).micro_batches[0]]
+            loss = trainer.step(batch)
+            out[family] = (loss, trainer.full_parameters(), packing)
+        except (hgraph.HGraphError, RuntimeError) as exc:
+            out[family] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def adamw_step(family: str) -> tuple[float, dict[str, torch.Tensor]]:
+    model = zoo_model(family).eval()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    batch = documents(model.config.vocab_size)
+    tokens = sum(len(d) - 1 for d in batch)
+    total = 0.0
+    for d in batch:
+        loss = F.cross_entropy(model(d[None]).logits[0, :-1], d[1:], reduction="sum") / tokens
+        loss.backward()
+        total += loss.item()
+    opt.step()
+    return total, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def mismatches(families: list[str]) -> dict[str, str]:
+    """Train ``families`` in one launch; per family '' when every rank equals AdamW, else what differs."""
+    results = hgraph.launch(train_families, 2, args=(families,), timeout=1200)
+    out = {}
+    for family in families:
+        want_loss, want_params = adamw_step(family)
+        out[family] = ""
+        for rank, result in enumerate(results):
+            got = result[family]
+            if isinstance(got, str):
+                out[family] = f"rank {rank}: {got}"
+                break
+            loss, params, packing = got
+            assert max(packing) > 1, f"{family}: micro-batches {packing} hold one document each"
+            try:
+                torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"loss: {m}")
+                for name, value in want_params.items():
+                    torch.testing.assert_close(params[name], value, rtol=1e-5, atol=STEP_ATOL,
+                                               msg=lambda m: f"{name}: {m}")
+            except AssertionError as exc:
+                out[family] = f"rank {rank}: {str(exc).splitlines()[0]}"
+                break
+    return out
+
+
+# OPT (positions from a cumulative sum of the attention mask) and Bloom, MPT (ALiBi biases over the
+# whole row) cross document boundaries when packed: issue 20 (branch `packing`) fixes them. They must
+# differ here until then; when they train equal, this set goes.
+PACKING_PENDING = {"opt", "bloom", "mpt"}
+
+
+def test_gpt_bigcode_and_gemma2_train_one_packed_tp2_step_on_gloo_ranks():
+    """GPT-BigCode has a bool causal-mask buffer (the start-up agreement check took its norm and
+    stopped every Trainer); Gemma 2 soft-caps and windows its attention."""
+    assert mismatches(["gpt_bigcode", "gemma2"]) == {"gpt_bigcode": "", "gemma2": ""}
+
+
+@pytest.mark.slow  # every family in one launch: several minutes on two cores
+def test_every_zoo_family_trains_one_packed_tp2_step_on_gloo_ranks():
+    got = mismatches(list(FAMILIES))
+    wrong = {f: why for f, why in got.items() if why and f not in PACKING_PENDING}
+    assert not wrong, wrong
+    fixed = sorted(f for f in PACKING_PENDING if not got[f])
+    assert not fixed, f"{fixed} now train equal: remove them from PACKING_PENDING"

@@ -181,3 +181,15 @@ def test_default_dispatch_packs_first_fit_decreasing():
 
     (mbs,) = default_dispatch(Strategy.parse("tp1").pipelines, [5, 30, 12, 20, 8], micro_batch_tokens=40)
     assert mbs == ((1, 4), (3, 2, 0))  # 30+8, then 20+12+5: by hand, longest first into the first bin with room
+
+
+def test_default_dispatch_gives_an_interleaved_pipeline_whole_rounds_where_it_can():
+    from hgraph.planner.dispatch import default_dispatch
+    from hgraph.core.strategy import Strategy
+
+    (mbs,) = default_dispatch(Strategy.parse("tp1,pp2,vpp2").pipelines, [30, 10, 10, 10, 10, 9], 32)
+    assert len(mbs) == 4 and sorted(i for mb in mbs for i in mb) == list(range(6))  # [10,10,10] was cut
+    (mbs,) = default_dispatch(Strategy.parse("tp1,pp2,vpp2").pipelines, [20, 25, 30], 32)
+    assert len(mbs) == 3  # one sequence each: the schedule leaves the fourth micro-batch out
+    (mbs,) = default_dispatch(Strategy.parse("tp1,pp2").pipelines, [30, 10, 10, 10, 10, 9], 32)
+    assert len(mbs) == 3  # 1F1B takes any number: first-fit decreasing as before

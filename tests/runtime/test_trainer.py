@@ -1,11 +1,14 @@
 """Training equivalence: hgraph.Trainer, switching strategy every iteration, learns exactly what a
 single-process AdamW run learns on the same global batches (threads, real gloo processes, torchrun)."""
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from adamw_oracle import assert_matches_reference, single_process_adamw
@@ -123,12 +126,28 @@ def test_bad_batches_are_rejected():
 
 
 def test_torchrun_path():
+    """examples/train_llama.py under torchrun (2 processes, tp2 then 2x tp1): the losses it prints are
+    single-process AdamW's on the same model and batches (printed to 4 decimals)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    strategies = ["tp2", "2x tp1"]
     proc = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_llama.py"), "--iterations", "2", "--strategies", "tp2", "2x tp1"],
+         str(ROOT / "examples" / "train_llama.py"), "--iterations", "2", "--strategies", *strategies],
         capture_output=True, text=True, timeout=180, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "iter 1 loss" in proc.stdout
+    printed = re.findall(r"^iter (\d+) loss ([0-9.]+) strategy (.+)$", proc.stdout, re.M)
+    assert [(int(i), s) for i, _, s in printed] == [(i, str(hgraph.Strategy.parse(s))) for i, s in enumerate(strategies)]
+    example = _example("train_llama")
+    torch.manual_seed(0)
+    model = example.Llama(example.LlamaConfig(layers=2, kv_heads=4))
+    want = single_process_adamw(model, example.batches(2), grad_clip=1.0, lr=3e-3, weight_decay=0.01).losses
+    assert [float(x) for _, x, _ in printed] == pytest.approx(want, abs=1.5e-4)
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
