@@ -71,6 +71,12 @@ def test_experts_are_held_whole_and_tokens_move_by_all_to_all(family):
     for node in program.graph.nodes:
         if node.meta.get("hgraph_mesh") == "expert" and node.meta.get("hgraph_comm"):
             pytest.fail(f"{node.name} communicates inside the expert body ({node.meta['hgraph_comm']['op']})")
+    # dispatch and combine are Communicate Activation subgraphs: listed by subgraphs(), shown by explain()
+    moves = [sg.tensor for sg in compiled.subgraphs("tp4,ep4", 1) if sg.kind == "communicate_activation"]
+    assert sum("(expert_dispatch/ep)" in t for t in moves) == layers
+    assert sum("(expert_combine/ep)" in t for t in moves) == layers
+    text = compiled.explain("tp4,ep4", 1, backward=False)
+    assert text.count("expert_dispatch/ep") == layers and text.count("expert_combine/ep") == layers
 
 
 def test_ep_degree_in_strategy_strings():
