@@ -181,7 +181,7 @@ def _has_floating_value(val: Any) -> bool:
     ``getitem`` users carry the gradient on)."""
     if isinstance(val, (list, tuple)):
         return any(_has_floating_value(v) for v in val)
-    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+    return isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex)
 
 
 def _requires_grad(gm: fx.GraphModule, options: ShardingOptions) -> set[fx.Node]:

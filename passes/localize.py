@@ -43,6 +43,7 @@ from hgraph.rules.base import (
     ShardingOptions,
     SizeArg,
     Spec,
+    StridedShard,
     example_size,
     local_shape,
     module_of,
@@ -62,6 +63,7 @@ from hgraph.runtime.kernels.collectives import (
 if TYPE_CHECKING:
     from hgraph.program.products import CompileContext
 
+aten = torch.ops.aten
 _DROPPED_META = ("val", "tensor_meta", "hgraph_decision", "hgraph_grad_reduce")
 
 
@@ -176,8 +178,31 @@ class _Builder(LowerContext):
         src = node.meta.get("hgraph_spec")
         key = (node, dst, fix, self.options.mesh_names)
         if key not in self.cache:
-            self.cache[key] = self._transitions(self.env[node], src, dst, fix, node.name, node)
+            local = self._local_broadcast(node, src, dst)
+            self.cache[key] = local if local is not None else self._transitions(self.env[node], src, dst, fix, node.name, node)
         return self.cache[key]
+
+    def _local_broadcast(self, node: fx.Node, src: Spec, dst: Spec) -> Optional[fx.Node]:
+        """``expand`` of a size-1 dim, asked for cut on that dim over tp (MLA's shared rope key expanded
+        to every head): each rank expands to its own heads — no split, whose adjoint would gather every
+        head's gradient; the input's gradient (a sum over local heads) is summed over tp instead."""
+        if node.op != "call_function" or node.target is not aten.expand.default or src != (dst[CP], Replicate()):
+            return None
+        cut, source = dst[TP], node.args[0]
+        if not (type(cut) is Shard and isinstance(source, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)):
+            return None
+        shape, in_shape = _global_shape(node), _global_shape(source)
+        lead = len(shape) - len(in_shape)
+        d = cut.dim % len(shape)
+        if d < lead or in_shape[d - lead] != 1 or shape[d] % self.options.tp or source.meta.get("hgraph_spec") != src:
+            return None
+        sizes = [-1] * len(shape)
+        sizes[d] = shape[d] // self.options.tp
+        summed = self._comm(grad_all_reduce, (self.env[source], "tp"), src, src, source.name, source)
+        local = self.graph.call_function(aten.expand.default, (summed, sizes))
+        local.meta["hgraph_spec"] = dst
+        local.meta["hgraph_note"] = "expanded to this rank's heads"
+        return local
 
     def _transitions(self, value: fx.Node, src: Spec, dst: Spec, fix: frozenset, tensor: str, like: fx.Node) -> fx.Node:
         spec = src
@@ -193,6 +218,22 @@ class _Builder(LowerContext):
                 spec = with_placement(spec, m, Replicate())
                 s = spec[m]
                 value.meta["hgraph_spec"] = spec
+            if m == TP and s != t and isinstance(s, StridedShard):  # gather, then put the pieces in order
+                gathered_partial = m in fix and isinstance(t, Replicate)
+                gathered = with_placement(spec, m, Replicate())
+                value = self._comm(all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
+                value = self._unstride(value, s, self.options.degrees[m], like)
+                spec = gathered
+                s = spec[m]
+                value.meta["hgraph_spec"] = spec
+            if m == TP and s != t and isinstance(t, StridedShard):  # whole first, then own strided pieces
+                if not isinstance(s, Replicate):
+                    value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
+                    spec = with_placement(spec, m, Replicate())
+                value = self._own_strided(value, t, name, like)
+                spec = with_placement(spec, m, t)
+                value.meta["hgraph_spec"] = spec
+                s = t
             if s != t and isinstance(t, InterleavedShard):  # whole on every rank first, then own chunks
                 if not isinstance(s, Replicate):
                     value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
@@ -242,6 +283,21 @@ class _Builder(LowerContext):
         items = [self.graph.call_function(operator.getitem, (parts, i)) for i in range(len(local) * degree)]
         order = [items[r * len(local) + b] for b in range(len(local)) for r in range(degree)]
         return self.graph.call_function(torch.ops.aten.cat.default, (order, p.dim))
+
+    def _unstride(self, gathered: fx.Node, p: StridedShard, degree: int, like: fx.Node) -> fx.Node:
+        """Rank-major pieces ``[rank][split_factor][rest/degree]`` of a gathered strided dim ->
+        ``[split_factor][rest]`` (``rest`` is static: the example's size over the split factor)."""
+        rest = _global_shape(like)[p.dim] // p.split_factor
+        grouped = self.graph.call_function(torch.ops.aten.unflatten.int, (gathered, p.dim, [degree, -1, rest // degree]))
+        moved = self.graph.call_function(torch.ops.aten.transpose.int, (grouped, p.dim, p.dim + 1))
+        return self.graph.call_function(torch.ops.aten.flatten.using_ints, (moved, p.dim, p.dim + 2))
+
+    def _own_strided(self, whole: fx.Node, p: StridedShard, name: str, like: fx.Node) -> fx.Node:
+        """This rank's cut of the ``rest`` part of every ``split_factor`` row (no communication)."""
+        rest = _global_shape(like)[p.dim] // p.split_factor
+        rows = self.graph.call_function(torch.ops.aten.unflatten.int, (whole, p.dim, [-1, rest]))
+        mine = self.graph.call_function(split, (rows, name, p.dim + 1))
+        return self.graph.call_function(torch.ops.aten.flatten.using_ints, (mine, p.dim, p.dim + 1))
 
     def _own_chunks(self, whole: fx.Node, p: InterleavedShard, name: str) -> fx.Node:
         """This rank's chunk of every block of a replicated value, concatenated (no communication)."""

@@ -90,4 +90,6 @@ def simulate_strategy(
 
     outputs = run_threads(body, compiled.world_size)
     loss = torch.tensor(sum(o.loss_sum for o in outputs) / tokens)
-    return loss, assemble(compiled, [o.grad_shards for o in outputs])
+    grads = assemble(compiled, [o.grad_shards for o in outputs])
+    frozen = {fqn for fqn, p in compiled.traced.params().items() if not p.requires_grad}
+    return loss, {fqn: g for fqn, g in grads.items() if fqn not in frozen}  # as torch: no .grad when frozen

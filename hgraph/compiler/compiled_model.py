@@ -38,8 +38,9 @@ from torch import nn
 from hgraph.compiler.overlap_order import rank_schedule
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.schedule.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
-from hgraph.core.errors import HGraphError, InputError, ShardingRuleError, StrategyError
+from hgraph.core.errors import HGraphError, ShardingRuleError, StrategyError, TraceError
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel, trace
+from hgraph.frontend.router_loss import loss_for
 from hgraph.core.layout import InterleavedShard, Layout
 from hgraph.core.model_info import model_dims as model_dims
 from hgraph.core.model_info import validate_strategies as validate_strategies
@@ -588,12 +589,8 @@ def compile(
         raise StrategyError("compile needs at least one strategy")
     world = strategies[0].world_size
     validate_strategies(strategies, world, model_dims(model))
-    if loss_fn is None and getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise InputError(
-            f"{type(model).__name__} has config.output_router_logits=True: its auxiliary load-balancing loss "
-            "is a product of batch-wide routing statistics, which the token-summed loss of hgraph's programs "
-            "cannot split over micro-batches and pipelines; build the model with output_router_logits=False"
-        )
+    if loss_fn is None:
+        loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"
@@ -638,6 +635,12 @@ def compile(
     with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with _gc_paused():
             traced = trace(model, example_inputs, loss_fn)
+        if not traced.dynamic:
+            raise TraceError(
+                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
+                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
+                "write that computation without Python control flow over sizes (or supply a layer that does)"
+            )
         own = _own_rank(world) if rank == "auto" else rank
         return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
 

@@ -3,23 +3,34 @@
 Models spell the same computation in different ways; the frontend rewrites a freshly exported graph
 (in place) so that:
 
+* ``no_grad`` and autocast-off blocks, which export wraps in higher-order ops, are inlined
+  (``hgraph.frontend.capture.grad_regions``);
 * metadata assertions (``aten._assert_tensor_metadata``, ``aten._assert_scalar``) are gone;
 * no-op nodes are gone: same-dtype ``aten.to``, eval-mode or p=0 ``aten.dropout``, full slices
-  ``x[:, :]``, ``x * 1.0`` and ``x + 0``;
-* an in-place op on a fresh tensor used nowhere else (``out += attn``) is its functional form, and
+  ``x[:, :]``, ``x * 1.0`` and ``x + 0``, and the 1-d empty tensors ``cat`` skips;
+* an in-place write into a tensor the model created (``out += attn``, MLA's keys filled slice by
+  slice with ``copy_``, a router's ``mask.scatter_``) is its functional form
+  (``hgraph.frontend.capture.functionalize``), and
   ``x @ W.T`` of a 2-d parameter is ``linear(x, W)``; batch and sequence sizes are read from
   ``input_ids`` (so every pipeline stage can compute them);
 * every causal self-attention is ``hgraph.runtime.kernels.packed_attention.packed_attention(q, k, v, position_ids)``:
   causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
   ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
   ``position_ids`` alone (HuggingFace builds one to detect packed sequences) once the mask is checked
-  to be exactly that block-causal mask — or its sliding window, ``window=w`` — on probe inputs longer
-  than every length constant of the mask computation (a probe no longer than the window would see
+  to be exactly that block-causal mask — or its sliding window, ``window=w``, or Llama 4's chunks,
+  ``chunk=c`` — on probe inputs longer than every length constant of the mask computation (a probe no longer than the window would see
   plain causality); the dense mask computation then disappears. A mask whose constants would need a
   probe longer than 8192 tokens keeps its computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
   ``enable_gqa=True``. Attention written out by hand (``hgraph.frontend.eager_attention``: HuggingFace's eager
-  attention, Gemma 2's logit soft-capping) is treated the same way, its soft-cap kept.
+  attention, Gemma 2's logit soft-capping, gpt-oss's attention sinks) is treated the same way, its
+  soft-cap or sinks kept. A mask computed from the sizes alone (gpt-oss, GraniteMoE never look at
+  positions) describes one document per row: proved on unpacked rows, it becomes packed attention with
+  that variant, which runs each packed document as the model runs it alone.
+
+Linear-attention layers get the packed positions too (``hgraph.frontend.capture.linear_attention``): Gated DeltaNet's
+delta rule becomes ``packed_gated_delta_rule`` and each causal depthwise convolution over the sequence
+``packed_causal_conv1d``, both restarting at every document.
 
 Attention with dropout, a mask of another kind (padding, ALiBi) or no causality stays as it is.
 """
@@ -33,7 +44,10 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hgraph.frontend.eager_attention import match_eager_attention
+from hgraph.frontend.eager_attention import match_eager_attention, match_sink_attention
+from hgraph.frontend.functionalize import functionalize_fresh_writes
+from hgraph.frontend.grad_regions import inline_grad_regions
+from hgraph.frontend.linear_attention import packed_sequence_mixers
 from hgraph.frontend.mask_probe import NOT_CAUSAL, block_causal
 from hgraph.runtime.kernels.packed_attention import packed_attention
 
@@ -46,17 +60,20 @@ _SDPA = aten.scaled_dot_product_attention.default
 def canonicalize(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     """Rewrite ``gm`` in place (see the module docstring); ``example_args`` are its inputs."""
     graph = gm.graph
+    inline_grad_regions(gm)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTIONS:
             graph.erase_node(node)
+    for node in list(graph.nodes):
+        _drop_empty_cat_inputs(node)
     for node in list(graph.nodes):
         source = _identity_source(node)
         if source is not None:
             node.replace_all_uses_with(source)
             graph.erase_node(node)
     _sizes_from_inputs(graph)
+    functionalize_fresh_writes(graph)
     for node in list(graph.nodes):
-        _functional_in_place(node)
         _weight_matmul_as_linear(graph, node)
     _packed_attention(gm, example_args)
     graph.eliminate_dead_code()
@@ -78,6 +95,20 @@ def _same_tensor_type(a: Any, b: Any) -> bool:
 
 def _same_shape(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _drop_empty_cat_inputs(node: fx.Node) -> None:
+    """``cat([torch.tensor([]), k], dim)`` (GraniteMoE's empty key cache): ``cat`` skips a 1-d empty
+    tensor, so it is dropped from the list (rules then see tensors of one rank)."""
+    if node.op != "call_function" or node.target != aten.cat.default:
+        return
+    tensors = list(node.args[0])
+    out = _val(node)
+    kept = [t for t in tensors if not (isinstance(_val(t), torch.Tensor) and _val(t).dim() == 1
+                                       and _val(t).shape[0] == 0 and out is not None and out.dim() > 1)]
+    if len(kept) == len(tensors) or not kept:
+        return
+    node.args = (kept, *node.args[1:])
 
 
 def _identity_source(node: fx.Node) -> fx.Node | None:
@@ -137,29 +168,6 @@ def _sizes_from_inputs(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
-def _fresh(node: Any) -> bool:
-    """A computed tensor that aliases nothing (not an input, not a view)."""
-    if not (isinstance(node, fx.Node) and node.op == "call_function"):
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and all(r.alias_info is None for r in schema.returns)
-
-
-def _functional_in_place(node: fx.Node) -> None:
-    """``a.add_(b)`` on a fresh ``a`` used only here (Falcon's ``mlp_out += attn_out``) -> ``a + b``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return
-    name = target.overloadpacket.__name__
-    if not name.endswith("_") or name.startswith("_") or not node.args:
-        return
-    functional = getattr(getattr(aten, name[:-1], None), target._overloadname, None)
-    self_arg = node.args[0]
-    if functional is None or not _fresh(self_arg) or len(self_arg.users) != 1:
-        return
-    node.target = functional
-
-
 def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
     """``x @ W.T`` with ``W`` a 2-d parameter (Falcon's ``FalconLinear``) -> ``linear(x, W)``, so the
     rules see a linear layer (column/row parallel) rather than a product with a transposed tensor."""
@@ -200,11 +208,11 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     positions = _position_input(gm)
     if positions is None:
         return
-    causal, masked = [], []
+    causal, masked, sized = [], [], []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node)
+        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node) or match_sink_attention(node)
         if a is None:
             continue
         q_len, k_len = _val(a["query"]).shape[-2], _val(a["key"]).shape[-2]
@@ -214,14 +222,21 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
         if a["is_causal"] and a["attn_mask"] is None:
             causal.append((node, a))
         elif a["attn_mask"] is not None and not a["is_causal"]:
-            if _data_inputs(a["attn_mask"]) <= {positions}:
+            inputs = _data_inputs(a["attn_mask"])
+            if inputs == {positions}:
                 masked.append((node, a))
-    windows = block_causal(gm, [a["attn_mask"] for _, a in masked], positions, example_args) if masked else []
+            elif not inputs:  # built from sizes alone: one document per row (gpt-oss, GraniteMoE)
+                sized.append((node, a))
     for node, a in causal:
-        _replace(gm.graph, node, a, positions, None)
-    for (node, a), window in zip(masked, windows):
-        if window is not NOT_CAUSAL:
-            _replace(gm.graph, node, a, positions, window)
+        _replace(gm.graph, node, a, positions, {})
+    for group, unpacked in ((masked, False), (sized, True)):
+        if not group:
+            continue
+        variants = block_causal(gm, [a["attn_mask"] for _, a in group], positions, example_args, unpacked=unpacked)
+        for (node, a), variant in zip(group, variants):
+            if variant is not NOT_CAUSAL:
+                _replace(gm.graph, node, a, positions, variant)
+    packed_sequence_mixers(gm, positions)
 
 
 def _data_inputs(node: fx.Node) -> set[fx.Node]:
@@ -261,7 +276,7 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
     return kv, repeat
 
 
-def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, window: int | None) -> None:
+def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, variant: dict[str, int]) -> None:
     key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
     folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
     if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
@@ -271,10 +286,10 @@ def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.No
         kwargs["scale"] = a["scale"]
     if enable_gqa:
         kwargs["enable_gqa"] = True
-    if window is not None:
-        kwargs["window"] = window
-    if a.get("softcap") is not None:
-        kwargs["softcap"] = a["softcap"]
+    kwargs.update(variant)
+    for name in ("softcap", "sinks"):
+        if a.get(name) is not None:
+            kwargs[name] = a[name]
     with graph.inserting_before(node):
         new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
     new.meta = dict(node.meta)

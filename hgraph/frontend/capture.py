@@ -46,6 +46,7 @@ from torch import fx, nn
 
 from hgraph.core.errors import InputError, TraceError
 from hgraph.frontend.canonicalize import canonicalize
+from hgraph.frontend.linear_attention import hf_kernels, refuse_unsupported_mixers
 
 INPUT_NAMES = ("input_ids", "position_ids", "targets")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
@@ -53,6 +54,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 # torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
 # simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
 CAPTURE_LOCK = threading.RLock()
+STATIC_REASONS: dict[int, str] = {}  # id(model) -> why its last capture fell back to static shapes
 
 
 def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,8 @@ class TracedModel:
     * ``graph_module``: ``(*params, *buffers, input_ids, position_ids, targets) -> loss``;
     * ``param_names`` / ``buffer_names``: placeholder name -> FQN as in ``model.named_parameters()``
       (in placeholder order); ``tied``: alias FQN -> canonical FQN for shared parameters;
-    * ``input_names``: the data inputs, in order; ``dynamic``: one graph for all shapes, or per shape.
+    * ``input_names``: the data inputs, in order; ``dynamic``: one graph for all shapes, or per shape
+      (``static_reason``: then why, as the failed dynamic capture said).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class TracedModel:
         self.tied = tied
         self.dynamic = dynamic
         self.input_names = INPUT_NAMES
+        self.static_reason = ""
         self._graphs: dict[tuple[int, int] | None, fx.GraphModule] = {
             None if dynamic else example_shape: graph_module
         }
@@ -206,10 +210,13 @@ def trace(
     if not isinstance(model, nn.Module):
         raise InputError(f"trace needs a torch.nn.Module, got {type(model).__name__}")
     inputs = _example_tensors(_as_dict(example_inputs))
+    refuse_unsupported_mixers(model)
     wrapper = _LossModule(model, loss_fn or default_loss)
     graph, param_names, buffer_names, tied, is_dynamic = _capture(wrapper, inputs, dynamic)
     shape = tuple(inputs[0].shape)
-    return TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
+    traced = TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
+    traced.static_reason = "" if is_dynamic else STATIC_REASONS.pop(id(model), "")
+    return traced
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -299,6 +306,7 @@ def _capture(
             except TraceError as exc:
                 if not exc.shape_specialised:  # type: ignore[attr-defined]
                     raise
+                STATIC_REASONS[id(wrapper.model)] = str(exc)
         dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
@@ -337,7 +345,7 @@ def _export(
     wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], spec: Any
 ) -> torch.export.ExportedProgram:
     try:
-        with _quiet():
+        with _quiet(), hf_kernels(wrapper.model):
             return torch.export.export(wrapper, inputs, dynamic_shapes=spec)
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
         raise _trace_error(exc, wrapper) from exc

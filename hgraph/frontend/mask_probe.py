@@ -2,11 +2,17 @@
 
 ``block_causal(gm, masks, positions, example_args)`` runs the mask computations of ``gm`` alone on
 probe position ids — unpacked rows, rows of short sequences, a row with one long sequence — and
-reports, per mask, its sliding window (``None``: plain block-causal) or ``NOT_CAUSAL``. A probe no
-longer than a length constant of the mask cannot tell a window of that many tokens from plain
-causality (the bug that made Mistral's window silently disappear), so with dynamic shapes the mask
-is also probed on sequences longer than every constant in its computation; the window is read from
-that longest probe and then checked on every probe.
+reports, per mask, its variant — ``{}`` (plain block-causal), ``{"window": w}`` (a sliding window,
+Mistral) or ``{"chunk": c}`` (Llama 4's chunked attention: a query sees the earlier keys of its own
+``c``-token chunk of the document) — or ``NOT_CAUSAL``. A probe no longer than a length constant of
+the mask cannot tell a window (chunk) of that many tokens from plain causality (the bug that made
+Mistral's window silently disappear), so with dynamic shapes the mask is also probed on sequences
+longer than every constant in its computation; the variant is read from that longest probe and then
+checked on every probe.
+
+A mask computed without ``position_ids`` (gpt-oss and GraniteMoE build theirs from the sizes alone)
+describes one document per row; ``unpacked=True`` probes such masks on unpacked rows only, and the
+frontend then runs the variant it proves on every packed document, as the model runs a document alone.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ NOT_CAUSAL = object()
 
 
 def block_causal(
-    gm: fx.GraphModule, masks: list[fx.Node], positions: fx.Node, example_args: Sequence[Any]
+    gm: fx.GraphModule, masks: list[fx.Node], positions: fx.Node, example_args: Sequence[Any], unpacked: bool = False
 ) -> list[Any]:
-    """Per mask: its window (``None``: plain block-causal) or ``NOT_CAUSAL``.
+    """Per mask: its variant (``{}``: plain block-causal, ``{"window": w}``, ``{"chunk": c}``) or
+    ``NOT_CAUSAL``; ``unpacked``: probe one document per row only (masks that ignore positions).
 
     A probe no longer than a length constant of the mask cannot tell a window of that many tokens
     from plain causality, so the mask is probed on sequences longer than every constant in its
@@ -67,15 +74,16 @@ def block_causal(
         with torch.no_grad():
             return probe(*args)
 
-    probes = {length: _probe_positions((rows, length)) for length in lengths}
-    # The window is read where it must show (the longest probe, unpacked), then checked everywhere.
-    windows = [_window_of(mask, lengths[-1]) for mask in masks_for(probes[lengths[-1]][0])]
-    ok = [True] * len(masks)
+    probes = {length: _probe_positions((rows, length))[: 1 if unpacked else None] for length in lengths}
+    # The variant is read where it must show (the longest probe, unpacked), then checked everywhere.
+    unpacked_longest = probes[lengths[-1]][0]
+    variants = [_variant_of(mask, unpacked_longest) for mask in masks_for(unpacked_longest)]
+    ok = [variant is not None for variant in variants]
     for length in lengths:
         for position_ids in probes[length]:
             for i, value in enumerate(masks_for(position_ids)):
-                ok[i] = ok[i] and _allows_exactly(value, _expected_mask(position_ids, windows[i]))
-    return [window if good else NOT_CAUSAL for window, good in zip(windows, ok)]
+                ok[i] = ok[i] and _allows_exactly(value, _expected_mask(position_ids, **(variants[i] or {})))
+    return [variant if good else NOT_CAUSAL for variant, good in zip(variants, ok)]
 
 
 def _length_constants(gm: fx.GraphModule, nodes: set[fx.Node]) -> list[int]:
@@ -114,13 +122,28 @@ def _resized_inputs(gm: fx.GraphModule, args: list[Any], slot: int, position_ids
     return out
 
 
-def _window_of(mask: Any, length: int) -> int | None:
-    """How many keys the last query of an unpacked first row may see, if fewer than all (a window)."""
+def _variant_of(mask: Any, position_ids: torch.Tensor) -> dict[str, int] | None:
+    """The variant (``{}``, a window, a chunk) of ``mask`` on the unpacked ``position_ids``: read from
+    the first row (the last query's visible keys give a window; the first query that sees only
+    itself, a chunk) and kept when it reproduces the whole mask; None when none does."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return None
+    length = position_ids.shape[1]
     allowed = mask if mask.dtype == torch.bool else mask == 0
-    count = int(allowed[0, 0, -1].sum()) if allowed.shape[-1] == length else length
-    return count if count < length else None
+    if allowed.shape[-1] != length or allowed.shape[-2] != length:
+        return None
+    row = allowed[0, 0]
+    seen = row.sum(-1)
+    candidates: list[dict[str, int]] = [{}]
+    if int(seen[-1]) < length:
+        candidates.append({"window": int(seen[-1])})
+    alone = [q for q in range(1, length) if int(seen[q]) == 1]
+    if alone:
+        candidates.append({"chunk": alone[0]})
+    for candidate in candidates:
+        if torch.equal(row, _expected_mask(position_ids[:1], **candidate)[0]):
+            return candidate
+    return None
 
 
 def _probe_positions(shape: tuple[int, int]) -> list[torch.Tensor]:
@@ -141,13 +164,17 @@ def _probe_positions(shape: tuple[int, int]) -> list[torch.Tensor]:
     return [unpacked, torch.stack(rows)]
 
 
-def _expected_mask(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """[b, s, s] bool: query i may see key j iff same sequence, j <= i (and i - j < window)."""
+def _expected_mask(position_ids: torch.Tensor, window: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """[b, s, s] bool: query i may see key j iff same sequence, j <= i (and i - j < window; and i, j in
+    the same ``chunk`` of their sequence)."""
     index = torch.arange(position_ids.shape[1])
     starts = torch.where(position_ids == 0, index, torch.zeros_like(index)).cummax(dim=1).values
     allowed = (starts[:, :, None] == starts[:, None, :]) & (index[None, :] <= index[:, None])
     if window is not None:
         allowed = allowed & (index[None, None, :] > index[None, :, None] - window)
+    if chunk is not None:
+        inside = index[None, :] - starts
+        allowed = allowed & ((inside[:, :, None] // chunk) == (inside[:, None, :] // chunk))
     return allowed
 
 

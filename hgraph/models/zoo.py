@@ -24,6 +24,8 @@ _DECODER = dict(
 )
 _MHA = {**_DECODER, "num_key_value_heads": 4}
 _WINDOW = 8  # shorter than the zoo's sequences, so the window matters
+_MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+_GATED_DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,62 @@ FAMILIES: dict[str, Family] = {
                                                        n_positions=512, bos_token_id=255, eos_token_id=255)),
         Family("cohere", "CohereConfig", {**_MHA, "bos_token_id": 1, "eos_token_id": 2}),
         Family("olmo2", "Olmo2Config", {**_MHA, "eos_token_id": 255}),
+        # ------------------------------------------------------------ 2025-2026 families
+        Family("deepseek_v3", "DeepseekV3Config", {**_MHA, **_MLA, "num_hidden_layers": 4, "moe_intermediate_size": 16,
+                                                   "n_routed_experts": 32}),
+        Family("deepseek_v2", "DeepseekV2Config", {**_MHA, **_MLA, "moe_intermediate_size": 16, "n_routed_experts": 8,
+                                                   "num_experts_per_tok": 6}),
+        Family("glm4_moe_lite", "Glm4MoeLiteConfig", {**_MHA, **_MLA, "moe_intermediate_size": 16, "n_routed_experts": 8}),
+        Family("glm4_moe", "Glm4MoeConfig", {**_DECODER, "head_dim": 16, "moe_intermediate_size": 16,
+                                             "n_routed_experts": 16}),
+        Family("dots1", "Dots1Config", {**_MHA, "moe_intermediate_size": 16, "n_routed_experts": 8,
+                                        "num_experts_per_tok": 2, "n_shared_experts": 1}),
+        Family("qwen3_moe", "Qwen3MoeConfig", {**_DECODER, "head_dim": 16, "moe_intermediate_size": 16, "num_experts": 16}),
+        Family("qwen3_next", "Qwen3NextConfig", {**_DECODER, **_GATED_DELTA, "head_dim": 16, "num_hidden_layers": 4,
+                                                 "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                                                 "num_experts": 16}),
+        Family("qwen3_5", "Qwen3_5TextConfig", {**_DECODER, **_GATED_DELTA, "head_dim": 16, "num_hidden_layers": 4}),
+        Family("qwen3_5_moe", "Qwen3_5MoeTextConfig", {**_DECODER, **_GATED_DELTA, "head_dim": 16, "num_hidden_layers": 4,
+                                                       "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
+                                                       "num_experts": 16}),
+        Family("gpt_oss", "GptOssConfig", {**_DECODER, "intermediate_size": 32, "head_dim": 16, "num_local_experts": 8,
+                                           "sliding_window": _WINDOW}),
+        Family("llama4", "Llama4TextConfig", {**_DECODER, "head_dim": 16, "intermediate_size_mlp": 128,
+                                              "num_local_experts": 4, "attention_chunk_size": _WINDOW,
+                                              "num_hidden_layers": 4}),
+        Family("gemma4", "Gemma4TextConfig", {**_DECODER, "head_dim": 16, "global_head_dim": 32, "sliding_window": _WINDOW,
+                                              "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 256}),
+        Family("olmo3", "Olmo3Config", {**_MHA, "num_hidden_layers": 4, "sliding_window": _WINDOW, "eos_token_id": 255}),
+        Family("smollm3", "SmolLM3Config", {**_DECODER, "num_hidden_layers": 4, "pad_token_id": 253, "bos_token_id": 254,
+                                            "eos_token_id": 255}),
+        Family("ministral", "MinistralConfig", {**_DECODER, "head_dim": 16, "sliding_window": _WINDOW}),
+        Family("granite", "GraniteConfig", _MHA),
+        Family("olmoe", "OlmoeConfig", {**_MHA, "intermediate_size": 32, "num_experts": 16, "eos_token_id": 255}),
+        Family("granitemoe", "GraniteMoeConfig", {**_MHA, "intermediate_size": 32, "num_local_experts": 8}),
+        Family("granitemoeshared", "GraniteMoeSharedConfig", {**_MHA, "intermediate_size": 32, "num_local_experts": 8,
+                                                              "shared_intermediate_size": 64}),
+        Family("phimoe", "PhimoeConfig", {**_DECODER, "num_local_experts": 4}),
+        Family("ernie4_5_moe", "Ernie4_5_MoeConfig", {**_DECODER, "head_dim": 16, "moe_intermediate_size": 16,
+                                                      "num_experts": 8}),
+        Family("hunyuan_v1_moe", "HunYuanMoEV1Config", {**_MHA, "head_dim": 16, "num_experts": 4, "moe_topk": 2}),
+        Family("helium", "HeliumConfig", {**_MHA, "head_dim": 16}),
+        Family("glm4", "Glm4Config", {**_DECODER, "head_dim": 16, "pad_token_id": 255, "eos_token_id": [255]}),
+        Family("glm", "GlmConfig", {**_DECODER, "head_dim": 16, "pad_token_id": 255, "eos_token_id": [255]}),
+        Family("exaone4", "Exaone4Config", {**_MHA, "num_hidden_layers": 4, "sliding_window": _WINDOW}),
+        Family("seed_oss", "SeedOssConfig", {**_DECODER, "head_dim": 16}),
+        Family("ernie4_5", "Ernie4_5Config", {**_DECODER, "head_dim": 16}),
+        Family("cohere2", "Cohere2Config", {**_MHA, "head_dim": 16, "num_hidden_layers": 4, "sliding_window": _WINDOW,
+                                            "bos_token_id": 1, "eos_token_id": 2}),
+        Family("hunyuan_v1_dense", "HunYuanDenseV1Config", {**_MHA, "head_dim": 16}),
+        Family("apertus", "ApertusConfig", _MHA),
+        Family("arcee", "ArceeConfig", {**_MHA, "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2}),
+        Family("lfm2", "Lfm2Config", {**_DECODER, "num_hidden_layers": 4}),
+        Family("minimax", "MiniMaxConfig", {**_DECODER, "head_dim": 16, "num_local_experts": 4}),
+        Family("falcon_h1", "FalconH1Config", {**_DECODER, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16,
+                                               "mamba_d_state": 16, "mamba_n_groups": 1}),
+        Family("nemotron_h", "NemotronHConfig", {**_DECODER, "head_dim": 16, "moe_intermediate_size": 16,
+                                                 "n_routed_experts": 4, "mamba_num_heads": 8, "mamba_head_dim": 16,
+                                                 "ssm_state_size": 16, "n_groups": 1}),
     )
 }
 

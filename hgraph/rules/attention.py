@@ -6,8 +6,9 @@ position_ids)`` (q ``[b, heads, s, d]``, k/v ``[b, kv_heads, s, d]``). On tp eve
 grouped-query pairing — so both counts must be divisible by tp, except that fewer key/value heads
 than tp ranks (multi-query attention) are replicated, each rank reading the one its query heads use. On cp the local program calls it
 with ``cp=True``: queries stay on the rank's load-balanced token chunks and K/V/positions are gathered.
-A plain ``scaled_dot_product_attention`` the frontend left alone (masked, non-causal) is only
-supported on tp.
+A learned tensor of the variant (gpt-oss's ``sinks``: one logit per query head) is cut with the
+heads on tp and replicated on cp (its gradient summed there). A plain ``scaled_dot_product_attention``
+the frontend left alone (masked, non-causal) is only supported on tp.
 """
 
 from __future__ import annotations
@@ -47,11 +48,14 @@ def packed_attention_rule(node: fx.Node, rin: RuleInput) -> Decision:
     kv = (qkv[0], R) if replicated_kv else qkv
     pos = (Shard(1) if cp else R, R)
     inputs = {q: qkv, k: kv, v: kv, positions: pos}
+    sinks = node.kwargs.get("sinks")
+    if isinstance(sinks, fx.Node):  # one learned logit per query head: cut with the heads
+        inputs[sinks] = (R, Shard(0) if tp else R)
     if not cp and not replicated_kv:
         return Decision(output=qkv, inputs=inputs, note="heads over tp" if tp else "")
 
     def lower(lc: LowerContext, n: fx.Node) -> fx.Node:
-        kwargs = dict(n.kwargs)
+        kwargs = {key: lc.local(value) if isinstance(value, fx.Node) else value for key, value in n.kwargs.items()}
         kwargs["cp"] = cp
         local_k, local_v = lc.local(k), lc.local(v)
         if replicated_kv:  # this rank's query heads all read one key/value head (Megatron's MQA/GQA)

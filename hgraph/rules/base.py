@@ -43,8 +43,10 @@ P = Partial()
 class StridedShard(Shard):
     """A shard of a merged dim: the dim is ``[split_factor, rest]`` flattened and only ``rest`` is cut.
 
-    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives; unflattening it back
-    recovers ``Shard`` of the ``s`` dim. Used on the cp mesh dim only (see the module docstring).
+    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives (or of ``[b, s, h]``
+    with heads cut on tp: Gated DeltaNet's per-head norm over ``[b·s·h, d]`` rows); unflattening it
+    back recovers ``Shard`` of the cut dim. ``localize`` gathers it on tp in order (all-gather, then
+    the rank-major pieces moved back between the ``split_factor`` rows); on cp it is never gathered.
     """
 
     split_factor: int = 1
@@ -186,9 +188,16 @@ class SizeArg:
     want: int
 
 
+def _blocked(mesh_dim: int, placement: Placement) -> bool:
+    """A shard only ``interleave_aware`` rules see: a fused projection's blocks, or tp rows merged
+    from a cut inner dim (``StridedShard`` on tp)."""
+    return isinstance(placement, InterleavedShard) or (mesh_dim == TP and isinstance(placement, StridedShard))
+
+
 def interleave_aware(rule: Callable) -> Callable:
-    """Mark a rule that handles ``InterleavedShard`` inputs (a fused projection's blocks); any other
-    rule sees such an input as replicated, so ``localize`` gathers it in block order first."""
+    """Mark a rule that handles ``InterleavedShard`` inputs (a fused projection's blocks) and tp
+    ``StridedShard`` ones (it keeps a shard with ``dataclasses.replace``, never rebuilds it); any other
+    rule sees such an input as replicated, so ``localize`` gathers it in order first."""
     rule.interleave_aware = True  # type: ignore[attr-defined]
     return rule
 
@@ -275,9 +284,10 @@ class RuleInput:
         spec = self._specs.get(node)
         if spec is None or (spec and isinstance(spec[0], tuple)):
             raise self.error(f"input {node.name} has no single tensor spec ({spec_str(spec)})")
-        if not self.interleave_aware and any(isinstance(p, InterleavedShard) for p in spec):
-            # a rule that does not know interleaved shards sees the value whole (localize gathers it)
-            return tuple(R if isinstance(p, InterleavedShard) else p for p in spec)  # type: ignore[return-value]
+        if not self.interleave_aware and any(_blocked(m, p) for m, p in enumerate(spec)):
+            # a rule that does not know interleaved (or tp-strided) shards sees the value whole; localize
+            # gathers it in order
+            return tuple(R if _blocked(m, p) else p for m, p in enumerate(spec))  # type: ignore[return-value]
         return spec
 
     def specs_of(self, node: fx.Node) -> Any:

@@ -89,16 +89,46 @@ def like_rule(node: fx.Node, rin: RuleInput) -> Decision:
 def factory_rule(node: fx.Node, rin: RuleInput) -> Decision:
     """Tensors created from constants (``arange``, ``zeros``, ``full``...) are the same on every rank.
 
-    A size read from a sharded dim would make them differ per rank without a spec saying so, so it
-    is refused.
+    A constant-filled tensor (``zeros``, ``full``, ``new_empty``...) sized by the local size of a
+    sharded dim — ``sym_size(t, d)`` of a tensor cut on ``d`` (MLA's ``k.new_empty(*k.shape[:-1], n)``
+    under cp) — is that dim's local piece: it is cut like ``t``. Any other size read from a sharded
+    dim (an ``arange`` over local tokens would number them wrongly) is refused.
     """
+    out = [R, R]
+    sizes = _size_list(node)
     for arg in node.all_input_nodes:
-        if not rin.is_tensor(arg) and (rin.size_cut(arg) or 1) > 1:
+        if rin.is_tensor(arg) or (rin.size_cut(arg) or 1) == 1:
+            continue
+        cut = _cut_like(arg, rin) if node.target.overloadpacket not in _NUMBERED and arg in sizes else None
+        if cut is None:
             raise rin.error(
                 f"its size {arg.name} is the local size of a sharded dim; a factory op sized by sharded "
                 "tokens or features has no sharding rule"
             )
-    return Decision(output=(R, R), inputs={})
+        for m, placement in enumerate(cut):
+            if placement is not None:
+                out[m] = Shard(sizes.index(arg))
+    return Decision(output=(out[0], out[1]), inputs={})
+
+
+_NUMBERED = (aten.arange, aten.scalar_tensor)  # values depend on the size: never cut
+
+
+def _size_list(node: fx.Node) -> list:
+    """The size argument of a factory (``zeros(size)``, ``new_zeros(x, size)``...)."""
+    position = 1 if node.target.overloadpacket.__name__.startswith("new_") else 0
+    sizes = node.args[position] if len(node.args) > position else node.kwargs.get("size", ())
+    return list(sizes) if isinstance(sizes, (list, tuple)) else []
+
+
+def _cut_like(size: fx.Node, rin: RuleInput) -> "list | None":
+    """Per mesh dim, whether ``size`` (``sym_size(t, d)``) is cut there because ``t`` is cut on ``d``."""
+    if size.op != "call_function" or size.target is not aten.sym_size.int:
+        return None
+    tensor, dim = size.args
+    spec = rin.spec(tensor)
+    nd = rin.ndim(tensor)
+    return [p if isinstance(p, Shard) and p.dim % nd == dim % nd else None for p in spec]
 
 
 def no_tensor_output_rule(node: fx.Node, rin: RuleInput) -> Decision:
@@ -111,7 +141,7 @@ POINTWISE = (
     "gt", "ge", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not",
     "masked_fill", "clamp", "clamp_min", "clamp_max", "remainder", "floor_divide", "neg", "rsqrt",
     "sqrt", "exp", "log", "sin", "cos", "tanh", "sigmoid", "silu", "gelu", "relu", "abs", "reciprocal",
-    "erf", "square", "log1p", "expm1", "sign", "softplus", "fill", "addcmul", "__and__", "__or__",
+    "erf", "square", "log1p", "expm1", "sign", "softplus", "fill", "addcmul", "__and__", "__or__", "floor", "ceil",
 )
 COPIES = ("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to", "type_as")
 FACTORIES = ("arange", "zeros", "ones", "full", "empty", "scalar_tensor", "new_zeros", "new_ones",

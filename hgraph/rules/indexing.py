@@ -1,4 +1,4 @@
-"""Rules for ops that read along a dim: ``diff``, ``cumsum``, ``repeat``, ``repeat_interleave``,
+"""Rules for ops that read along a dim: ``diff``, ``cumsum``, ``cumprod``, ``repeat``, ``repeat_interleave``,
 ``index.Tensor``, ``numpy_T``.
 
 HuggingFace models use them on small replicated tensors (position ids when detecting packed
@@ -77,10 +77,12 @@ def diff_rule(node: fx.Node, rin: RuleInput) -> Decision:
 
 
 def cumsum_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """``cumsum(x, dim)``: a running sum along ``dim``, which must be whole."""
+    """``cumsum(x, dim)`` / ``cumprod(x, dim)``: a running sum (product) along ``dim``, which must be
+    whole (along the sequence that means no cp: each rank would need every earlier chunk's total)."""
     x = node.args[0]
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs["dim"]) % rin.ndim(x)
-    out, req = _moving(node, rin, x, lambda d: None if d == dim else d, "cumsum")
+    what = node.target.overloadpacket.__name__
+    out, req = _moving(node, rin, x, lambda d: None if d == dim else d, what, keep_partial=what == "cumsum")
     return Decision(output=_spec(out), inputs={x: _spec(req)})
 
 
@@ -173,6 +175,7 @@ def index_rule(node: fx.Node, rin: RuleInput) -> Decision:
 
 register(aten.diff, diff_rule)
 register(aten.cumsum, cumsum_rule)
+register(aten.cumprod, cumsum_rule)
 register(aten.repeat, repeat_rule)
 register(aten.repeat_interleave.self_int, repeat_interleave_rule)
 register(aten.numpy_T, numpy_t_rule)

@@ -13,6 +13,7 @@ weights are replicated. ``linear`` weights are ``[out, in]``; ``mm``/``addmm``/`
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -69,6 +70,42 @@ def fused_blocks(node: fx.Node, rin: RuleInput) -> Optional[tuple[int, ...]]:
     return blocks
 
 
+_FEATURE_PRESERVING = {aten.to.dtype, aten._to_copy.default, aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.add.Tensor,
+                       aten.square.default}
+_FEATURE_REDUCTIONS = (aten.mean.dim, aten.sum.dim_IntList, aten.rms_norm.default, aten.layer_norm.default)
+
+
+def latent_projection(node: fx.Node, rin: RuleInput, out_features: int, in_features: int) -> bool:
+    """A low-rank down-projection whose features are normalised whole: MLA's ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` (fewer outputs than inputs, the output — or a piece split off its last dim —
+    reaching a reduction over its last dim: the RMSNorm of the latent).
+
+    Megatron-Core computes these *duplicated* on every tp rank: cut on its outputs the latent would
+    be gathered for its norm and the up-projection after it would be row-parallel (an all-reduce of
+    every head's features); whole, the up-projection is column-parallel (heads over tp) and the only
+    communication is the backward sum of the latent's gradient.
+    """
+    if out_features >= in_features:
+        return False
+    frontier, seen = [node], 0
+    while frontier and seen < 32:
+        value = frontier.pop()
+        seen += 1
+        nd = rin.ndim(value) if rin.is_tensor(value) else 0
+        for user in value.users:
+            target, args = user.target, user.args
+            if target in _FEATURE_REDUCTIONS and args[0] is value:
+                dims = args[1] if len(args) > 1 else None
+                dims = [dims] if isinstance(dims, int) else dims
+                if target in (aten.rms_norm.default, aten.layer_norm.default) or (dims and [d % nd for d in dims] == [nd - 1]):
+                    return True
+            elif target in _SPLITS and args[0] is value and (args[2] if len(args) > 2 else 0) % max(nd, 1) == nd - 1:
+                frontier += [u for u in user.users if u.target is operator.getitem]
+            elif target in _FEATURE_PRESERVING and rin.is_tensor(user) and rin.shape(user)[-1:] == rin.shape(value)[-1:]:
+                frontier.append(user)
+    return False
+
+
 def _weight_decision(
     node: fx.Node, rin: RuleInput, x: fx.Node, w: fx.Node, bias: Optional[fx.Node], transposed: bool
 ) -> Decision:
@@ -77,7 +114,7 @@ def _weight_decision(
     x_nd, out_nd = rin.ndim(x), rin.ndim(node)
     xs, ws = rin.spec(x), rin.spec(w)
     req_x, req_w, req_b, out = [R, R], [R, R], [R, R], [R, R]
-    row_parallel = False
+    row_parallel = duplicated = False
     for m in (CP, TP):
         if rin.degree(m) == 1:
             continue
@@ -98,6 +135,9 @@ def _weight_decision(
             req_w[m], out[m], req_b[m] = pw, InterleavedShard(out_nd - 1, pw.blocks), InterleavedShard(0, pw.blocks)
         elif pw is None and rin.shape(w)[n_dim] % rin.degree(m):
             continue  # too few output features to cut (a 1-wide gate): computed whole on every rank
+        elif pw is None and latent_projection(node, rin, rin.shape(w)[n_dim], rin.shape(w)[k_dim]):
+            duplicated = True
+            continue  # MLA's low-rank down-projection: computed whole on every rank (Megatron's "duplicated")
         elif pw is None or (isinstance(pw, Shard) and pw.dim % 2 == n_dim):
             blocks = fused_blocks(node, rin) if pw is None else None
             if blocks:
@@ -108,6 +148,7 @@ def _weight_decision(
                 req_w[m], out[m], req_b[m] = Shard(n_dim), Shard(out_nd - 1), Shard(0)
     inputs: dict[fx.Node, Spec] = {x: (req_x[0], req_x[1]), w: (req_w[0], req_w[1])}
     note = "row-parallel" if row_parallel else "column-parallel" if isinstance(out[TP], Shard) and out[TP].dim == out_nd - 1 else ""
+    note = "duplicated low-rank projection" if duplicated else note
     if bias is None:
         return Decision(output=(out[0], out[1]), inputs=inputs, note=note)
     inputs[bias] = (req_b[0], req_b[1])

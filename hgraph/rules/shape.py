@@ -111,7 +111,7 @@ def _view_placement(
                 )
             return None
         return Shard(e)
-    if m != CP or len(targets) != 1:
+    if len(targets) != 1 or src[d] % degree:
         return None
     return StridedShard(targets[0], math.prod(src[i] for i in leading))
 
@@ -140,6 +140,9 @@ def reshape_rule(node: fx.Node, rin: RuleInput) -> Decision:
                 req[m] = R
             else:
                 out[m] = q
+    tp_strided = isinstance(out[TP], StridedShard)
+    if tp_strided and isinstance(out[CP], Shard) and out[CP].dim == out[TP].dim:
+        req[TP], out[TP] = R, R  # both cuts in one merged dim: the tp stride would depend on the cp cut
     cuts = shard_degrees((out[0], out[1]), rin.options.degrees, len(dst))
     args = list(node.args)
     target = node.target
@@ -306,13 +309,25 @@ def getitem_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return Decision(output=specs[index], inputs={})
 
 
+def _joined_blocks(tensors: list[fx.Node], places: list[Placement], dim: int, rin: RuleInput) -> Optional[tuple[int, ...]]:
+    """Blocks of ``cat`` along ``dim`` of tp-cut inputs (an input that is itself blocks adds its own)."""
+    blocks: list[int] = []
+    for t, p in zip(tensors, places):
+        blocks += list(p.blocks) if isinstance(p, InterleavedShard) else [rin.shape(t)[dim]]
+    if len(blocks) < 2 or any(b % rin.degree(TP) for b in blocks) or isinstance(places[0], StridedShard):
+        return None
+    return tuple(blocks)
+
+
 def cat_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """cat / stack: inputs share one spec; a shard along the joined dim needs the whole dim."""
+    """cat / stack: inputs share one spec; a shard along the joined dim needs the whole dim — except
+    that ``cat`` of tp-cut pieces along their cut dim is the blocks of a fused value
+    (``InterleavedShard``: Gated DeltaNet's ``cat(q, k, v)`` before its convolution), kept local."""
     tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
     out_ndim = rin.ndim(node)
     in_ndim = rin.ndim(tensors[0])
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out_ndim
-    stacking = node.target is aten.stack.default
+    stacking = node.target.overloadpacket is aten.stack
     out, req = [R, R], {t: [R, R] for t in tensors}
     for m in range(len(MESH_DIMS)):
         if rin.degree(m) == 1:
@@ -324,7 +339,16 @@ def cat_rule(node: fx.Node, rin: RuleInput) -> Decision:
                 req[t][m] = P
             continue
         shards = [p for p in places if isinstance(p, Shard)]
-        if not shards or any((p.dim % in_ndim) == dim and not stacking for p in shards):
+        if not shards:
+            continue
+        if not stacking and m == TP and all(isinstance(p, Shard) and p.dim % in_ndim == dim for p in places):
+            blocks = _joined_blocks(tensors, places, dim, rin)
+            if blocks is not None:  # each rank's pieces side by side: the blocks of a fused value
+                out[m] = InterleavedShard(dim, blocks)
+                for t, p in zip(tensors, places):
+                    req[t][m] = p
+                continue
+        if any((p.dim % in_ndim) == dim and not stacking for p in shards):
             continue
         chosen = shards[0]
         d_in = chosen.dim % in_ndim
@@ -350,5 +374,5 @@ register(aten.select, select_rule)
 for _op in (aten.split, aten.split_with_sizes, aten.chunk, aten.unbind):
     register(_op, split_rule)
 register(operator.getitem, getitem_rule)
-for _op in (aten.cat, aten.stack):
+for _op in (aten.cat, aten.concat, aten.stack):
     register(_op, cat_rule)

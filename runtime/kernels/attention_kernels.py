@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +52,30 @@ class AttentionVariant:
 
     window: Optional[int] = field(default=None, metadata={"schema": "int?"})
     softcap: Optional[float] = field(default=None, metadata={"schema": "float?"})
+    chunk: Optional[int] = field(default=None, metadata={"schema": "int?"})
+    sinks: Optional[Tensor] = field(default=None, metadata={"schema": "Tensor?"})
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
             raise HGraphError(f"attention window={self.window}: a query sees itself, so the window is >= 1")
         if self.softcap is not None and not self.softcap > 0:
             raise HGraphError(f"attention softcap={self.softcap}: the cap is a positive number of logits")
+        if self.chunk is not None and self.chunk < 1:
+            raise HGraphError(f"attention chunk={self.chunk}: a chunk holds at least one token")
+        if self.sinks is not None and self.sinks.dim() != 1:
+            raise HGraphError(f"attention sinks of shape {tuple(self.sinks.shape)}: one logit per query head")
 
     def __str__(self) -> str:
-        terms = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+        def text(value: Any) -> str:
+            return f"[{value.shape[0]} heads]" if isinstance(value, Tensor) else str(value)
+
+        terms = [f"{f.name}={text(getattr(self, f.name))}" for f in dataclasses.fields(self)
                  if getattr(self, f.name) is not None]
         return ", ".join(terms) or "causal"
+
+    def tensors(self) -> list[str]:
+        """Names of the tensor fields that are set (learned values: their gradients are returned)."""
+        return [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
 
     def op_args(self) -> tuple:
         """The fields in declaration order: the trailing arguments of the ``hgraph::`` attention ops."""
@@ -73,19 +86,34 @@ class AttentionVariant:
         allowed = key <= query
         if self.window is not None:  # Mistral's sliding_window: itself and the window - 1 keys before
             allowed = allowed & (query - key < self.window)
+        if self.chunk is not None:  # Llama 4's attention_chunk_size: the keys of its own chunk of the document
+            allowed = allowed & (torch.div(query, self.chunk, rounding_mode="floor")
+                                 == torch.div(key, self.chunk, rounding_mode="floor"))
         return allowed
 
     def earliest_key(self, query: int) -> int:
-        """The first document position any query at ``query`` or later may see (keys before it are cut)."""
-        return max(0, query - self.window + 1) if self.window is not None else 0
+        """The first document position the query at ``query`` may see (keys before it are cut for a run
+        of queries starting there; later queries of the run are masked by ``allows``)."""
+        first = max(0, query - self.window + 1) if self.window is not None else 0
+        return max(first, query // self.chunk * self.chunk) if self.chunk is not None else first
 
     def narrows(self, length: int) -> bool:
         """Whether, in a document of ``length`` tokens, some key causality shows is hidden."""
-        return self.window is not None and self.window < length
+        return any(limit is not None and limit < length for limit in (self.window, self.chunk))
 
     @property
     def changes_scores(self) -> bool:
-        return self.softcap is not None
+        """Whether the kernel must write the scores out: logits changed (soft-cap) or the softmax
+        normalised with extra terms (sinks)."""
+        return self.softcap is not None or self.sinks is not None
+
+    def normalise(self, scores: Tensor, head: Tensor) -> Tensor:
+        """Softmax over the keys (last dim) of masked logits; with ``sinks`` (gpt-oss) every query head
+        also spreads probability over its own learned sink logit, which then takes no value."""
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1)
+        sink = self.sinks.to(scores.dtype)[head.flatten()].reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
     def score(self, scores: Tensor, head: Tensor, query: Tensor, key: Tensor) -> Tensor:
         """The logits ``q·kᵀ·scale`` after the variant (query ``head``, document positions as in ``allows``)."""
@@ -96,7 +124,9 @@ class AttentionVariant:
     def unsupported(self, kernel: str) -> tuple[str, ...]:
         """The fields ``kernel`` cannot compute for this variant (empty: it serves it)."""
         if kernel == "varlen":  # flash's varlen entry point masks windows but never changes scores
-            return ("softcap",) if self.softcap is not None else ()
+            return tuple(name for name in ("softcap", "chunk", "sinks") if getattr(self, name) is not None)
+        if kernel == "flex":  # no extra softmax terms in FlexAttention's score/mask mods
+            return ("sinks",) if self.sinks is not None else ()
         return ()
 
 
@@ -121,7 +151,7 @@ def choose_kernel(device: torch.device, dtype: torch.dtype, *, cp: bool = False,
         return "sdpa"
     if not cp and dtype in (torch.float16, torch.bfloat16) and varlen_available() and not variant.unsupported("varlen"):
         return "varlen"
-    return "flex"
+    return "sdpa" if variant.unsupported("flex") else "flex"
 
 
 def _check(kernel: str, device: torch.device, dtype: torch.dtype, cp: bool, needs_grad: bool,
@@ -195,7 +225,7 @@ def _attend_run(q: Tensor, k: Tensor, v: Tensor, first_query: int, first_key: in
     accumulate = torch.promote_types(q.dtype, torch.float32)  # logits and softmax in fp32, as fused kernels
     logits = q.to(accumulate) @ k.to(accumulate).transpose(-1, -2) * scale
     scores = variant.score(logits, head, query_pos, key_pos)
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(v.dtype) @ v
+    return variant.normalise(scores.masked_fill(~allowed, float("-inf")), head).to(v.dtype) @ v
 
 
 def _attend_row(q: Tensor, k: Tensor, v: Tensor, runs: list, scale: Optional[float], enable_gqa: bool,

@@ -74,8 +74,8 @@ def _autograd_inside_op() -> Iterator[None]:
 # so a new variant field needs no change here).
 _HEAD = "Tensor q, Tensor k, Tensor v, Tensor position_ids, float? scale, bool cp, bool enable_gqa"
 torch.library.define("hgraph::packed_attention", f"({_HEAD}, {VARIANT_SCHEMA}) -> Tensor")
-torch.library.define(
-    "hgraph::packed_attention_backward", f"(Tensor grad, {_HEAD}, {VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor)"
+torch.library.define(  # dq, dk, dv and the gradients of the variant's tensor fields (sinks) in field order
+    "hgraph::packed_attention_backward", f"(Tensor grad, {_HEAD}, {VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor[])"
 )
 
 
@@ -94,12 +94,16 @@ def _packed_attention(
 def _packed_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
     enable_gqa: bool, *variant: Any,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    learned = {name: getattr(AttentionVariant(*variant), name).detach().requires_grad_(True)
+               for name in AttentionVariant(*variant).tensors()}
     with _autograd_inside_op():
-        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, AttentionVariant(*variant))
-        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        chosen = dataclasses.replace(AttentionVariant(*variant), **learned)
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, chosen)
+        dq, dk, dv, *rest = torch.autograd.grad(out, [*leaves, *learned.values()], grad, allow_unused=True)
+    rest = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(rest, learned.values())]
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), rest
 
 
 @torch.library.register_fake("hgraph::packed_attention")
@@ -108,8 +112,9 @@ def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> Tensor:
 
 
 @torch.library.register_fake("hgraph::packed_attention_backward")
-def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    learned = [a.new_empty(a.shape) for a in args[4:] if isinstance(a, Tensor)]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), learned
 
 
 def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -120,8 +125,9 @@ def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
     with entered(ctx.rc):
-        dq, dk, dv = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
-    return (dq, dk, dv, *(None for _ in range(1 + len(ctx.args))))
+        dq, dk, dv, learned = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
+    rest = iter(learned)  # the tensor arguments' gradients, in argument order
+    return (dq, dk, dv, None, *(next(rest) if isinstance(a, Tensor) else None for a in ctx.args))
 
 
 torch.library.register_autograd("hgraph::packed_attention", _attention_backward, setup_context=_save_attention)

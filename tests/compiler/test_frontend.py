@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hgraph
 from hgraph.core.errors import InputError, TraceError
 from hgraph.frontend import default_loss, trace
 from hgraph.models import Llama, LlamaConfig, tiny_hf_gpt2, tiny_hf_llama
@@ -149,6 +150,14 @@ def test_shape_specialising_model_falls_back_to_static_graph_per_shape():
         targets[0, -1] = -100
         assert torch.equal(tm.run(ids, positions, targets), eager_loss(model, ids, positions, targets))
     assert tm.graph_for(2, 6) is tm.graph_module and tm.graph_for(2, 12) is not tm.graph_module
+
+
+def test_compiling_a_shape_specialising_model_is_refused():
+    """Compiled programs serve every micro-batch shape from one graph; a model traced per shape would run
+    a graph of the wrong shape (a traceback from inside torch), so compile refuses it, saying why."""
+    with pytest.raises(TraceError, match=r"cannot compile ShapeSpecific: one traced graph must serve every "
+                                         r"micro-batch shape.*specialises on its input shape"):
+        hgraph.compile(ShapeSpecific(), ["tp1"], example_inputs=torch.randint(0, 32, (2, 6)))
 
 
 class DataDependent(nn.Module):

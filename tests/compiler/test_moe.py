@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import InputError, ShardingRuleError
+from hgraph.core.errors import ShardingRuleError
 from hgraph.core.layout import InterleavedShard, Replicate, Shard
 from hgraph.rules.base import TP
 from hgraph.core.batch import next_token_targets
@@ -84,10 +84,23 @@ def test_context_parallel_routing_is_refused_clearly():
         hgraph.compile(model, ["cp2"], example_inputs=ids)
 
 
-def test_auxiliary_loss_is_refused_not_dropped():
-    """With output_router_logits the model adds a load-balancing loss hgraph cannot split; silently
-    training without it would be a wrong gradient."""
+@pytest.mark.parametrize("strategy", [pytest.param("tp2 + 2x tp1", marks=pytest.mark.slow), "tp2,pp2",
+                                      pytest.param("2x tp1,pp2", marks=pytest.mark.slow)])
+def test_auxiliary_loss_equals_the_models_own_loss(strategy):
+    """With ``output_router_logits`` the model adds ``router_aux_loss_coef · aux_loss`` of each forward to
+    its loss (``hgraph.frontend.router_loss``). Each row of the batch is one micro-batch, so the oracle is the
+    model's own loss (HF's ``labels=`` path, aux term included) of each row, weighted by its tokens."""
     model = tiny_mixtral()
     model.config.output_router_logits = True
-    with pytest.raises(InputError, match="MixtralForCausalLM has config.output_router_logits=True"):
-        hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 128, (2, 16)))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
+    tokens = ids.shape[1] - 1
+    model.zero_grad()
+    total = sum(model(input_ids=row[None], labels=row[None]).loss * tokens for row in ids) / (tokens * len(ids))
+    total.backward()
+    plain = nn.functional.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert (total - plain).abs() > 1e-4 * total.abs(), "the auxiliary term must matter for this test to mean anything"
+    compiled = hgraph.compile(model, [strategy], example_inputs=ids[:2])
+    loss, grads = compiled.simulate(0, ids)
+    torch.testing.assert_close(loss, total.detach(), rtol=1e-5, atol=1e-6)
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=fqn: f"{n}: {m}")

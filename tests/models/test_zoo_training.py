@@ -1,10 +1,12 @@
 """Zoo families in their default configs trained by ``hgraph.Trainer`` on real gloo processes.
 
 Every family: one packed step on tp2 (two processes) equal to ``torch.optim.AdamW`` on the unmodified
-model (the two below by default, all with the slow tests). Two families in depth: 3 iterations on 4
+model (the two below by default, all with the slow tests). In depth: 3 iterations on 4
 gloo processes, switching strategy every iteration, equal to single-process ``torch.optim.AdamW`` on
 the unmodified model: Mistral (sliding window shorter than the longest sequences, grouped-query
-attention) and Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token).
+attention), Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token), and two mixtures of experts on
+the strategies their routing allows: Qwen3-MoE and DeepSeek-V3 (MLA, grouped sigmoid router with
+score correction, shared experts, dense first layers).
 
 The first step's gradients are compared directly (AdamW's first ``exp_avg`` is ``(1 - beta1) * grad``
 on both sides), the parameters after every step with a tolerance derived from Adam itself: the
@@ -28,6 +30,7 @@ from hgraph.training.trainer import Trainer
 from hgraph.models.zoo import FAMILIES, zoo_model
 
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x cp2"]
+MOE_STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]  # routing needs every token: no cp
 ITERATIONS = 3
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-8
@@ -73,22 +76,27 @@ def first_step_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def hgraph_run(family: str):
+def hgraph_run(family: str, strategies: list[str]):
     """Runs on every rank (module level so spawned processes can import it)."""
     model = zoo_model(family).eval()
-    compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 256, (1, 8)))
+    compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 256, (1, 8)))
     trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
     losses, params, grads = [], [], None
     for i, batch in enumerate(batches(model.config.vocab_size)):
-        losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))
+        losses.append(trainer.step(batch, strategy=i % len(strategies)))
         grads = grads or first_step_gradients(trainer)
         params.append(trainer.full_parameters())
     return losses, params, grads
 
 
-@pytest.mark.parametrize("family", ["mistral", pytest.param("phi3", marks=pytest.mark.slow)])
-def test_trained_on_gloo_processes_equals_adamw(family):
-    results = hgraph.launch(hgraph_run, 4, args=(family,), timeout=400)
+@pytest.mark.parametrize("family, strategies", [
+    ("mistral", STRATEGIES),
+    pytest.param("phi3", STRATEGIES, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", MOE_STRATEGIES, marks=pytest.mark.slow),  # 16 experts, top-8, softmax router
+    pytest.param("deepseek_v3", MOE_STRATEGIES, marks=pytest.mark.slow),  # MLA, grouped sigmoid router, shared experts
+])
+def test_trained_on_gloo_processes_equals_adamw(family, strategies):
+    results = hgraph.launch(hgraph_run, 4, args=(family, strategies), timeout=600)
     ref_losses, ref_params, ref_grads = reference_run(family)
     for losses, params, grads in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)

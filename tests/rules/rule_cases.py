@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from rule_harness import Sample
 
+from hgraph.runtime.kernels.linear_attention import packed_causal_conv1d, packed_gated_delta_rule
 from hgraph.runtime.kernels.packed_attention import packed_attention
 
 aten = torch.ops.aten
@@ -57,6 +58,15 @@ def mask(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.rand(*shape, generator=g) > 0.5
 
 
+def distinct(g: torch.Generator, *shape: int, high: int) -> torch.Tensor:
+    """Indices below ``high``, distinct along the last dim (an overwriting scatter is then deterministic)."""
+    return torch.rand(*shape[:-1], high, generator=g).argsort(-1)[..., : shape[-1]]
+
+
+def complex_rand(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.complex(rand(g, *shape), rand(g, *shape))
+
+
 X = (4, 4, 8)  # [batch, tokens, features]
 
 
@@ -90,11 +100,32 @@ def _positions() -> torch.Tensor:
     return torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # two packed sequences
 
 
+def _sink_attention_inputs(g: torch.Generator) -> Sample:
+    """gpt-oss's learned sink logit per query head (a parameter, cut with the heads), Llama 4's chunks."""
+    return Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), _positions()),
+                  {"sinks": rand(g, 4), "chunk": 3}, names=("q", "k", "v", "position_ids", "p_sinks"),
+                  params=frozenset({"p_sinks"}))
+
+
+def _delta_rule_inputs(g: torch.Generator) -> Sample:
+    """Gated DeltaNet: 4 k heads serving 8 v heads, three packed documents per row."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    return Sample((rand(g, 2, 8, 4, 4), rand(g, 2, 8, 4, 4), rand(g, 2, 8, 8, 4), -positive(g, 2, 8, 8),
+                   positive(g, 2, 8, 8) / 2, positions), {"chunk_size": 4, "l2norm": True},
+                  names=("q", "k", "v", "g", "beta", "position_ids"))
+
+
+def _conv_inputs(g: torch.Generator) -> Sample:
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    return Sample((rand(g, 2, 8, 8), rand(g, 8, 1, 4), rand(g, 8), positions), names=("x", "p_w", "p_b", "position_ids"),
+                  params=frozenset({"p_w", "p_b"}))
+
+
 CASES: dict[str, list[Case]] = {
     # ---------------------------------------------------------------- elementwise.py: pointwise
     "aten.add": binary(aten.add.Tensor) + unary(aten.add.Scalar, rand, 1.5),
     "aten.sub": binary(aten.sub.Tensor),
-    "aten.mul": binary(aten.mul.Tensor) + unary(aten.mul.Scalar, rand, 3.0),
+    "aten.mul": binary(aten.mul.Tensor) + unary(aten.mul.Scalar, rand, 3.0) + binary(aten.mul.Tensor, complex_rand),
     "aten.div": binary(aten.div.Tensor, positive),
     "aten.pow": unary(aten.pow.Tensor_Scalar, rand, 2) + binary(aten.pow.Tensor_Tensor, positive),
     "aten.rsub": unary(aten.rsub.Scalar, rand, 1.0),
@@ -140,6 +171,8 @@ CASES: dict[str, list[Case]] = {
     "aten.sign": unary(aten.sign.default),
     "aten.softplus": unary(aten.softplus.default),
     "aten.fill": unary(aten.fill.Scalar, rand, 2.0),
+    "aten.floor": unary(aten.floor.default),
+    "aten.ceil": unary(aten.ceil.default),
     "aten.addcmul": [case(aten.addcmul.default, lambda g: Sample((rand(g, *X), rand(g, *X), rand(g, 4, 1, 8)), {"value": 0.5}))],
     # ---------------------------------------------------------------- elementwise.py: copies, factories
     "aten.clone": unary(aten.clone.default),
@@ -192,6 +225,7 @@ CASES: dict[str, list[Case]] = {
     "aten.unbind": [case(aten.unbind.int, lambda g: Sample((rand(g, 4, 2, 8), 1)))],
     "_operator.getitem": unary(aten.chunk.default, rand, 2, 0),  # the getitems of a list output
     "aten.cat": [case(aten.cat.default, lambda g: Sample(([rand(g, *X), rand(g, *X)], -1)))],
+    "aten.concat": [case(aten.concat.default, lambda g: Sample(([rand(g, *X), rand(g, 4, 4, 4)], -1)))],
     "aten.stack": [case(aten.stack.default, lambda g: Sample(([rand(g, *X), rand(g, *X)], 1)))],
     # ---------------------------------------------------------------- linear.py
     "aten.linear": [
@@ -245,6 +279,54 @@ CASES: dict[str, list[Case]] = {
     "aten.sort": unary(aten.sort.default, rand, -1),
     "aten.cumsum": unary(aten.cumsum.default, rand, 1),
     "aten.histc": unary(aten.histc.default, rand, 4, -2.0, 2.0),
+    "aten.cumprod": unary(aten.cumprod.default, positive, 1),
+    # ---------------------------------------------------------------- norm.py: max / min / arg reductions
+    "aten.max": unary(aten.max.dim, rand, -1) + unary(aten.max.dim, rand, 1, True) + binary(aten.max.other)
+    + unary(aten.max.default),
+    "aten.min": unary(aten.min.dim, rand, 2) + binary(aten.min.other) + unary(aten.min.default),
+    "aten.argmax": unary(aten.argmax.default, rand, -1) + unary(aten.argmax.default, rand, 1, True),
+    "aten.argmin": unary(aten.argmin.default, rand, 0),
+    # ---------------------------------------------------------------- scatter_gather.py (routers, experts, fresh buffers)
+    "aten.gather": [
+        case(aten.gather.default, lambda g: Sample((rand(g, *X), -1, ints(g, 4, 4, 4, high=8)))),
+        case(aten.gather.default, lambda g: Sample((rand(g, 4, 8, 4), 1, ints(g, 4, 4, 4, high=8))), "tokens"),
+    ],
+    "aten.scatter": [
+        case(aten.scatter.value, lambda g: Sample((rand(g, *X), -1, ints(g, 4, 4, 4, high=8), 1.0))),
+        case(aten.scatter.src, lambda g: Sample((rand(g, *X), -1, distinct(g, 4, 4, 4, high=8), rand(g, 4, 4, 4))),
+             "src"),
+        case(aten.scatter.src, lambda g: Sample((rand(g, 4, 8, 4), 1, distinct(g, 4, 4, 4, high=8).transpose(1, 2),
+                                                 rand(g, 4, 4, 4))), "src along tokens"),
+    ],
+    "aten.scatter_add": [
+        case(aten.scatter_add.default, lambda g: Sample((rand(g, *X), -1, ints(g, 4, 4, 4, high=8), rand(g, 4, 4, 4)))),
+    ],
+    "aten.index_add": [
+        case(aten.index_add.default, lambda g: Sample((rand(g, 8, 8), 0, ints(g, 4, high=8), rand(g, 4, 8)), {"alpha": 0.5})),
+        case(aten.index_add.default, lambda g: Sample((rand(g, 4, 8, 4), 1, ints(g, 4, high=8), rand(g, 4, 4, 4))),
+             "inner dim"),
+    ],
+    "aten.slice_scatter": [
+        case(aten.slice_scatter.default, lambda g: Sample((rand(g, *X), rand(g, 4, 4, 4), -1, 4, 8))),
+        case(aten.slice_scatter.default, lambda g: Sample((rand(g, *X), rand(g, 4, 4, 4), 2, 0, 8, 2)), "strided"),
+    ],
+    "aten.select_scatter": [
+        case(aten.select_scatter.default, lambda g: Sample((rand(g, *X), rand(g, 4, 8), 1, 2))),
+    ],
+    # ---------------------------------------------------------------- complex.py (complex rotary embeddings)
+    "aten.polar": [case(aten.polar.default, lambda g: Sample((positive(g, *X), rand(g, *X))))],
+    "aten.view_as_complex": [case(aten.view_as_complex.default, lambda g: Sample((rand(g, 4, 4, 8, 2),)))],
+    "aten.view_as_real": [case(aten.view_as_real.default, lambda g: Sample((complex_rand(g, *X),)))],
+    # ---------------------------------------------------------------- conv.py
+    "aten.conv1d": [
+        case(aten.conv1d.default, lambda g: Sample((rand(g, 4, 8, 8), rand(g, 8, 1, 4), rand(g, 8), [1], [3], [1], 8),
+                                                   names=("x", "p_w", "p_b"), params=frozenset({"p_w", "p_b"})),
+             "depthwise causal"),
+        case(aten.conv1d.default, lambda g: Sample((rand(g, 4, 8, 8), rand(g, 8, 2, 3), None, [1], [1], [1], 4),
+                                                   names=("x", "p_w"), params=frozenset({"p_w"})), "grouped"),
+        case(aten.conv1d.default, lambda g: Sample((rand(g, 4, 8, 8), rand(g, 4, 8, 3)), names=("x", "p_w"),
+                                                   params=frozenset({"p_w"})), "dense"),
+    ],
     "aten.index.Tensor": [
         case(aten.index.Tensor, lambda g: Sample((rand(g, 8, 4, 8), [ints(g, 4, 4, high=8)]))),
         case(aten.index.Tensor, lambda g: Sample((rand(g, 8, 8, 4), [ints(g, 4, high=8), ints(g, 4, high=8)])), "two indices"),
@@ -279,7 +361,13 @@ CASES: dict[str, list[Case]] = {
         case(_grouped_mm(), lambda g: Sample((rand(g, 8, 8), rand(g, 4, 8, 4), _OFFSETS)), "activations"),
     ],
     # ---------------------------------------------------------------- attention.py
-    "hgraph.runtime.kernels.packed_attention.packed_attention": [case(packed_attention, _attention_inputs)],
+    "hgraph.runtime.kernels.packed_attention.packed_attention": [
+        case(packed_attention, _attention_inputs),
+        case(packed_attention, _sink_attention_inputs, "sinks, chunks"),
+    ],
+    # ---------------------------------------------------------------- linear_attention.py
+    "hgraph.runtime.kernels.linear_attention.packed_gated_delta_rule": [case(packed_gated_delta_rule, _delta_rule_inputs)],
+    "hgraph.runtime.kernels.linear_attention.packed_causal_conv1d": [case(packed_causal_conv1d, _conv_inputs)],
     "aten.scaled_dot_product_attention": [
         case(aten.scaled_dot_product_attention.default,
              lambda g: Sample((rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4), rand(g, 1, 4, 8, 4)), {"is_causal": True}),

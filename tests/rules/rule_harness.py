@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -74,6 +75,11 @@ class Outcome:
     refused: list[str] = field(default_factory=list)
 
 
+def _inexact(t: torch.Tensor) -> bool:
+    """Floating or complex: values that have gradients and may be Partial."""
+    return t.is_floating_point() or t.is_complex()
+
+
 # --------------------------------------------------------------------------- cutting and assembling
 def _token_cut(t: torch.Tensor, dim: int, index: int, degree: int) -> torch.Tensor:
     return t.index_select(dim, load_balance_indices(t.shape[dim], degree, index))
@@ -117,7 +123,7 @@ def assemble(pieces: Sequence[torch.Tensor], shape: Sequence[int], spec: Spec, t
             counts = torch.zeros(index.numel(), dtype=torch.long)
         summed = all(c == 0 for m, c in enumerate(coord) if m not in sum_dims and not isinstance(spec[m], Shard))
         if summed:
-            full.index_add_(0, where.flatten(), piece.flatten().to(full.dtype)) if full.is_floating_point() else full.index_put_((where.flatten(),), piece.flatten(), accumulate=True)
+            full.index_add_(0, where.flatten(), piece.flatten().to(full.dtype)) if _inexact(full) else full.index_put_((where.flatten(),), piece.flatten(), accumulate=True)
             counts.index_add_(0, where.flatten(), torch.ones(where.numel(), dtype=torch.long))
     for a, b in itertools.combinations(range(WORLD), 2):
         ca, cb = COORDS[a], COORDS[b]
@@ -136,7 +142,7 @@ def partial_terms(full: torch.Tensor, spec: Spec, token_order: bool, rng: torch.
     """Every rank's local value: its cut, split into per-rank terms along the Partial mesh dims."""
     pdims = [m for m, p in enumerate(spec) if isinstance(p, Partial)]
     base = [cut(full, spec, c, token_order) for c in COORDS]
-    if not pdims or not full.is_floating_point():
+    if not pdims or not _inexact(full):
         return [b.clone() for b in base]
     k = 1
     for m in pdims:
@@ -200,13 +206,13 @@ def build_graph(target: Any, sample: Sample) -> tuple[fx.Graph, list[fx.Node], f
 def input_specs(t: torch.Tensor) -> list[Spec]:
     """Every spec of a data input on the 2x2 mesh: R, P (floating only), S(d) per mesh dim."""
     dims = [d for d in range(t.dim()) if t.shape[d] % (2 * MESH[CP]) == 0]  # cp token order: 2·cp chunks
-    options = [Replicate()] + ([Partial()] if t.is_floating_point() else []) + [Shard(d) for d in dims]
+    options = [Replicate()] + ([Partial()] if _inexact(t) else []) + [Shard(d) for d in dims]
     on_cp = options if MESH[CP] > 1 else [Replicate()]
     # a fused projection's blocks on tp (q, k, v of unequal sizes where the dim allows)
     on_tp = options + [
         InterleavedShard(d, (t.shape[d] // 2, t.shape[d] // 4, t.shape[d] // 4) if t.shape[d] % (4 * MESH[TP]) == 0
                          else (t.shape[d] // 2, t.shape[d] // 2))
-        for d in dims if t.is_floating_point() and t.shape[d] % (2 * MESH[TP]) == 0
+        for d in dims if _inexact(t) and t.shape[d] % (2 * MESH[TP]) == 0
     ]
     return [(a, b) for a in on_cp for b in on_tp if not (isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim)] + [
         (Shard(d), Shard(d)) for d in dims if MESH[CP] > 1 and t.shape[d] % (2 * MESH[CP] * MESH[TP]) == 0
@@ -240,7 +246,7 @@ def check(target: Any, sample: Sample, specs: dict[str, Spec], seed: int = 0) ->
             all_specs[p] = (Replicate(), Replicate())
         for node in graph.nodes:
             node.meta["hgraph_spec"] = all_specs.get(node)
-        grad_inputs = {p for p in placeholders if p.meta["val"].is_floating_point()}
+        grad_inputs = {p for p in placeholders if _inexact(p.meta["val"])}
         partial = _partial_uses(op_node, op_node.meta["hgraph_decision"], grad_inputs)
         op_node.meta["hgraph_grad_reduce"] = {i: d for i, d in partial.items() if i.name not in params}
         for item in outputs:
@@ -263,14 +269,14 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
         local_inputs.append(partial_terms(full, all_specs[p], token, rng))
     out_vals = [o.meta["val"] for o in outputs]
     cots = [
-        torch.randn(v.shape, generator=rng, dtype=v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and sample.values else None
+        torch.randn(v.shape, generator=rng, dtype=v.dtype) if isinstance(v, torch.Tensor) and _inexact(v) and sample.values else None
         for v in out_vals
     ]
 
     def body(comm):
         rank = comm.rank
         groups = mesh_groups(rank, MESH)
-        xs = [li[rank].clone().requires_grad_(li[rank].is_floating_point() and not sample.inplace) for li in local_inputs]
+        xs = [li[rank].clone().requires_grad_(_inexact(li[rank]) and not sample.inplace) for li in local_inputs]
         with rank_context(RankContext(rank, comm, groups)):
             result = local(*xs)
             pairs = []
@@ -298,10 +304,10 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
         got = assemble([r[0][i] for r in results], v.shape, spec, True, sums, f"{label}: output {i}")
         torch.testing.assert_close(got, v, msg=lambda s, i=i: f"{label}: forward output {i} ({spec_str(spec)}): {s}")
     diff_outs = [(v, c) for v, c in zip(out_vals, cots) if c is not None and not sample.inplace]
-    wanted = [j for j, f in enumerate(fulls) if f.is_floating_point()]
+    wanted = [j for j, f in enumerate(fulls) if _inexact(f)]
     if not diff_outs or not wanted:
         return
-    leaves = [f.clone().requires_grad_(f.is_floating_point()) for f in fulls]
+    leaves = [f.clone().requires_grad_(_inexact(f)) for f in fulls]
     args, kwargs = _substitute(sample, leaves)
     ref_out = target(*args, **kwargs)
     ref_out = list(ref_out) if isinstance(ref_out, (list, tuple)) else [ref_out]
@@ -347,6 +353,8 @@ def combinations(sample: Sample, limit: Optional[int], seed: int, preferred: dic
     names = [n for n in tensor_names(sample) if n not in sample.params]
     tensors = dict(zip(tensor_names(sample), _tensors(sample)))
     per_input = [input_specs(tensors[n]) for n in names]
+    if limit is not None and math.prod(map(len, per_input)) > ENUMERATE:
+        return _drawn(names, per_input, limit, seed, preferred)
     everything = [dict(zip(names, combo)) for combo in itertools.product(*per_input)]
     if limit is None or len(everything) <= limit:
         return everything
@@ -361,6 +369,34 @@ def combinations(sample: Sample, limit: Optional[int], seed: int, preferred: dic
     rest = [c for c in everything if c not in first]
     random.Random(seed).shuffle(rest)
     return first + rest[: max(0, limit - len(first))]
+
+
+ENUMERATE = 200_000  # more spec combinations than this (ops of many inputs) are drawn, not listed
+
+
+def _drawn(names: list[str], per_input: list[list[Spec]], limit: int, seed: int, preferred: dict[str, Spec]) -> list[dict[str, Spec]]:
+    """``combinations`` for ops with too many combinations to list: the ones always tried, then
+    random draws (seeded) up to ``limit``."""
+    rr = (Replicate(), Replicate())
+    first = [dict.fromkeys(names, rr)]
+    singles = [[{**dict.fromkeys(names, rr), n: spec} for spec in per_input[i] if spec != rr] for i, n in enumerate(names)]
+    first += [c for round_ in itertools.zip_longest(*singles) for c in round_ if c is not None]  # round robin
+    first += [dict.fromkeys(names, spec) for spec in per_input[0] if all(spec in p for p in per_input[1:])]
+    for i, n in enumerate(names):
+        first += [{**preferred, n: spec} for spec in per_input[i]] if preferred else []
+    out: list[dict[str, Spec]] = []
+    for combo in first:
+        if combo not in out:
+            out.append(combo)
+    out = out[:limit]
+    rng = random.Random(seed)
+    for _ in range(50 * limit):
+        if len(out) >= limit:
+            break
+        combo = {n: rng.choice(p) for n, p in zip(names, per_input)}
+        if combo not in out:
+            out.append(combo)
+    return out
 
 
 def run_case(

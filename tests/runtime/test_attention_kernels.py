@@ -237,8 +237,12 @@ def test_variant_values_and_names_are_checked():
     with pytest.raises(HGraphError, match="softcap=-1"):
         kernels.AttentionVariant(softcap=-1.0)
     q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(HGraphError, match="unknown attention variant sinks; the variants are window, softcap"):
+    with pytest.raises(HGraphError, match="unknown attention variant alibi; the variants are window, softcap, chunk, sinks"):
+        packed_attention(q, q, q, torch.arange(4)[None], alibi=q)
+    with pytest.raises(HGraphError, match=r"attention sinks of shape \(1, 2, 4, 8\): one logit per query head"):
         packed_attention(q, q, q, torch.arange(4)[None], sinks=q)
+    with pytest.raises(HGraphError, match="chunk=0"):
+        kernels.AttentionVariant(chunk=0)
     assert str(kernels.AttentionVariant(window=4, softcap=2.0)) == "window=4, softcap=2.0"
 
 
@@ -267,3 +271,80 @@ def test_windowed_and_softcapped_families_equal_the_model_per_document(monkeypat
             monkeypatch.setenv(ENV, kernel)
             got = traced.run(mb["input_ids"], mb["position_ids"], mb["targets"])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=kernel)
+
+
+# ----------------------------------------------------------------------------- chunked attention, sinks
+def dense_chunk_sinks(q, k, v, packing, chunk, sinks, scale=None):
+    """Each document alone, dense: Llama 4's chunks (a query sees the earlier keys of its chunk of the
+    document) and gpt-oss's sinks (a per-head logit in every softmax that takes no value)."""
+    repeat = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    rows = []
+    for b, lengths in enumerate(packing):
+        outs, start = [], 0
+        for n in lengths:
+            doc = slice(start, start + n)
+            kd, vd = k[b, :, doc].repeat_interleave(repeat, 0), v[b, :, doc].repeat_interleave(repeat, 0)
+            logits = q[b, :, doc] @ kd.transpose(-1, -2) * scale
+            i = torch.arange(n)
+            visible = i[None, :] <= i[:, None]
+            if chunk is not None:
+                visible &= (i[:, None] // chunk) == (i[None, :] // chunk)
+            logits = logits.masked_fill(~visible, float("-inf"))
+            if sinks is not None:
+                column = sinks[:, None, None].expand(-1, n, 1)
+                probs = torch.cat([logits, column], -1).softmax(-1)[..., :-1]
+            else:
+                probs = logits.softmax(-1)
+            outs.append(probs @ vd)
+            start += n
+        rows.append(torch.cat(outs, dim=1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("packing", PACKINGS, ids=str)
+@pytest.mark.parametrize("chunk, with_sinks", [(4, False), (1, False), (None, True), (3, True)])
+def test_sdpa_kernel_chunked_and_sink_attention_equal_dense_per_document(monkeypatch, packing, chunk, with_sinks):
+    monkeypatch.setenv(ENV, "sdpa")
+    q, k, v = inputs(packing)
+    sinks = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_(with_sinks)
+    kwargs = {**({"chunk": chunk} if chunk else {}), **({"sinks": sinks} if with_sinks else {})}
+    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **kwargs)
+    want = dense_chunk_sinks(q, k, v, packing, chunk, sinks if with_sinks else None)
+    torch.testing.assert_close(out, want)
+    leaves = (q, k, v, sinks) if with_sinks else (q, k, v)
+    grad = torch.randn_like(out)
+    for got, expected in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("chunk", [4, 5])
+def test_flex_kernel_chunked_attention_forward(monkeypatch, chunk):
+    monkeypatch.setenv(ENV, "flex")
+    packing = PACKINGS[0]
+    q, k, v = inputs(packing, dtype=torch.float32)
+    with torch.no_grad():
+        out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, chunk=chunk)
+    torch.testing.assert_close(out, dense_chunk_sinks(q, k, v, packing, chunk, None), rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_and_sinks_with_local_queries_against_gathered_keys():
+    packing = [[12, 20], [25, 7]]
+    q, k, v = (t.detach().float() for t in inputs(packing))
+    sinks = torch.randn(4)
+    chosen = load_balance_indices(32, 2, 1)
+    variant = kernels.AttentionVariant(chunk=6, sinks=sinks)
+    with torch.no_grad():
+        got = kernels.attend("sdpa", q[:, :, chosen], k, v, positions_of(packing), chosen, None, True, variant)
+    want = dense_chunk_sinks(q, k, v, packing, 6, sinks)[:, :, chosen]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_sends_sinks_and_chunks_only_to_kernels_that_compute_them():
+    sinks = kernels.AttentionVariant(sinks=torch.zeros(4))
+    chunked = kernels.AttentionVariant(chunk=8)
+    assert kernels.choose_kernel(CUDA, torch.float32, variant=sinks) == "sdpa"
+    assert kernels.choose_kernel(CUDA, torch.bfloat16, variant=sinks) == "sdpa"
+    assert kernels.choose_kernel(CUDA, torch.float32, variant=chunked) == "flex"
+    assert kernels.choose_kernel(CUDA, torch.bfloat16, variant=chunked) == "flex"
+    assert kernels.AttentionVariant(chunk=8).unsupported("varlen") == ("chunk",)
