@@ -3,9 +3,10 @@
 
     python benchmarks/moe_bench.py [--steps 3] [--warmup 1] [--tiny]
 
-The model is ``MixtralForCausalLM.from_config`` (its defaults; sizes: 8 experts, top-2, hidden 256,
-expert width 512, 2 layers, 8 heads, 4 key/value heads, vocabulary 1024), trained by
+The model is ``MixtralForCausalLM(MixtralConfig(...))`` (defaults but the sizes: 8 experts, top-2,
+hidden 256, expert width 512, 2 layers, 8 heads, 4 key/value heads, vocabulary 1024), trained by
 ``hgraph.Trainer`` (fp32, AdamW) on a batch of variable-length sequences (seeded, 32..512 tokens).
+Figures from a run and what they say: docs/expert_parallelism.md.
 
 * Step time and bytes per step: one launch of 4 processes compiles both strategies and alternates
   their steps (A B A B ..., so drift in the machine's load falls on both); a step is timed from a

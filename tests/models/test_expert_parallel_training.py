@@ -32,7 +32,8 @@ def hgraph_run(family: str):
     return losses, params, grads, routing
 
 
-@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["mixtral", *(pytest.param(f, marks=pytest.mark.slow)
+                                               for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3"))])
 def test_switching_between_ep_and_non_ep_on_gloo_equals_adamw(family):
     results = hgraph.launch(hgraph_run, 4, args=(family,), timeout=600)
     ref_losses, ref_params, ref_grads = reference_run(family)
