@@ -84,7 +84,7 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
                     free.discard(inp)
                     specs[inp] = req
                     if inp in views:
-                        _place_view(inp, views.pop(inp), req, rin, free, specs)
+                        _place_view(inp, views.pop(inp), req, rin, free, specs, views)
                         rin.node = node
             specs[node] = decision.output
             node.meta["hgraph_decision"] = decision
@@ -99,9 +99,11 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
                 f"node '{node.name}' is a {node.op} ({node.target}); annotate needs a flat ATen graph from "
                 "hgraph.frontend.trace (call_module/call_method nodes have no sharding rules)"
             )
-    for view, param in views.items():
+    while views:  # newest first: a cast of a transpose places the transpose with it
+        view, param = views.popitem()
         free.discard(view)
-        _place_view(view, param, REPLICATED, expert_rin if view.meta.get(MESH_KEY) == EXPERT_MESH else stage_rin, free, specs)
+        _place_view(view, param, REPLICATED, expert_rin if view.meta.get(MESH_KEY) == EXPERT_MESH else stage_rin, free, specs,
+                    views)
     for p in free:
         specs[p] = REPLICATED
     for node in gm.graph.nodes:
@@ -114,9 +116,11 @@ _PARAM_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.op
                 torch.ops.aten.to.dtype)  # the precision pass's fp32 upcast of a bf16-pulled parameter
 
 
-def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: set, specs: dict) -> None:
+def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: set, specs: dict,
+                views: dict) -> None:
     """A transposed (or cast) parameter placed as ``req`` by its consumer: the parameter takes the
-    placement that the transpose maps to ``req`` (when still free), then the view is decided as usual."""
+    placement that the transpose maps to ``req`` (when still free), then the view is decided as usual.
+    ``param`` may itself be a view (the compute-dtype cast of a transposed weight): placed the same way."""
     if param in free:
         ndim = rin.ndim(param)
         if view.target is torch.ops.aten.to.dtype:
@@ -130,6 +134,8 @@ def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: 
         placed = tuple(replace(p, dim=source[p.dim % ndim]) if isinstance(p, Shard) else p for p in req)
         free.discard(param)
         specs[param] = placed
+        if param in views:
+            _place_view(param, views.pop(param), placed, rin, free, specs, views)
     rin.node = view
     decision = _decide(view, rin)
     specs[view] = decision.output

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 _GROUPED_MM = ("transformers::grouped_mm_fallback",)
 _VIEWS = (aten.transpose.int, aten.t.default, aten.permute.default)
+_CASTS = (aten.to.dtype, aten._to_copy.default)  # the precision pass casts weights to the compute dtype
 
 
 @dataclass(frozen=True)
@@ -154,19 +155,28 @@ def _layer_path(node: fx.Node) -> str:
 
 
 def _body(gathered: fx.Node, offsets: fx.Node, is_param: Any) -> set[fx.Node]:
-    """Nodes computed from the gathered rows, the offsets and parameters alone (and parameter views)."""
+    """Nodes computed from the gathered rows, the offsets and parameters alone (and the parameter
+    views and casts they read)."""
+
+    def of_param(a: fx.Node) -> bool:  # a parameter, or a view or dtype cast of one
+        return is_param(a) or (a.op == "call_function" and a.target in _VIEWS + _CASTS
+                               and bool(a.all_input_nodes) and of_param(a.all_input_nodes[0]))
+
     body: set[fx.Node] = set()
     for node in gathered.graph.nodes:
-        if node.op != "call_function" or node is gathered:
-            continue
+        if node.op != "call_function" or node is gathered or of_param(node):
+            continue  # parameter views and casts: part of the body when a body node reads them (below)
         inputs = node.all_input_nodes
-        if node.target in _VIEWS and inputs and is_param(inputs[0]):
-            continue  # a parameter view: part of the body when a body node uses it (below)
-        allowed = lambda a: a is gathered or a is offsets or a in body or is_param(a) or (  # noqa: E731
-            a.target in _VIEWS and is_param(a.all_input_nodes[0]))
+        allowed = lambda a: a is gathered or a is offsets or a in body or of_param(a)  # noqa: E731
         if any(a is gathered or a in body for a in inputs) and all(allowed(a) for a in inputs):
             body.add(node)
-    views = {a for n in body for a in n.all_input_nodes if a.op == "call_function" and a.target in _VIEWS}
+    views: set[fx.Node] = set()
+    frontier = [a for n in body for a in n.all_input_nodes if a.op == "call_function" and of_param(a)]
+    while frontier:
+        a = frontier.pop()
+        if a not in views:
+            views.add(a)
+            frontier += [b for b in a.all_input_nodes if b.op == "call_function"]
     return body | views
 
 
