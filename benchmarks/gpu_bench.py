@@ -20,7 +20,9 @@ memory model against measured peaks. One script, at most ~5 minutes on one GPU.
 Without CUDA it runs a smoke version on CPU in well under a minute (tiny HF Llama, per-sequence SDPA in
 both loops, throughput only; (d) on short documents with the SDPA kernel) and lists what it skipped. ``--smoke`` forces that mode.
 
-Run: ``python benchmarks/gpu_bench.py [--smoke] [--out result.json]``.
+Run: ``python benchmarks/gpu_bench.py [--smoke] [--out result.json]``. On a GPU machine whose python3
+has CUDA torch and transformers but no hgraph and no network: ``sh benchmarks/run_gpu_bench.sh [DIR]``
+(installs this checkout without dependencies into a temporary folder, writes DIR/gpu_bench.json).
 """
 
 from __future__ import annotations

@@ -4,15 +4,17 @@
 (a) ``errors``: relative error of the q/k-projection gradients (all layers together) against the fp32
     gradients of the unmodified model, per sequence length (one document of 40 / 512 / 1024 / 2048
     tokens), for hgraph bf16 (``compile(compute_dtype=bf16)``, ``simulate`` on ``tp2``: thread ranks)
-    and ``torch.autocast`` bf16 on the unmodified model, and their ratio (goal <= 1.5). Models:
-    hgraph's ``Llama``, HF Llama, HF Gemma 2 (the issue's table is the first).
+    and ``torch.autocast`` bf16 on the unmodified model, and their ratio (goal <= 1.5); also each
+    one's |loss - fp32 loss|. Models: hgraph's ``Llama``, HF Llama, HF Gemma 2 (the issue's table is
+    the first). Long sequences: ``--lengths 4096 8192 16384 --strategy cp2``.
 (b) ``speed``: forward + backward of one rank's program (a hidden-256 ``Llama``, tp1, 2,048 tokens)
     with autocast's casts as graph nodes (what hgraph runs: parameters pulled in bf16, fp32 islands
     explicit) against the same fp32 program run under ``torch.autocast`` (fp32 parameters, casts made
     by the dispatcher), and the unmodified model under ``torch.autocast``; interleaved repetitions,
     medians of wall and of process CPU seconds (less disturbed by other load), ratios.
 
-Run: ``python benchmarks/precision_bench.py [--lengths 40 512 1024 2048] [--repeats 15] [--speed-only] [--out f.json]``.
+Run: ``python benchmarks/precision_bench.py [--lengths 40 512 1024 2048] [--strategy tp2] [--models ...]
+[--repeats 15] [--speed-only | --errors-only] [--out f.json]``.
 """
 
 from __future__ import annotations
@@ -37,18 +39,19 @@ from hgraph.models.zoo import zoo_config
 BF16 = torch.bfloat16
 
 
-def hf_gemma2() -> nn.Module:
+def hf_gemma2(longest: int) -> nn.Module:
     import transformers
 
     config = zoo_config("gemma2")
-    config.max_position_embeddings = 4096
+    config.max_position_embeddings = max(4096, longest)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "hgraph Llama": lambda: Llama(LlamaConfig(layers=2, kv_heads=2)),
-    "HF Llama": lambda: tiny_hf_llama(),
+# Each takes the longest sequence it must accept (its maximum position).
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "hgraph Llama": lambda longest: Llama(LlamaConfig(layers=2, kv_heads=2, max_positions=max(4096, longest))),
+    "HF Llama": lambda longest: tiny_hf_llama(max_position_embeddings=max(2048, longest)),
     "HF Gemma 2": hf_gemma2,
 }
 
@@ -61,8 +64,8 @@ def projection_names(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if n.endswith(("q_proj.weight", "k_proj.weight"))]
 
 
-def unmodified_grads(model: nn.Module, ids: torch.Tensor, autocast: bool) -> dict[str, torch.Tensor]:
-    """Gradients of the token-mean next-token loss of the model as the user runs it."""
+def unmodified_grads(model: nn.Module, ids: torch.Tensor, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """Token-mean next-token loss and its gradients, of the model as the user runs it."""
     model.zero_grad()
     with torch.autocast("cpu", dtype=BF16, enabled=autocast):
         out = model(ids)
@@ -71,7 +74,7 @@ def unmodified_grads(model: nn.Module, ids: torch.Tensor, autocast: bool) -> dic
     loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    return grads
+    return float(loss.detach()), grads
 
 
 def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], names: list[str]) -> float:
@@ -80,18 +83,23 @@ def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
 
 
 def errors(name: str, lengths: list[int], strategy: str = "tp2") -> dict[str, dict[str, float]]:
-    model = MODELS[name]()
+    """Per length: q/k-gradient relative errors (hgraph, autocast, ratio) and |loss - fp32 loss|."""
+    model = MODELS[name](max(lengths))
     names = projection_names(model)
     example = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
     ours = hgraph.compile(model, [strategy], example_inputs=example, compute_dtype=BF16)
     out = {}
     for length in lengths:
         ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
-        fp32 = unmodified_grads(model, ids, autocast=False)
-        hgraph_error = relative_error(ours.simulate(0, ids)[1], fp32, names)
-        autocast_error = relative_error(unmodified_grads(model, ids, autocast=True), fp32, names)
+        fp32_loss, fp32 = unmodified_grads(model, ids, autocast=False)
+        hgraph_loss, hgraph_grads = ours.simulate(0, ids)
+        autocast_loss, autocast_grads = unmodified_grads(model, ids, autocast=True)
+        hgraph_error = relative_error(hgraph_grads, fp32, names)
+        autocast_error = relative_error(autocast_grads, fp32, names)
         out[str(length)] = {"hgraph bf16": round(hgraph_error, 5), "torch.autocast bf16": round(autocast_error, 5),
-                            "ratio": round(hgraph_error / autocast_error, 3)}
+                            "ratio": round(hgraph_error / autocast_error, 3),
+                            "loss_difference": {"hgraph bf16": float(f"{abs(float(hgraph_loss) - fp32_loss):.2e}"),
+                                                "torch.autocast bf16": float(f"{abs(autocast_loss - fp32_loss):.2e}")}}
     return out
 
 
@@ -163,15 +171,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[40, 512, 1024, 2048])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--strategy", default="tp2", help="hgraph's strategy in (a); cp2 for long sequences")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--speed-only", action="store_true", help="skip (a)")
+    parser.add_argument("--errors-only", action="store_true", help="skip (b)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"benchmark": "precision", "torch": torch.__version__,
                               "metric": "relative error of q/k-projection gradients vs fp32 (unmodified model)",
-                              "errors": {} if args.speed_only else {name: errors(name, args.lengths)
+                              "strategy": args.strategy,
+                              "errors": {} if args.speed_only else {name: errors(name, args.lengths, args.strategy)
                                                                     for name in args.models}}
-    result["speed"] = speed(max(args.lengths), args.repeats)
+    if not args.errors_only:
+        result["speed"] = speed(max(args.lengths), args.repeats)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -213,3 +213,64 @@ def test_bf16_gradients_at_2048_tokens_are_as_close_to_fp32_as_autocast(kind):
     for names in (projections, list(fp32)):
         ours_error, autocast_error = _relative_error(ours, fp32, names), _relative_error(autocast, fp32, names)
         assert ours_error <= 1.5 * autocast_error, (names[0], ours_error, autocast_error)
+
+
+# ----------------------------------------------------------------------------- long sequences
+LONG_DOCUMENTS = (11000, 4000, 1384)  # one packed row of 16,384 tokens: positions up to 10,999
+BF16_UNIT = 2.0**-8  # bf16's unit roundoff (8 bits of significand)
+
+LONG_MODELS = {
+    "llama": lambda n: Llama(LlamaConfig(layers=2, kv_heads=2, max_positions=n)),  # rotary tables are buffers
+    "hf_llama": lambda n: tiny_hf_llama(max_position_embeddings=n),  # rotary computed in an autocast-off block
+}
+
+
+def _per_document_reference(model, documents, autocast):
+    """Token-mean loss, gradients and the largest |logit| of the unmodified model run on each
+    document alone (fp32, or under ``torch.autocast(bfloat16)``)."""
+    model.zero_grad()
+    tokens = sum(len(d) - 1 for d in documents)
+    total, largest = 0.0, 0.0
+    for doc in documents:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(doc[None])
+        logits = (out.logits if hasattr(out, "logits") else out).float()
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], doc[1:], reduction="sum") / tokens
+        loss.backward()
+        total += float(loss.detach())
+        largest = max(largest, float(logits.detach().abs().max()))
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return total, grads, largest
+
+
+@pytest.mark.slow  # ~3 min on a quiet machine: four 16K-token passes per model
+@pytest.mark.parametrize("kind", list(LONG_MODELS))
+def test_bf16_at_16k_tokens_packed_on_cp2_is_as_close_to_fp32_as_autocast(kind):
+    """Long documents, as users train them: one packed row of 16,384 tokens (documents of 11,000,
+    4,000 and 1,384, positions restarting at each) on ``cp2``. bf16 positions or rotary tables are
+    off by up to 32 positions beyond 8,192, so their error grows with length; autocast's does not.
+
+    Oracles: the unmodified model on each document alone, in fp32 and under ``torch.autocast``.
+    Bounds: gradient error within 1.5x of autocast's (q/k projections, where rotary acts, and all
+    parameters); the loss within 2·u·max|logit| of fp32 (what rounding the fp32 logits to bf16 alone
+    may move a cross-entropy: each logit by at most u·max|logit|, the loss by twice that)."""
+    n = sum(LONG_DOCUMENTS)
+    model = LONG_MODELS[kind](n)
+    gen = torch.Generator().manual_seed(5)
+    documents = [torch.randint(0, 256, (length,), generator=gen) for length in LONG_DOCUMENTS]
+    fp32_loss, fp32, largest_logit = _per_document_reference(model, documents, autocast=False)
+    autocast_loss, autocast, _ = _per_document_reference(model, documents, autocast=True)
+
+    ids = torch.cat(documents)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in documents])[None]
+    targets = torch.cat([torch.cat([d[1:], d.new_tensor([-100])]) for d in documents])[None]
+    compiled = hgraph.compile(model, ["cp2"], example_inputs=ids[:, :16], compute_dtype=torch.bfloat16)
+    loss, ours = compiled.simulate(0, ids, targets=targets, position_ids=positions)
+
+    assert abs(float(loss) - fp32_loss) <= 2 * BF16_UNIT * largest_logit, (float(loss), fp32_loss)
+    assert abs(autocast_loss - fp32_loss) <= 2 * BF16_UNIT * largest_logit  # the bound holds for torch too
+    projections = [name for name in fp32 if name.endswith(("q_proj.weight", "k_proj.weight"))]
+    for names in (projections, list(fp32)):
+        ours_error, autocast_error = _relative_error(ours, fp32, names), _relative_error(autocast, fp32, names)
+        assert ours_error <= 1.5 * autocast_error, (names[0], ours_error, autocast_error)
