@@ -231,6 +231,9 @@ class Executor:
         for pc, shard in zip(bucket, self.finish((Kind.PUSH_START, a.group), "push_gradient",
                                                  [pc.push.plan for pc in bucket])):
             self.grad_shards[pc.name] = None if shard is None else shard.to(self.shards[pc.name].dtype)
+            held = self.params.get(pc.name)
+            if held is not None:
+                held.grad = None  # pushed: its shard is what the optimizer reads; free the compute-layout gradient
 
     def optimizer(self, a: Action) -> None:
         """The optimizer step runs in the trainer on the pushed shards; nothing is left to do here."""

@@ -17,6 +17,8 @@ import torch
 from hgraph.core.errors import CheckpointError, TrainingError
 from hgraph.runtime.kernels.comm import Communicator
 
+_NORM_CHUNK = 1 << 16
+
 
 class ShardedAdamW(torch.optim.Optimizer):
     """AdamW over this rank's fp32 shards (``names`` keep the parameter FQNs, in a fixed order)."""
@@ -55,7 +57,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             g = grads.get(name)
             if g is None or (name in self.replicated and comm.rank != world[0]):
                 continue
-            total += g.to(torch.float64).pow(2).sum()
+            for chunk in g.reshape(-1).split(_NORM_CHUNK):  # float64 a chunk at a time, not a copy of the shard
+                total += chunk.to(torch.float64).square().sum()
         if len(world) > 1:
             total = comm.all_reduce(total, world)
         return math.sqrt(float(total))
@@ -83,7 +86,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
             bias1 = 1 - beta1**step
             bias2_sqrt = (1 - beta2**step) ** 0.5
-            denom = (state["exp_avg_sq"].sqrt() / bias2_sqrt).add_(eps)
+            denom = state["exp_avg_sq"].sqrt().div_(bias2_sqrt).add_(eps)  # one temporary the size of the shard
             p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
 
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -6,13 +6,16 @@ gets only its pipeline's tokens), held-out loss every ``eval.interval`` iteratio
 (``checkpoint.dir/step-N``, written in the background, the newest ``checkpoint.keep`` kept) with the
 data position and planner state every ``checkpoint.interval`` (``checkpoint.resume`` continues
 exactly from the newest: also after ``torchrun --max-restarts`` restarted the job), export at the end
-(``export.dir``: HF ``save_pretrained`` format, or ``model.safetensors`` for other models). Without
-it: the synthetic learnable sequences of 0.1, lengths from a length file. SIGTERM (to ``hgraph
-train`` or to its ranks under torchrun): every rank finishes the iteration, a checkpoint is written,
-exit code 0. Metrics (``[metrics]``, ``hgraph.runtime.metrics``): ``metrics.jsonl`` and TensorBoard
-event files, one console line per iteration on rank 0; log records go to ``out/logs/rank<r>.log``.
-``history.json`` (over restarts too), ``eval.json``, ``summary.json`` and ``loss.png`` in ``out``.
-Nothing in the config is executed except importing the model factory it names.
+(``export.dir``: HF ``save_pretrained`` format, or ``model.safetensors`` for other models; written
+tensor by tensor, in HF shards with an index when large). Without it: the synthetic learnable
+sequences of 0.1, lengths from a length file. An HF ``config.json`` or a local HF checkpoint
+directory is built on the meta device: the Trainer initialises it layer by layer, or reads the
+checkpoint by slices (docs/big_models.md). SIGTERM (to ``hgraph train`` or to its ranks under
+torchrun): every rank finishes the iteration, a checkpoint is written, exit code 0. Metrics
+(``[metrics]``, ``hgraph.runtime.metrics``): ``metrics.jsonl`` and TensorBoard event files, one
+console line per iteration on rank 0; log records go to ``out/logs/rank<r>.log``. ``history.json``
+(over restarts too), ``eval.json``, ``summary.json`` and ``loss.png`` in ``out``. Nothing in the
+config is executed except importing the model factory it names.
 """
 
 from __future__ import annotations
@@ -39,13 +42,30 @@ SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
 @dataclass(frozen=True)
 class ModelSpec:
     """The config's ``model``: ``module:factory``, an HF ``config.json`` (random init with ``seed``)
-    or a local HF checkpoint directory (``from_pretrained``). Picklable, for the ranks."""
+    or a local HF checkpoint directory. Picklable, for the ranks.
+
+    ``meta=True`` (what ``hgraph train`` uses): an HF config or a checkpoint directory with
+    safetensors weights is built on the meta device (no storage); the Trainer then reads the
+    checkpoint by slices (``weights``) or initialises the model layer by layer from ``seed``. With
+    ``meta=False`` (profiling) HF models are built eagerly: ``from_pretrained`` or ``from_config``
+    after ``torch.manual_seed(seed)``."""
 
     spec: str
     seed: int = 0
+    meta: bool = False
+
+    @property
+    def path(self) -> Path:
+        return Path(os.path.expanduser(self.spec))
+
+    @property
+    def weights(self) -> Optional[str]:
+        """The checkpoint directory the Trainer reads by slices (a directory with safetensors weights)."""
+        p = self.path
+        return str(p) if p.is_dir() and any(p.glob("*.safetensors")) else None
 
     def __call__(self) -> torch.nn.Module:
-        p = Path(os.path.expanduser(self.spec))
+        p = self.path
         if ":" in self.spec and not p.exists():
             from hgraph.models import load_factory
 
@@ -53,10 +73,12 @@ class ModelSpec:
         import transformers
 
         if p.is_dir():
-            weights = list(p.glob("*.safetensors")) + list(p.glob("pytorch_model*.bin"))
             if not (p / "config.json").is_file():
                 raise InputError(f"model {self.spec}: the directory has no config.json")
-            if weights:
+            if self.weights is not None and self.meta:
+                config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
+                return self._from_config(transformers, config)
+            if self.weights is not None or any(p.glob("pytorch_model*.bin")):
                 return transformers.AutoModelForCausalLM.from_pretrained(
                     str(p), local_files_only=True, attn_implementation="sdpa", use_cache=False).eval()
             p = p / "config.json"
@@ -67,7 +89,13 @@ class ModelSpec:
             config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
         except (KeyError, ValueError) as exc:
             raise InputError(f"model {self.spec}: not an HF model config ({exc})") from None
+        return self._from_config(transformers, config)
+
+    def _from_config(self, transformers: Any, config: Any) -> torch.nn.Module:
         config.use_cache = False
+        if self.meta:
+            with torch.device("meta"):
+                return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
@@ -110,7 +138,7 @@ def lr_lambda(cfg: TrainConfig) -> Any:
 
 def precheck(cfg: TrainConfig) -> None:
     """Everything that can be checked before ranks start: model, tokenizer vocabulary, first batch."""
-    model = ModelSpec(cfg.model, cfg.seed)()
+    model = ModelSpec(cfg.model, cfg.seed, meta=True)()
     if cfg.data is None:
         return
     train, held = loaders(cfg)
@@ -133,7 +161,7 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
 
     assert cfg.data is not None
     spec = ModelSpec(cfg.model, cfg.seed)
-    dims = model_dims(spec())
+    dims = model_dims(ModelSpec(cfg.model, cfg.seed, meta=True)())
     schemes = []
     for text in SCHEMES:
         s = Scheme.parse(text)
@@ -178,9 +206,11 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
     from hgraph.compiler import entry
     from hgraph.training.trainer import Trainer
+    from hgraph.frontend.meta import is_meta_model
     from hgraph.runtime.checkpoint_manager import CheckpointManager
 
-    model = ModelSpec(cfg.model, cfg.seed)()
+    spec = ModelSpec(cfg.model, cfg.seed, meta=True)
+    model = spec()
     vocab = model_vocab(model) or 256
     compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)))
     planner = None
@@ -193,8 +223,11 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
     scheduler = None
     if cfg.warmup or cfg.lr_schedule != "constant":
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))  # noqa: E731
+    # meta-built models: sliced load or layer-wise init; eager ones are released once sharded
     trainer = Trainer(compiled, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      planner=planner, lr_scheduler=scheduler, metrics=metrics_config(cfg))
+                      planner=planner, lr_scheduler=scheduler, metrics=metrics_config(cfg),
+                      weights=spec.weights if is_meta_model(model) else None, init_seed=cfg.seed,
+                      release_model=not is_meta_model(model))
     log_to_file(Path(cfg.out) / "logs", trainer.rank)
     if trainer.metrics is not None:
         trainer.metrics.iterations = cfg.iterations
@@ -294,18 +327,14 @@ def log_to_file(directory: Path, rank: int) -> Path:
 
 
 def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
-    """HF models: ``export_pretrained``; others: the state dict as ``model.safetensors``."""
+    """HF models: ``export_pretrained``; others: the state as safetensors (``model.safetensors``, or HF
+    shards with an index). Streamed: rank 0 writes one tensor at a time."""
+    from hgraph.training.export import export_pretrained, save_safetensors
+
     if hasattr(model, "save_pretrained"):
-        from hgraph.training.export import export_pretrained
-
         return str(export_pretrained(trainer, model, path))
-    state = trainer.state_dict()
-    if trainer.rank == 0:
-        from safetensors.torch import save_file
-
-        Path(path).mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(path) / "model.safetensors"))
-    return str(Path(path) / "model.safetensors")
+    files = save_safetensors(trainer, path)
+    return str(files[0] if len(files) == 1 else path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -49,10 +49,11 @@ from hgraph.compiler.parameter_plans import (
 )
 from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
-from hgraph.core.errors import HGraphError, ShardingRuleError, StrategyError
+from hgraph.core.errors import HGraphError, InputError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
+from hgraph.frontend.meta import is_meta_model
 from hgraph.passes.experts import find_expert_blocks, route_experts
 from hgraph.passes.annotate import annotate
 from hgraph.passes.backward import JointGraphs, rank_joint
@@ -316,7 +317,14 @@ class CompiledModel:
         return self._param_comm[key]
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
-        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from."""
+        """Canonical FQN -> the user's model's parameter, where fp32 master shards start from. A model
+        built on meta holds no values: its shards come from ``Trainer(weights=...)`` or its own
+        initialisation instead."""
+        if is_meta_model(self.model):
+            raise InputError(
+                f"{type(self.model).__name__} holds no parameter values (built on the meta device or released): "
+                "give the Trainer weights=PATH (a safetensors checkpoint) or let it initialise the model layer by layer"
+            )
         named = dict(self.model.named_parameters())
         return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 

@@ -25,6 +25,10 @@ fallback, cached per shape in ``TracedModel.graph_for``; rank threads share it, 
 After capture the graph is canonicalised (``canonicalize``): no-op conversions, eval-mode dropout
 and metadata assertions are removed, tied parameters share one placeholder, and attention is expressed
 as ``hgraph.runtime.kernels.packed_attention.packed_attention``. Anything export cannot capture raises ``TraceError``.
+
+A model built on the meta device traces too: its construction-time buffers are recomputed by its own
+scheme and its parameters are traced as fake CPU tensors (``hgraph.frontend.capture.meta``), so built eagerly
+or on meta it gives the same graph.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from torch import fx, nn
 from hgraph.core.errors import InputError, TraceError
 from hgraph.frontend.canonicalize import canonicalize
 from hgraph.frontend.linear_attention import hf_kernels, refuse_unsupported_mixers
+from hgraph.frontend.meta import fake_parameters, materialize_buffers
 
 INPUT_NAMES = ("input_ids", "position_ids", "targets")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
@@ -211,6 +216,7 @@ def trace(
         raise InputError(f"trace needs a torch.nn.Module, got {type(model).__name__}")
     inputs = _example_tensors(_as_dict(example_inputs))
     refuse_unsupported_mixers(model)
+    materialize_buffers(model)  # a meta model's construction-time buffers (rotary tables), by its own scheme
     wrapper = _LossModule(model, loss_fn or default_loss)
     graph, param_names, buffer_names, tied, is_dynamic = _capture(wrapper, inputs, dynamic)
     shape = tuple(inputs[0].shape)
@@ -292,7 +298,15 @@ def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, .
 def _capture(
     wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
-    """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes."""
+    """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes. Meta parameters
+    are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's."""
+    with fake_parameters(wrapper.model):
+        return _capture_model(wrapper, inputs, dynamic)
+
+
+def _capture_model(
+    wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
     if dynamic:
         program = None
         # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
@@ -450,6 +464,11 @@ def _lift(
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
     for attr, value in constants.items():
+        if value.is_meta:
+            raise TraceError(
+                f"cannot trace {type(model).__name__}: a tensor attribute (constant {attr}, {tuple(value.shape)}) is on the "
+                "meta device and no scheme recomputes it; register it as a buffer that reset_parameters() recomputes"
+            )
         old.register_buffer(attr, value)
     gm = fx.GraphModule(old, graph, class_name=type(model).__name__ + "Loss")
     return gm, param_names, buffer_names, tied

@@ -69,6 +69,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        """Weight back to ones (what a model built on the meta device is initialised with)."""
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
@@ -78,8 +82,16 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
+
+    def reset_parameters(self) -> None:
+        """Recompute ``inv_freq`` (a model built on the meta device has no values for it)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(self._inv_freq())
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = position_ids.unsqueeze(-1).to(self.inv_freq.dtype) * self.inv_freq
@@ -152,7 +164,7 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        if seed is not None:
+        if seed is not None and not self.embed.weight.is_meta:  # on meta: nothing to fill
             init_weights(self, seed)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -28,12 +29,13 @@ from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
+from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
-from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.initial_shards import PathLike, initial_shards
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.runtime.kernels.reshard import default_comm, execute
@@ -86,7 +88,17 @@ class Trainer:
         timeline: bool = False,
         device: Union[str, torch.device, None] = None,
         metrics: Optional[MetricsConfig] = None,
+        weights: Optional[PathLike] = None,
+        init_seed: int = 0,
+        release_model: bool = False,
     ) -> None:
+        """``weights``: a safetensors checkpoint (a file, a directory with ``model.safetensors``, or an HF
+        sharded checkpoint with ``model.safetensors.index.json``) the fp32 master shards are read from,
+        each rank reading only its slices. Without it, a model built on the meta device is initialised
+        by its own scheme one module at a time from ``init_seed`` (``hgraph.frontend.layerwise_init`` states the
+        contract); an eagerly built model's values are used. ``release_model``: once the shards exist,
+        free the storage of the model's parameters (they become meta tensors), so no full copy stays
+        in the process. See docs/big_models.md."""
         self.compiled = compiled
         self.comm = comm if comm is not None else default_comm()
         # Shards, micro-batches and every tensor handed to a collective live here (default: the
@@ -104,15 +116,15 @@ class Trainer:
         self.planner = planner
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
-        params = compiled.master_parameters()
-        check_same_parameters({**params, **compiled.traced.buffers()}, self.comm, self.world, self.device)
         layouts = compiled.optimizer_layouts
-        shards = {
-            fqn: layout.local_of(params[fqn].detach().to(torch.float32), self.rank).to(self.device)
-            for fqn, layout in layouts.items()
-        }
+        shards = initial_shards(compiled, self.rank, self.comm, self.world, self.device, weights, init_seed)
         replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
         self.optimizer = ShardedAdamW(shards, lr, betas, eps, weight_decay, replicated)
+        del shards
+        if release_model:
+            self.comm.barrier(self.world)  # simulated ranks share the model: every one has cut its shards
+            for model in (compiled.model, compiled.traced.model):
+                release_parameters(model)
         self.frozen = params_without_gradient(compiled.traced)
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.iteration = 0
@@ -357,15 +369,19 @@ class Trainer:
             raise InputError("this Trainer records no timeline; construct it with timeline=True")
         return gather_events(self.timeline.events, self.comm, dst)
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
-        out = {}
-        world = self.world
+    def iter_parameters(self, dst: Optional[int] = None) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        """Every parameter in full (fp32), one at a time, gathered from the optimizer shards onto rank
+        ``dst`` alone (``None``: onto every rank); ranks that receive nothing get ``None``. Call on every
+        rank and consume it whole: each step is a collective."""
+        ranks = self.world if dst is None else (dst,)
         for fqn, shard in self.optimizer.shards.items():
             src = self.compiled.optimizer_layouts[fqn]
-            dst = Layout(src.shape, world, (len(world),), (Replicate(),))
-            out[fqn] = execute(solve(src, dst), shard.detach(), self.comm)
-        return out
+            dst_layout = Layout(src.shape, ranks, (len(ranks),), (Replicate(),))
+            yield fqn, execute(solve(src, dst_layout), shard.detach(), self.comm)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
+        return {fqn: value for fqn, value in self.iter_parameters() if value is not None}
 
     def save(self, path: str, extra: Optional[dict[str, Any]] = None) -> Any:
         """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``), with the data position of
@@ -390,14 +406,46 @@ class Trainer:
             self.data = data
         return extra
 
-    def state_dict(self, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    def state_items(self, dtype: Optional[torch.dtype] = None, dst: Optional[int] = None,
+                    aliases: bool = True) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
+        """The unmodified model's ``state_dict`` entries one at a time, in its order: parameters gathered
+        from the optimizer shards as they come (one in full at a time), buffers as the model holds
+        them; each on CPU in its dtype in the model (or ``dtype``). Only rank ``dst`` receives values
+        (``None``: every rank); elsewhere they are ``None``. ``aliases=False`` leaves out the second and
+        later names of a tied parameter. Call on every rank and consume it whole."""
+        model = self.compiled.model
+        canonical = {id(p): fqn for fqn, p in model.named_parameters()}
+        refs = model.state_dict(keep_vars=True)
+        names = Counter(canonical[id(ref)] for ref in refs.values() if id(ref) in canonical)
+        layouts = self.compiled.optimizer_layouts
+        ranks = self.world if dst is None else (dst,)
+        receive = self.rank in ranks
+        held: dict[str, Optional[torch.Tensor]] = {}  # gathered values of tied parameters, for their aliases
+        for name, ref in refs.items():
+            fqn = canonical.get(id(ref))
+            if fqn is None:
+                value: Optional[torch.Tensor] = ref.detach().to("cpu").clone() if receive else None
+            elif fqn in held:
+                if not aliases:
+                    continue
+                value = held[fqn]
+            else:
+                src = layouts[fqn]
+                plan = solve(src, Layout(src.shape, ranks, (len(ranks),), (Replicate(),)))
+                value = execute(plan, self.optimizer.shards[fqn].detach(), self.comm)
+                if value is not None:
+                    value = value.to(device="cpu", dtype=dtype or ref.dtype)
+                if names[fqn] > 1:
+                    held[fqn] = value
+            if fqn is None and value is not None and dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            yield name, value
+
+    def state_dict(self, dtype: Optional[torch.dtype] = None, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
         """The unmodified model's ``state_dict`` with the trained parameters: the model's own names
         (tied aliases included), full tensors on CPU, each in its dtype in the model (or ``dtype``);
-        buffers as the model holds them. Call on every rank (the parameters are gathered)."""
-        full = self.full_parameters()
-        canonical = {id(p): fqn for fqn, p in self.compiled.model.named_parameters()}
-        out = {}
-        for name, ref in self.compiled.model.state_dict(keep_vars=True).items():
-            value = full.get(canonical.get(id(ref), ""), ref)
-            out[name] = value.detach().to(device="cpu", dtype=dtype or ref.dtype).clone()
-        return out
+        buffers as the model holds them. Gathered tensor by tensor (``state_items``) onto every rank,
+        or with ``dst`` onto that rank alone (the others get ``{}``). Call on every rank."""
+        items = self.state_items(dtype, dst)
+        out = {name: value for name, value in items if value is not None}
+        return out if dst is None or self.rank == dst else {}
