@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
@@ -48,8 +49,6 @@ def batch(seed: int, vocab: int, tokens: int) -> list[torch.Tensor]:
 
 
 def _rank(args: argparse.Namespace, directory: str) -> dict:
-    import torch.distributed as dist
-
     config = LlamaConfig(vocab_size=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
                          kv_heads=args.heads, ffn=4 * args.hidden)
     model = Llama(config, seed=0)

@@ -1,11 +1,14 @@
-"""The supported-models table: every ``hgraph.models.zoo`` family × strategy kind, checked against the model.
+"""The supported-models table: every ``hgraph.models.zoo`` family × strategy kind, packed, checked against the model.
 
     python benchmarks/model_zoo.py [--families llama,gpt2] > zoo.jsonl
     python benchmarks/model_zoo.py --markdown zoo.jsonl      # the README table from those lines
 
-Prints one JSON object per (family, strategy): ``equal`` (``simulate`` loss and every gradient equal
-to the unmodified model, fp32, rtol 1e-5) or the HGraphError raised, then a summary with the count of
-``wrong`` (silent mismatches, which must be 0).
+Prints one JSON object per (family, strategy): ``equal`` (``simulate`` of documents of different
+lengths, dispatched and packed as ``Trainer.step`` packs them, gives the loss and every gradient of the
+unmodified model run on each document alone, fp32, rtol 1e-5) or the HGraphError raised, and
+``packing``: what the packing proof decided (``packed (graph)``, ``packed (probe)``, ``one document
+per micro-batch``, ``refused``); then a summary with the count of ``wrong`` (silent mismatches, which
+must be 0).
 """
 
 from __future__ import annotations
@@ -33,15 +36,25 @@ def cell(result: ZooResult) -> str:
     return f"error: {op.group(1) if op else result.detail[:40]} ({reason})"
 
 
+PACKING = {"packed (graph)": "exact (proved from the graph)", "packed (probe)": "exact (proved by probing)",
+           "one document per micro-batch": "one document per micro-batch", "refused": "refused"}
+
+
+def packing_cell(row: dict[str, ZooResult]) -> str:
+    """What training does with the family's documents: the proof's verdict, the same on every strategy."""
+    labels = [r.packing for r in row.values() if r.packing]
+    return PACKING.get(labels[0], labels[0]) if labels else "-"
+
+
 def markdown(results: list[ZooResult]) -> str:
     kinds = {v: k for k, v in STRATEGY_KINDS.items()}
-    lines = ["| family | " + " | ".join(f"{k} (`{v}`)" for k, v in STRATEGY_KINDS.items()) + " |",
-             "|---" * (len(STRATEGY_KINDS) + 1) + "|"]
+    lines = ["| family | packing | " + " | ".join(f"{k} (`{v}`)" for k, v in STRATEGY_KINDS.items()) + " |",
+             "|---" * (len(STRATEGY_KINDS) + 2) + "|"]
     by_family: dict[str, dict[str, ZooResult]] = {}
     for r in results:
         by_family.setdefault(r.family, {})[kinds.get(r.strategy, r.strategy)] = r
     for family, row in by_family.items():
-        lines.append(f"| {FAMILIES[family].config.removesuffix('Config')} | "
+        lines.append(f"| {FAMILIES[family].config.removesuffix('Config')} | {packing_cell(row)} | "
                      + " | ".join(cell(row[k]) for k in STRATEGY_KINDS) + " |")
     return "\n".join(lines)
 
@@ -54,8 +67,8 @@ def main() -> None:
     if args.markdown:
         with open(args.markdown) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        print(markdown([ZooResult(r["family"], r["strategy"], r["status"], r["detail"]) for r in rows
-                        if "family" in r]))
+        print(markdown([ZooResult(r["family"], r["strategy"], r["status"], r["detail"], r.get("packing", ""))
+                        for r in rows if "family" in r]))
         return
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -67,7 +80,7 @@ def main() -> None:
         seconds = round(time.perf_counter() - start, 1)
         for r in rows:
             print(json.dumps({"family": r.family, "strategy": r.strategy, "status": r.status,
-                              "detail": r.detail, "seconds_family": seconds}), flush=True)
+                              "detail": r.detail, "packing": r.packing, "seconds_family": seconds}), flush=True)
     counts = {s: sum(r.status == s for r in results) for s in ("equal", "error", "wrong")}
     print(json.dumps({"summary": counts}))
 

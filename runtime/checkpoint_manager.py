@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from hgraph.core.errors import CheckpointError, HGraphError
 from hgraph.runtime import checkpoint
@@ -78,8 +79,6 @@ class _SideComm:
     device = torch.device("cpu")
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         self.dist = dist
         self.group = dist.new_group(backend="gloo", timeout=comm_timeout())
 

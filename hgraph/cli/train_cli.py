@@ -25,6 +25,8 @@ import json
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +34,8 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.core.errors import HGraphError, InputError
+from hgraph.runtime import preemption
 from hgraph.training.train_config import STDLIB, TrainConfig, read_config
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
@@ -346,8 +349,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = read_config(args.config)
     if "RANK" in os.environ:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0
-        from hgraph.runtime import preemption
-
         preemption.install()
     if args.world_size:
         cfg = replace(cfg, world_size=args.world_size)
@@ -365,7 +366,11 @@ def run(args: argparse.Namespace) -> int:
         from hgraph.runtime.launch import init_from_env
 
         init_from_env("gloo")
-        result = train_rank(cfg, batches, cost_table)
+        try:
+            result = train_rank(cfg, batches, cost_table)
+        except HGraphError as exc:
+            leave_at_once_if_stopped(exc)
+            raise
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
@@ -377,6 +382,20 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(result["error"])
     write_outputs(Path(cfg.out), result)
     return 0
+
+
+def leave_at_once_if_stopped(exc: HGraphError) -> None:
+    """This torchrun worker failed (a peer died): there is no iteration to finish and no checkpoint to
+    write, so SIGTERM gets its default action back. If torchrun's SIGTERM already came (it stops the
+    survivors of a lost rank before restarting the job), die of it now, after naming the error, instead
+    of making the restart wait for this interpreter's teardown (seconds under load; torchrun waits up
+    to 30 s)."""
+    signalled = preemption.requested()
+    preemption.uninstall()
+    if signalled:
+        print(f"hgraph train: error: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> None:

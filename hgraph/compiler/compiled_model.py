@@ -38,6 +38,7 @@ from torch import nn
 
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.compiler.overlap_order import rank_schedule
+from hgraph.compiler.packing_proof import prove_packing
 from hgraph.compiler.parameter_plans import (
     PlanInputs,
     itemsizes,
@@ -49,7 +50,8 @@ from hgraph.compiler.parameter_plans import (
 )
 from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
-from hgraph.core.errors import HGraphError, InputError, ShardingRuleError, StrategyError
+from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
+from hgraph.core.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
@@ -64,7 +66,7 @@ from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.program.options import CompileOptions
 from hgraph.program.context import CompileContext
-from hgraph.program.products import CommSubgraph, ParameterComm, ParameterLayouts, StageGraph
+from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, ParameterLayouts, StageGraph
 from hgraph.program.rank_program import RankProgram
 from hgraph.runtime.thread_oracle import simulate_strategy
 
@@ -104,6 +106,7 @@ class CompiledModel:
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
+        packing: str = "auto",
     ) -> None:
         self.model = model
         self.traced = traced
@@ -159,6 +162,10 @@ class CompiledModel:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
                 for counts in typical_dispatches(len(strategies[i].pipelines)):
                     self.check_overlap(i, counts)
+        # How training packs documents (hgraph.compiler.packing_proof): proved once everything else compiled,
+        # so a refusal of the model comes first and the probe runs only on a model that compiles.
+        self.packing: PackingProof = prove_packing(traced, packing)
+        _check_padding(self.packing, strategies, options)
         self.compile_seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ verification (verify.py)
@@ -434,12 +441,34 @@ class CompiledModel:
     def simulate(
         self,
         strategy: StrategyLike,
-        input_ids: torch.Tensor,
+        input_ids: Union[torch.Tensor, Sequence[torch.Tensor]],
         targets: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads."""
-        return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
+        """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads.
+
+        ``input_ids``: a list of 1-D documents of any lengths, dispatched and packed as ``Trainer.step``
+        packs them (``micro_batch_tokens`` per micro-batch, cp chunks) — compare with the model run on
+        each document alone; or a ``[batch, seq]`` tensor, each row its own micro-batch."""
+        return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids,
+                                 micro_batch_tokens)
+
+
+def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options: CompileOptions) -> None:
+    """A strategy that pads every micro-batch (cp chunks, sequence-parallel tp) puts padding next to
+    each document: refused unless packing is proved exact."""
+    if proof.exact:
+        return
+    for s in strategies:
+        for p in s.pipelines:
+            if p.cp > 1 or (options.sequence_parallel and p.tp > 1):
+                why = "cuts it into 2·cp chunks" if p.cp > 1 else "splits its tokens over tp (sequence parallelism)"
+                raise PackingError(
+                    f"strategy '{s}' pads every micro-batch (it {why}), so each document shares its micro-batch "
+                    f"with padding, which needs packing proved exact; {proof}. Use strategies without cp"
+                    + (" or sequence_parallel=False" if options.sequence_parallel else "")
+                )
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ def compile(
     verify: Optional[bool] = None,
     cache_dir: Optional[str] = None,
     pipeline_schedule: str = "1f1b",
+    packing: str = "auto",
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
 
@@ -70,7 +71,11 @@ def compile(
     (``hgraph.compiler.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
-    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``.
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``. ``packing``: ``"auto"``
+    (several documents per micro-batch once packing is proved exact for this model, from the graph
+    or by probing; else one document per micro-batch with a ``PackingWarning``), ``"require"``
+    (an unproved model is a ``PackingError``) or ``"off"`` (one document per micro-batch);
+    ``compiled.packing`` says which and why (``hgraph.compiler.packing_proof``).
     """
     strategies = as_strategies(strategies)
     if not strategies:
@@ -96,7 +101,7 @@ def compile(
                 "write that computation without Python control flow over sizes (or supply a layer that does)"
             )
         own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, packing)
 
 
 def _own_rank(world: int) -> Optional[int]:

@@ -4,9 +4,9 @@ One micro-batch is ``{"input_ids", "position_ids", "targets"}``, each ``[1, toke
 concatenated, positions restart at 0 where a sequence starts (packed attention never crosses that
 boundary) and each sequence's last token predicts nothing (target ``-100``). Under context
 parallelism every rank of a cp group holds ``2·cp`` chunks' worth of the stream: chunks ``c`` and
-``2·cp − 1 − c`` (causal load balance). The trainer, the thread-rank oracle
-(``hgraph.runtime.thread_oracle``), the traced backward (``hgraph.passes.backward``) and the profiler build
-their micro-batches here, so all four feed programs the same way.
+``2·cp − 1 − c`` (causal load balance). The trainer and the thread-rank oracle (``hgraph.runtime.thread_oracle``)
+build a rank's micro-batches with one function, ``rank_micro_batches``; the traced backward
+(``hgraph.passes.backward``) and the profiler build theirs here too, so all feed programs the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ import torch
 from hgraph.core.errors import ShardingRuleError
 
 MicroBatch = dict[str, torch.Tensor]
+
+DEFAULT_MICRO_BATCH_TOKENS = 4096
+"""Token budget of one packed micro-batch when no planner decides (``Trainer``, ``compiled.simulate``)."""
 
 
 def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
@@ -98,3 +101,27 @@ def local_micro_batches(
         mb.update(buffers)
         out.append(mb)
     return out
+
+
+def rank_micro_batches(
+    sequences: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
+    micro_batches: Sequence[Sequence[int]],
+    groups: Mapping[str, Sequence[int]],
+    rank: int,
+    buffers: Mapping[str, torch.Tensor],
+    sequence_parallel: bool = False,
+    device: Optional[torch.device] = None,
+) -> list[MicroBatch]:
+    """``rank``'s micro-batches: each of its pipeline's ``micro_batches`` (indices into ``sequences``)
+    packed (``pack_micro_batch``, aligned for cp and sequence parallelism), cut to the rank's cp chunks,
+    with the model's ``buffers``. The one path from documents to program inputs, for the ``Trainer``
+    and the packed oracle (``compiled.simulate`` of a list of documents) alike."""
+    align = micro_batch_align(groups, sequence_parallel)
+    rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in micro_batches]
+    return local_micro_batches(rows, groups, rank, buffers, device)
+
+
+def one_document_per_micro_batch(micro_batches: Sequence[Sequence[Sequence[int]]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per pipeline, every micro-batch split into one micro-batch per document (same order): how a
+    model whose packing is not proved exact trains (``hgraph.compiler.packing_proof``)."""
+    return tuple(tuple((i,) for mb in pipeline for i in mb) for pipeline in micro_batches)

@@ -49,3 +49,7 @@ class CheckpointError(HGraphError):
 
 class TrainingError(HGraphError, RuntimeError):
     """Training cannot continue (e.g. a non-finite loss); optimizer state is left unchanged."""
+
+
+class PackingError(HGraphError):
+    """Packing documents into one micro-batch is not proved exact for this model, and packing was required."""

@@ -15,29 +15,32 @@ Models spell the same computation in different ways; the frontend rewrites a fre
   ``input_ids`` (so every pipeline stage can compute them);
 * every causal self-attention is ``hgraph.runtime.kernels.packed_attention.packed_attention(q, k, v, position_ids)``:
   causal inside each packed sequence (a sequence starts where ``position_ids == 0``). This replaces
-  ``scaled_dot_product_attention(is_causal=True)`` and also an explicit mask computed from
-  ``position_ids`` alone (HuggingFace builds one to detect packed sequences) once the mask is checked
-  to be exactly that block-causal mask — or its sliding window, ``window=w``, or Llama 4's chunks,
-  ``chunk=c`` — on probe inputs longer than every length constant of the mask computation (a probe no longer than the window would see
-  plain causality); the dense mask computation then disappears. A mask whose constants would need a
-  probe longer than 8192 tokens keeps its computation.
+  ``scaled_dot_product_attention(is_causal=True)``, and attention whose mask and biases are computed
+  from ``position_ids`` and sizes alone once ``hgraph.frontend.mask_probe`` has proved, on probes longer than
+  every length constant of their computation, what they are: the causal mask of one document (a
+  mask from sizes alone: OPT's, Bloom's, gpt-oss's, GraniteMoE's — packed attention then runs each
+  packed document as the model runs it alone), the block-causal mask HuggingFace builds from
+  ``position_ids`` to detect packed sequences, a sliding window (``window=w``; a probe no longer than
+  the window would see plain causality), Llama 4's chunks (``chunk=c``), ALiBi (``alibi=`` per-head
+  slopes: Bloom, MPT). The dense mask and bias computations then disappear. Terms whose constants
+  would need a probe longer than 8192 tokens keep their computation.
   Key/value heads repeated for grouped-query attention (``expand`` + ``reshape``) are folded into
   ``enable_gqa=True``. Attention written out by hand (``hgraph.frontend.eager_attention``: HuggingFace's eager
-  attention, Gemma 2's logit soft-capping, gpt-oss's attention sinks) is treated the same way, its
-  soft-cap or sinks kept. A mask computed from the sizes alone (gpt-oss, GraniteMoE never look at
-  positions) describes one document per row: proved on unpacked rows, it becomes packed attention with
-  that variant, which runs each packed document as the model runs it alone.
+  attention, Gemma 2's logit soft-capping, Bloom's ``baddbmm`` over ``[b·h, s, d]``, gpt-oss's
+  attention sinks) is treated the same way, its soft-cap or sinks kept.
 
 Linear-attention layers get the packed positions too (``hgraph.frontend.capture.linear_attention``): Gated DeltaNet's
 delta rule becomes ``packed_gated_delta_rule`` and each causal depthwise convolution over the sequence
 ``packed_causal_conv1d``, both restarting at every document.
 
-Attention with dropout, a mask of another kind (padding, ALiBi) or no causality stays as it is.
+Attention with dropout, a mask of another kind (padding) or no causality stays as it is (and the
+packing proof, ``hgraph.compiler.packing_proof``, then finds that it mixes documents).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -48,7 +51,7 @@ from hgraph.frontend.eager_attention import match_eager_attention, match_sink_at
 from hgraph.frontend.functionalize import functionalize_fresh_writes
 from hgraph.frontend.grad_regions import inline_grad_regions
 from hgraph.frontend.linear_attention import packed_sequence_mixers
-from hgraph.frontend.mask_probe import NOT_CAUSAL, block_causal
+from hgraph.frontend.mask_probe import NOT_CAUSAL, AttentionPattern, ScoreTerms, prove_attention
 from hgraph.runtime.kernels.packed_attention import packed_attention
 
 aten = torch.ops.aten
@@ -192,12 +195,48 @@ def _weight_matmul_as_linear(graph: fx.Graph, node: fx.Node) -> None:
 
 
 # ----------------------------------------------------------------------------- attention
+@dataclass(frozen=True)
+class _Attention:
+    """One attention call found in the graph: sdpa, or hand-written (``EagerAttention``)."""
+
+    node: fx.Node
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    scale: float | None
+    enable_gqa: bool
+    softcap: float | None = None
+    terms: ScoreTerms | None = None  # None: sdpa's is_causal, no mask
+    heads_view: list | None = None
+    merged_view: list | None = None
+    sinks: fx.Node | None = None
+
+
 def _sdpa_arguments(node: fx.Node) -> dict[str, Any]:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     arguments = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
     arguments.update(zip(names, node.args))
     arguments.update(node.kwargs)
     return arguments
+
+
+def _attention(node: fx.Node) -> _Attention | None:
+    """The attention ``node`` computes, if it is causal sdpa, masked sdpa or hand-written attention."""
+    if node.target == _SDPA:
+        a = _sdpa_arguments(node)
+        if a["dropout_p"] != 0 or (a["is_causal"] and a["attn_mask"] is not None):
+            return None
+        mask = a["attn_mask"]
+        if mask is None and not a["is_causal"]:
+            return None
+        terms = ScoreTerms(mask, (mask,)) if mask is not None else None
+        return _Attention(node, a["query"], a["key"], a["value"], a["scale"], bool(a["enable_gqa"]), terms=terms)
+    eager = match_eager_attention(node) or match_sink_attention(node)
+    if eager is None:
+        return None
+    return _Attention(node, eager.query, eager.key, eager.value, eager.scale, False, eager.softcap,
+                      ScoreTerms(eager.scores, eager.terms, eager.operands), eager.heads_view, eager.merged_view,
+                      eager.sinks)
 
 
 def _position_input(gm: fx.GraphModule) -> fx.Node | None:
@@ -208,34 +247,30 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     positions = _position_input(gm)
     if positions is None:
         return
-    causal, masked, sized = [], [], []
+    # Score terms may read positions, sizes and the model's buffers (constants such as ALiBi slopes).
+    buffers = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("b_")}
+    causal, probed = [], []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        a = _sdpa_arguments(node) if node.target == _SDPA else match_eager_attention(node) or match_sink_attention(node)
-        if a is None:
+        att = _attention(node)
+        if att is None:
             continue
-        q_len, k_len = _val(a["query"]).shape[-2], _val(a["key"]).shape[-2]
-        self_attention = _same_shape([q_len, k_len], [_val(positions).shape[1]] * 2)
-        if a["dropout_p"] != 0 or not self_attention:
+        q_len, k_len = _val(att.query).shape[-2], _val(att.key).shape[-2]
+        if not _same_shape([q_len, k_len], [_val(positions).shape[1]] * 2):
             continue
-        if a["is_causal"] and a["attn_mask"] is None:
-            causal.append((node, a))
-        elif a["attn_mask"] is not None and not a["is_causal"]:
-            inputs = _data_inputs(a["attn_mask"])
-            if inputs == {positions}:
-                masked.append((node, a))
-            elif not inputs:  # built from sizes alone: one document per row (gpt-oss, GraniteMoE)
-                sized.append((node, a))
-    for node, a in causal:
-        _replace(gm.graph, node, a, positions, {})
-    for group, unpacked in ((masked, False), (sized, True)):
-        if not group:
-            continue
-        variants = block_causal(gm, [a["attn_mask"] for _, a in group], positions, example_args, unpacked=unpacked)
-        for (node, a), variant in zip(group, variants):
-            if variant is not NOT_CAUSAL:
-                _replace(gm.graph, node, a, positions, variant)
+        if att.terms is None:
+            causal.append(att)
+        elif all(_data_inputs(t) <= {positions} | buffers for t in att.terms.terms):
+            probed.append(att)
+    reads = [any(positions in _data_inputs(t) for t in att.terms.terms) for att in probed]  # type: ignore[union-attr]
+    terms = [att.terms for att in probed]
+    patterns = prove_attention(gm, terms, positions, example_args, reads) if probed else []  # type: ignore[arg-type]
+    for att in causal:
+        _replace(gm, att, positions, AttentionPattern())
+    for att, pattern in zip(probed, patterns):
+        if pattern is not NOT_CAUSAL:
+            _replace(gm, att, positions, pattern)
     packed_sequence_mixers(gm, positions)
 
 
@@ -276,23 +311,65 @@ def _repeated_heads(node: Any) -> tuple[fx.Node, int] | None:
     return kv, repeat
 
 
-def _replace(graph: fx.Graph, node: fx.Node, a: dict[str, Any], positions: fx.Node, variant: dict[str, int]) -> None:
-    key, value, enable_gqa = a["key"], a["value"], bool(a["enable_gqa"])
-    folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
-    if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
-        key, value, enable_gqa = folded_k[0], folded_v[0], True
-    kwargs: dict[str, Any] = {}
-    if a["scale"] is not None:
-        kwargs["scale"] = a["scale"]
-    if enable_gqa:
-        kwargs["enable_gqa"] = True
-    kwargs.update(variant)
-    for name in ("softcap", "sinks"):
-        if a.get(name) is not None:
-            kwargs[name] = a[name]
+def _fake(op: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> Any:
+    """``op`` applied to the fake values of its node arguments (the meta value of a new node)."""
+
+    def value(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return [value(x) for x in a]
+        return _val(a) if isinstance(a, fx.Node) else a
+
+    return op(*[value(a) for a in args], **{k: value(v) for k, v in (kwargs or {}).items()})
+
+
+def _call(graph: fx.Graph, op: Any, args: tuple, kwargs: dict[str, Any] | None = None) -> fx.Node:
+    node = graph.call_function(op, args, kwargs or {})
+    node.meta["val"] = _fake(op, args, kwargs)
+    return node
+
+
+def _alibi_slopes(gm: fx.GraphModule, slopes: tuple[float, ...], heads: int, like: fx.Node) -> fx.Node:
+    """A constant of the per-head ALiBi slopes (one per query head), as a ``get_attr`` node."""
+    values = torch.tensor(slopes * heads if len(slopes) == 1 else slopes, dtype=torch.float32)
+    name = f"_alibi_slopes_{sum(1 for n in gm.graph.nodes if n.op == 'get_attr' and n.target.startswith('_alibi'))}"
+    gm.register_buffer(name, values)
+    node = gm.graph.get_attr(name)
+    fake_mode = getattr(_val(like), "fake_mode", None)
+    node.meta["val"] = fake_mode.from_tensor(values) if fake_mode is not None else values
+    return node
+
+
+def _replace(gm: fx.GraphModule, att: _Attention, positions: fx.Node, pattern: AttentionPattern) -> None:
+    graph, node = gm.graph, att.node
     with graph.inserting_before(node):
-        new = graph.call_function(packed_attention, (a["query"], key, value, positions), kwargs)
-    new.meta = dict(node.meta)
+        query, key, value = att.query, att.key, att.value
+        if att.heads_view is not None:  # [b·h, s, d] -> [b, h, s, d]
+            query, key, value = (_call(graph, aten.view.default, (t, att.heads_view)) for t in (query, key, value))
+        enable_gqa = att.enable_gqa
+        folded_k, folded_v = _repeated_heads(key), _repeated_heads(value)
+        if folded_k and folded_v and folded_k[1] == folded_v[1] and not enable_gqa:
+            key, value, enable_gqa = folded_k[0], folded_v[0], True
+        kwargs: dict[str, Any] = {}
+        if att.scale is not None:
+            kwargs["scale"] = att.scale
+        if enable_gqa:
+            kwargs["enable_gqa"] = True
+        if pattern.window is not None:
+            kwargs["window"] = pattern.window
+        if pattern.chunk is not None:
+            kwargs["chunk"] = pattern.chunk
+        if att.softcap is not None:
+            kwargs["softcap"] = att.softcap
+        if att.sinks is not None:
+            kwargs["sinks"] = att.sinks
+        if pattern.alibi is not None:
+            kwargs["alibi"] = _alibi_slopes(gm, pattern.alibi, _val(query).shape[1], query)
+        new = graph.call_function(packed_attention, (query, key, value, positions), kwargs)
+        new.meta = dict(node.meta)
+        new.meta["val"] = _fake(packed_attention, (query, key, value, positions), kwargs)
+        if att.merged_view is not None:  # back to the [b·h, s, d] the model continues with
+            new = _call(graph, aten.view.default, (new, att.merged_view))
+            new.meta = {**node.meta, "val": new.meta["val"]}
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 

@@ -79,8 +79,12 @@ class _LossModule(nn.Module):
         self.loss_fn = loss_fn
         parameters = inspect.signature(model.forward).parameters
         self.takes_positions = "position_ids" in parameters
-        # Training never reads a KV cache: ask for none, or the cache's in-place updates are traced.
-        self.call_options = {"use_cache": False} if "use_cache" in parameters else {}
+        # Training never reads a KV cache: ask for none, or the cache's in-place updates are traced
+        # (also where ``use_cache`` only reaches the model through ``**kwargs``, as in GraniteMoE).
+        forwards_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        has_cache_option = isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool)
+        wants = "use_cache" in parameters or (forwards_kwargs and has_cache_option)
+        self.call_options = {"use_cache": False} if wants else {}
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor
@@ -129,6 +133,11 @@ class TracedModel:
     @property
     def graph_module(self) -> fx.GraphModule:
         return self.graph_for(*self._example_shape)
+
+    @property
+    def example_shape(self) -> tuple[int, int]:
+        """``[batch, seq]`` of the example inputs the model was traced with."""
+        return self._example_shape
 
     def graph_for(self, batch: int, seq: int) -> fx.GraphModule:
         """The graph for inputs of shape ``[batch, seq]`` (traced on first use when shapes are static)."""

@@ -1,24 +1,28 @@
-"""Recognise attention written out by hand ("eager" attention) as the arguments of one attention call.
+"""Recognise attention written out by hand ("eager" attention) as one attention call plus its score terms.
 
 HuggingFace's ``eager_attention_forward`` (the default of Gemma 2, whose logit soft-capping sdpa cannot
-express) computes::
+express) and the ALiBi models (Bloom, MPT) compute::
 
-    scores = q @ k.transpose(2, 3) * scale          # or / sqrt(d)
+    scores = q @ k.transpose(-1, -2) * scale        # or / sqrt(d); or baddbmm(bias, q, kᵀ, alpha=scale)
     scores = tanh(scores / softcap) * softcap       # optional (Gemma 2)
-    probs  = softmax(scores + mask, dim=-1)         # the mask: additive, from position ids
-    out    = probs @ v
+    scores = scores + bias                          # optional, any number: ALiBi, additive masks
+    scores = scores.masked_fill(mask, min)          # optional: boolean masks
+    probs  = softmax(scores, dim=-1)                # possibly in fp32, possibly on a [b·h, s, s] view
+    out    = probs @ v                              # matmul or bmm
 
-``match_eager_attention(out)`` returns the ``scaled_dot_product_attention`` arguments of that pattern
-(plus ``softcap``) when every intermediate value is used only inside it, so that replacing ``out``
-removes the whole computation; ``canonicalize`` then treats it like a masked sdpa call (the mask is
-proved block-causal, with its window, before anything is replaced). ``match_sink_attention`` does the
-same for gpt-oss's attention with sinks.
+``match_eager_attention(out)`` returns an ``EagerAttention`` when every step of the chain is used only
+inside it, so that replacing ``out`` removes the whole computation. The score *terms* (biases and
+masks) are not interpreted here: ``hgraph.frontend.mask_probe`` evaluates the softmax input with q and k set to
+zero, which leaves exactly the sum of the terms, and proves what it is (block-causal, a sliding window,
+ALiBi) before ``canonicalize`` replaces anything. ``match_sink_attention``
+does the same for gpt-oss's attention with sinks (a learned logit per head joining every softmax).
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -26,7 +30,31 @@ from torch import fx
 
 aten = torch.ops.aten
 _SOFTMAX = (aten.softmax.int, aten._softmax.default)
-_TRANSPOSES = (aten.transpose.int,)
+_VIEWS = (aten.view.default, aten.reshape.default)
+_CONVERSIONS = (aten.to.dtype, aten._to_copy.default, aten.type_as.default)
+_PRODUCTS = (aten.matmul.default, aten.bmm.default)
+
+
+@dataclass(frozen=True)
+class EagerAttention:
+    """One hand-written attention: ``query``/``key``/``value`` as the graph holds them (``[b, h, s, d]``,
+    or ``[b·h, s, d]`` with ``heads_view`` the ``[b, h, s, -1]`` shape the scores are viewed to and
+    ``merged_view`` the ``[b·h, s, -1]`` shape the probabilities are viewed back to), its ``scale`` and
+    ``softcap``; ``scores``: the softmax input; ``operands``: the two nodes of the ``q @ kᵀ`` product
+    (zeroed to read the terms); ``terms``: the bias and mask nodes added to the scores; ``sinks``:
+    gpt-oss's ``[heads]`` sink logits (``match_sink_attention``)."""
+
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    scale: float
+    softcap: Optional[float]
+    scores: fx.Node
+    operands: tuple[fx.Node, fx.Node]
+    terms: tuple[fx.Node, ...]
+    heads_view: Optional[list] = None
+    merged_view: Optional[list] = None
+    sinks: Optional[fx.Node] = None
 
 
 def _only_use(node: Any) -> bool:
@@ -66,28 +94,69 @@ def _softcapped(node: fx.Node) -> tuple[fx.Node, Optional[float]]:
     return inner[0], cap
 
 
-def match_eager_attention(out: fx.Node) -> Optional[dict[str, Any]]:
-    """The sdpa arguments (``query``, ``key``, ``value``, ``attn_mask``, ``scale``) and ``softcap`` of
-    the eager attention ending at ``out = probs @ v``, or None."""
-    if out.op != "call_function" or out.target != aten.matmul.default:
+def _unconverted(node: Any) -> Any:
+    """``node`` without dtype conversions used only here (``scores.float()`` before a softmax)."""
+    while _only_use(node) and node.target in _CONVERSIONS:
+        node = node.args[0]
+    return node
+
+
+def _last_two_transposed(node: Any) -> Optional[fx.Node]:
+    """``k`` when ``node`` (used once) is ``k.transpose(-1, -2)``."""
+    if not (_only_use(node) and node.target == aten.transpose.int):
+        return None
+    ndim = node.meta["val"].dim() if isinstance(node.meta.get("val"), torch.Tensor) else 4
+    if sorted(d % ndim for d in node.args[1:3]) != [ndim - 2, ndim - 1]:
+        return None
+    return node.args[0]
+
+
+def match_eager_attention(out: fx.Node) -> Optional[EagerAttention]:
+    """The ``EagerAttention`` ending at ``out = probs @ v``, or None (module docstring)."""
+    if out.op != "call_function" or out.target not in _PRODUCTS:
         return None
     probs, value = out.args[:2]
-    if not (_only_use(probs) and probs.target in _SOFTMAX):
+    merged_view = None
+    if _only_use(probs) and probs.target in _VIEWS:
+        merged_view, probs = probs.args[1], probs.args[0]
+    probs = _unconverted(probs)
+    if not (_only_use(probs) and probs.target in _SOFTMAX and probs.args[1] in (-1, 3)):
         return None
-    if probs.args[1] not in (-1, 3):
+    peeled = _peel(probs.args[0])
+    if peeled is None:
         return None
-    biased = probs.args[0]
-    if not (_only_use(biased) and biased.target == aten.add.Tensor):
+    query, key, scale, softcap, operands, terms, heads_view = peeled
+    if (heads_view is None) != (merged_view is None):
         return None
-    for scores, mask in (biased.args, biased.args[::-1]):
-        matched = _scores(scores) if isinstance(mask, fx.Node) else None
-        if matched is not None:
-            query, key, scale, softcap = matched
-            return {
-                "query": query, "key": key, "value": value, "attn_mask": mask, "dropout_p": 0.0,
-                "is_causal": False, "scale": scale, "enable_gqa": False, "softcap": softcap,
-            }
-    return None
+    return EagerAttention(query, key, value, scale, softcap, probs.args[0], operands, terms, heads_view, merged_view)
+
+
+def _peel(scores: Any) -> Optional[tuple]:
+    """``(q, k, scale, softcap, (q, kᵀ), terms, heads_view)`` of a softmax input ``scores``: its additive
+    terms, masks, conversions and heads view peeled off down to the ``q·kᵀ`` product, or None."""
+    chain, terms, heads_view = scores, [], None
+    while _core(chain) is None:  # peel additive terms, masks, conversions and the heads view
+        if not _leads_to_product(chain):
+            return None
+        if chain.target == aten.add.Tensor:
+            left, right = chain.args[:2]
+            chain, term = (left, right) if _leads_to_product(left) else (right, left)
+            if not isinstance(term, fx.Node):
+                return None
+            terms.append(term)
+        elif chain.target == aten.masked_fill.Scalar:
+            terms.append(chain.args[1])
+            chain = chain.args[0]
+        elif chain.target in _VIEWS:
+            if heads_view is not None:
+                return None
+            heads_view, chain = chain.args[1], chain.args[0]
+        else:  # a dtype conversion
+            chain = chain.args[0]
+    query, key, scale, softcap, operands, bias = _core(chain)  # type: ignore[misc]
+    if bias is not None:
+        terms.append(bias)
+    return query, key, scale, softcap, operands, tuple(terms), heads_view
 
 
 def match_sink_attention(out: fx.Node) -> Optional[dict[str, Any]]:
@@ -98,8 +167,9 @@ def match_sink_attention(out: fx.Node) -> Optional[dict[str, Any]]:
         probs  = softmax(logits - logits.max(-1, keepdim=True).values, -1)[..., :-1]
         out    = probs @ v
 
-    (the subtracted maximum only steadies the exponentials). The sdpa arguments of ``match_eager_attention``
-    plus ``sinks`` (the ``[heads]`` tensor), or None."""
+    (the subtracted maximum only steadies the exponentials); the masked scores are peeled as in
+``match_eager_attention``, their terms probed like any other.
+    The ``EagerAttention`` with ``sinks`` (the ``[heads]`` tensor), or None."""
     if out.op != "call_function" or out.target != aten.matmul.default:
         return None
     dropped, value = out.args[:2]
@@ -120,15 +190,13 @@ def match_sink_attention(out: fx.Node) -> Optional[dict[str, Any]]:
     sinks = _sink_column(column)
     if sinks is None or not (isinstance(biased, fx.Node) and biased.target == aten.add.Tensor):
         return None
-    for scores, mask in (biased.args, biased.args[::-1]):
-        matched = _scores(scores) if isinstance(mask, fx.Node) else None
-        if matched is not None and matched[3] is None:
-            query, key, scale, _ = matched
-            return {
-                "query": query, "key": key, "value": value, "attn_mask": mask, "dropout_p": 0.0,
-                "is_causal": False, "scale": scale, "enable_gqa": False, "softcap": None, "sinks": sinks,
-            }
-    return None
+    peeled = _peel(biased)
+    if peeled is None:
+        return None
+    query, key, scale, softcap, operands, terms, heads_view = peeled
+    if softcap is not None or heads_view is not None or not terms:
+        return None
+    return EagerAttention(query, key, value, scale, None, biased, operands, terms, sinks=sinks)
 
 
 def _without_row_max(node: Any) -> Any:
@@ -156,21 +224,46 @@ def _sink_column(node: Any) -> Optional[fx.Node]:
     return sinks if isinstance(value, torch.Tensor) and value.dim() == 1 else None
 
 
-def _scores(scores: Any) -> Optional[tuple[fx.Node, fx.Node, float, Optional[float]]]:
-    """``(q, k, scale, softcap)`` when ``scores`` is ``[softcap∘](q @ kᵀ · scale)``, each step used once."""
+_STEPS = (aten.add.Tensor, aten.masked_fill.Scalar, *_VIEWS, *_CONVERSIONS)
+
+
+def _leads_to_product(node: Any, depth: int = 0) -> bool:
+    """Whether ``node`` is a single-use step of a score chain: a q·kᵀ product, or an add / masked_fill /
+    view / conversion of one."""
+    if not _only_use(node) or depth > 16:
+        return False
+    if _core(node) is not None:
+        return True
+    if node.target not in _STEPS:
+        return False
+    if node.target == aten.add.Tensor:
+        return any(_leads_to_product(a, depth + 1) for a in node.args[:2])
+    return _leads_to_product(node.args[0], depth + 1)
+
+
+def _core(scores: Any) -> Optional[tuple[fx.Node, fx.Node, float, Optional[float], tuple[fx.Node, fx.Node], Optional[fx.Node]]]:
+    """``(q, k, scale, softcap, (q, kᵀ), bias)`` when ``scores`` is ``[softcap∘](q @ kᵀ · scale)`` or
+    ``baddbmm(bias, q, kᵀ, beta=1, alpha=scale)``, each step used once."""
     if not _only_use(scores):
         return None
+    if scores.target == aten.baddbmm.default:
+        bias, query, transposed = scores.args[:3]
+        beta = scores.kwargs.get("beta", scores.args[3] if len(scores.args) > 3 else 1)
+        alpha = scores.kwargs.get("alpha", scores.args[4] if len(scores.args) > 4 else 1)
+        key = _last_two_transposed(transposed)
+        if key is None or beta != 1 or _constant(alpha) is None or not isinstance(bias, fx.Node):
+            return None
+        return query, key, float(alpha), None, (query, transposed), bias
     logits, softcap = _softcapped(scores)
     scaled = _scaled(logits)
     product, scale = scaled if scaled is not None else (logits, 1.0)
-    if not (_only_use(product) and product.target == aten.matmul.default):
+    if not (_only_use(product) and product.target in _PRODUCTS):
         return None
     query, transposed = product.args[:2]
-    if not (_only_use(transposed) and transposed.target in _TRANSPOSES):
+    key = _last_two_transposed(transposed)
+    if key is None:
         return None
-    if sorted(d % 4 for d in transposed.args[1:3]) != [2, 3]:
-        return None
-    return query, transposed.args[0], scale, softcap
+    return query, key, scale, softcap, (query, transposed), None
 
 
-__all__ = ["match_eager_attention", "match_sink_attention"]
+__all__ = ["EagerAttention", "match_eager_attention", "match_sink_attention"]

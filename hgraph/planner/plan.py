@@ -12,6 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from hgraph.core.batch import one_document_per_micro_batch
 from hgraph.core.errors import PlanError
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.bound import LowerBound
@@ -134,6 +135,11 @@ class Dispatch:
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
     predicted_ms: Optional[float] = None
     prediction: Optional[IterationPrediction] = None  # the planner's terms before correction, if any
+
+    def one_document_per_micro_batch(self) -> "Dispatch":
+        """This dispatch with every document in a micro-batch of its own (a model whose packing is not
+        proved exact); the planner's prediction no longer applies."""
+        return Dispatch(self.strategy_index, one_document_per_micro_batch(self.micro_batches))
 
     def encode(self) -> bytes:
         """Bytes rank 0 broadcasts, so every rank runs the same dispatch."""

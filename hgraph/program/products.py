@@ -10,7 +10,7 @@ compiler (``hgraph.compiler``) builds it with the passes of ``hgraph.passes``, a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import torch.fx as fx
 
@@ -126,3 +126,56 @@ class RankSchedule:
         lines += [f"  after forward: {fmt(self.after_forward)}", f"  end: {fmt(self.at_end)}"]
         lines.append("  push buckets: " + " | ".join(",".join(map(str, b)) for b in self.buckets))
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class PackingProof:
+    """How a compiled model's micro-batches are packed, and why.
+
+    ``exact``: several documents may share a micro-batch without changing any document's loss.
+    ``method``: ``"graph"`` or ``"probe"`` (how it was proved; ``hgraph.compiler.packing_proof``) or
+    ``"unproved"``. ``construct``: what the graph proof could not show (op, node, module);
+    ``finding``: what the probe saw; ``probe_lengths``: the documents probed, per probe;
+    ``packed_ms`` / ``alone_ms``: the probe's forward time packed and one document at a time;
+    ``mode``: ``compile(packing=...)``. Training packs (``packs``) when exact and not ``"off"``.
+    """
+
+    exact: bool
+    method: str
+    construct: str = ""
+    finding: str = ""
+    probe_lengths: tuple[tuple[int, ...], ...] = ()
+    packed_ms: Optional[float] = None
+    alone_ms: Optional[float] = None
+    mode: str = "auto"
+
+    @property
+    def packs(self) -> bool:
+        """Whether training puts several documents in one micro-batch."""
+        return self.exact and self.mode != "off"
+
+    @property
+    def cost(self) -> Optional[float]:
+        """Time of one document per run over packed, measured on the probe (``None`` if not probed)."""
+        if self.packed_ms is None or self.alone_ms is None or self.packed_ms <= 0:
+            return None
+        return self.alone_ms / self.packed_ms
+
+    @property
+    def packing(self) -> str:
+        """What training does: ``"packed"`` or ``"one document per micro-batch"``."""
+        return "packed" if self.packs else "one document per micro-batch"
+
+    def __str__(self) -> str:
+        if self.mode == "off":
+            return "packing off: one document per micro-batch"
+        if self.exact:
+            how = "from the graph" if self.method == "graph" else (
+                "by probing " + "; ".join("+".join(map(str, p)) for p in self.probe_lengths) + " tokens"
+            )
+            note = f" (the graph alone could not show it: {self.construct})" if self.construct and self.method == "probe" else ""
+            return f"packing exact, proved {how}{note}"
+        cost = f"; on the probe one document at a time took {self.cost:.2f}x the packed time" if self.cost else ""
+        return (f"packing not proved exact: {self.construct or 'the graph proof failed'}"
+                + (f"; probe: {self.finding}" if self.finding else "") + cost
+                + "; training one document per micro-batch")

@@ -12,7 +12,7 @@ import torch
 from hgraph.core.layout import Layout, Partial
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.program.options import CompileOptions
-from hgraph.program.products import CommSubgraph, ParameterComm, RankSchedule, StageGraph
+from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, RankSchedule, StageGraph
 from hgraph.schedule.actions import (
     Action,
     Kind,
@@ -161,6 +161,7 @@ class CompiledPrograms(Protocol):
     world_size: int
     options: CompileOptions
     optimizer_layouts: dict[str, Layout]
+    packing: PackingProof
 
     def program(self, strategy: Union[int, Strategy], rank: int) -> RankProgram: ...
 

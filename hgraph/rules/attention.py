@@ -1,7 +1,8 @@
 """Rules for attention: heads split over tp, the sequence split over cp with K/V gathered.
 
 The frontend expresses causal attention as ``hgraph.runtime.kernels.packed_attention.packed_attention(q, k, v,
-position_ids)`` (q ``[b, heads, s, d]``, k/v ``[b, kv_heads, s, d]``). On tp every rank takes
+position_ids)`` (q ``[b, heads, s, d]``, k/v ``[b, kv_heads, s, d]``; ALiBi slopes ``alibi=[heads]``
+are cut with the query heads). On tp every rank takes
 ``heads/tp`` query heads and ``kv_heads/tp`` key/value heads — contiguous head ranges keep the
 grouped-query pairing — so both counts must be divisible by tp, except that fewer key/value heads
 than tp ranks (multi-query attention) are replicated, each rank reading the one its query heads use. On cp the local program calls it
@@ -48,9 +49,10 @@ def packed_attention_rule(node: fx.Node, rin: RuleInput) -> Decision:
     kv = (qkv[0], R) if replicated_kv else qkv
     pos = (Shard(1) if cp else R, R)
     inputs = {q: qkv, k: kv, v: kv, positions: pos}
-    sinks = node.kwargs.get("sinks")
-    if isinstance(sinks, fx.Node):  # one learned logit per query head: cut with the heads
-        inputs[sinks] = (R, Shard(0) if tp else R)
+    for name in ("sinks", "alibi"):  # one learned logit / one ALiBi slope per query head: cut with the heads
+        per_head = node.kwargs.get(name)
+        if isinstance(per_head, fx.Node):
+            inputs[per_head] = (R, Shard(0) if tp else R)
     if not cp and not replicated_kv:
         return Decision(output=qkv, inputs=inputs, note="heads over tp" if tp else "")
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 
 import torch
 
-from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
+from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS, rank_micro_batches
 from hgraph.core.errors import CheckpointError, InputError, TrainingError
 from hgraph.core.flops import ModelFlops
 from hgraph.core.layout import Layout, Replicate
@@ -84,7 +84,7 @@ class Trainer:
         planner: Optional["Planner"] = None,
         lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
         comm: Optional[Communicator] = None,
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
         timeline: bool = False,
         device: Union[str, torch.device, None] = None,
         metrics: Optional[MetricsConfig] = None,
@@ -154,7 +154,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ planning
     def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
-        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given)."""
+        """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given);
+        one document per micro-batch where packing is not proved exact (``compiled.packing``)."""
+        d = self._dispatch(lengths, strategy)
+        return d if self.compiled.packing.packs else d.one_document_per_micro_batch()
+
+    def _dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None]) -> Dispatch:
         if strategy is None and self.planner is not None:
             # Rank 0 plans and broadcasts: planners may use time budgets, so ranks planning on their
             # own could disagree and then wait on each other forever.
@@ -248,13 +253,12 @@ class Trainer:
     def _local_micro_batches(self, d: Dispatch, sequences: Any) -> list[dict[str, torch.Tensor]]:
         """This rank's packed micro-batches of dispatch ``d`` (``sequences[i]`` for its pipeline's i)."""
         program = self.compiled.program(d.strategy_index, self.rank)
-        align = micro_batch_align(program.groups, self.compiled.options.sequence_parallel)
         buffers = {
             ph: self.compiled.traced.buffers()[fqn].to(self.device)
             for ph, fqn in self.compiled.traced.buffer_names.items()
         }
-        rows = [pack_micro_batch([sequences[i].cpu() for i in mb], align) for mb in d.micro_batches[program.pipeline]]
-        return local_micro_batches(rows, program.groups, self.rank, buffers, self.device)
+        return rank_micro_batches(sequences, d.micro_batches[program.pipeline], program.groups, self.rank, buffers,
+                                  self.compiled.options.sequence_parallel, self.device)
 
     def _routing_statistics(self, program: Any, routing: Optional[list]) -> dict[str, Any]:
         """Router statistics of an expert-parallel iteration: ``expert_counts`` (rows routed to each

@@ -2,15 +2,15 @@
 
 ``hgraph.packed_attention`` (``runtime/kernels/packed_attention.py``) computes causal attention inside each
 packed document (a document starts where ``position_ids == 0``). What it computes beyond that is an
-``AttentionVariant`` (sliding window, logit soft-cap); every kernel reads the variant's terms from
-that one class, and ``choose_kernel`` picks a kernel that implements all of them:
+``AttentionVariant`` (sliding window, logit soft-cap, ALiBi); every kernel reads the variant's terms
+from that one class, and ``choose_kernel`` picks a kernel that implements all of them:
 
 * ``"sdpa"`` — one ``scaled_dot_product_attention`` per document run, with the variant's mask (or the
   scores written out when the variant changes them): every variant, every device; the CPU kernel
   (no fused CPU kernel trains);
 * ``"varlen"`` — ``torch.nn.attention.varlen.varlen_attn`` on CUDA in fp16/bf16: one flash kernel for
   the whole packed micro-batch, GQA native, the window as ``window_size=(window - 1, 0)``; it cannot
-  change scores (no soft-cap), so such variants go to flex;
+  change scores (no soft-cap, no ALiBi), so such variants go to flex;
 * ``"flex"`` — FlexAttention with a document-causal block mask plus the variant's ``mask_mod`` and
   ``score_mod``: every variant; where varlen cannot serve (context parallelism: local queries against
   gathered keys; fp32; a variant varlen lacks).
@@ -54,6 +54,9 @@ class AttentionVariant:
     softcap: Optional[float] = field(default=None, metadata={"schema": "float?"})
     chunk: Optional[int] = field(default=None, metadata={"schema": "int?"})
     sinks: Optional[Tensor] = field(default=None, metadata={"schema": "Tensor?"})
+    # ALiBi (Bloom, MPT): one slope per query head; the score of query i and key j of one document gets
+    # -slope_h * (i - j). A constant of the model (no gradient: not learned), cut with the heads under tp.
+    alibi: Optional[Tensor] = field(default=None, compare=False, metadata={"schema": "Tensor?", "learned": False})
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -64,6 +67,9 @@ class AttentionVariant:
             raise HGraphError(f"attention chunk={self.chunk}: a chunk holds at least one token")
         if self.sinks is not None and self.sinks.dim() != 1:
             raise HGraphError(f"attention sinks of shape {tuple(self.sinks.shape)}: one logit per query head")
+        if self.alibi is not None and (self.alibi.dim() != 1 or not self.alibi.is_floating_point()):
+            raise HGraphError(f"attention alibi: one float slope per query head, got {self.alibi.dtype} "
+                              f"{tuple(self.alibi.shape)}")
 
     def __str__(self) -> str:
         def text(value: Any) -> str:
@@ -74,8 +80,10 @@ class AttentionVariant:
         return ", ".join(terms) or "causal"
 
     def tensors(self) -> list[str]:
-        """Names of the tensor fields that are set (learned values: their gradients are returned)."""
-        return [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        """Names of the learned tensor fields that are set (sinks: their gradients are returned; ALiBi's
+        slopes are constants of the model)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.metadata.get("learned", True) and isinstance(getattr(self, f.name), Tensor)]
 
     def op_args(self) -> tuple:
         """The fields in declaration order: the trailing arguments of the ``hgraph::`` attention ops."""
@@ -103,9 +111,9 @@ class AttentionVariant:
 
     @property
     def changes_scores(self) -> bool:
-        """Whether the kernel must write the scores out: logits changed (soft-cap) or the softmax
+        """Whether the kernel must write the scores out: logits changed (soft-cap, ALiBi) or the softmax
         normalised with extra terms (sinks)."""
-        return self.softcap is not None or self.sinks is not None
+        return self.softcap is not None or self.sinks is not None or self.alibi is not None
 
     def normalise(self, scores: Tensor, head: Tensor) -> Tensor:
         """Softmax over the keys (last dim) of masked logits; with ``sinks`` (gpt-oss) every query head
@@ -119,12 +127,14 @@ class AttentionVariant:
         """The logits ``q·kᵀ·scale`` after the variant (query ``head``, document positions as in ``allows``)."""
         if self.softcap is not None:  # Gemma 2: softcap · tanh(logits / softcap)
             scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.alibi is not None:  # positions inside the document: the bias never spans the packed row
+            scores = scores - self.alibi.to(device=scores.device, dtype=scores.dtype)[head] * (query - key)
         return scores
 
     def unsupported(self, kernel: str) -> tuple[str, ...]:
         """The fields ``kernel`` cannot compute for this variant (empty: it serves it)."""
         if kernel == "varlen":  # flash's varlen entry point masks windows but never changes scores
-            return tuple(name for name in ("softcap", "chunk", "sinks") if getattr(self, name) is not None)
+            return tuple(name for name in ("softcap", "chunk", "sinks", "alibi") if getattr(self, name) is not None)
         if kernel == "flex":  # no extra softmax terms in FlexAttention's score/mask mods
             return ("sinks",) if self.sinks is not None else ()
         return ()

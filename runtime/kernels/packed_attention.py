@@ -2,7 +2,7 @@
 
 A sequence starts wherever ``position_ids == 0`` and attention never crosses that boundary (cost
 Σ lᵢ²). The backward op (``hgraph.packed_attention_backward``) recomputes the forward; the kernel per
-device, construct and attention variant (window, soft-cap: ``AttentionVariant``) comes from
+device, construct and attention variant (window, soft-cap, chunk, sinks, ALiBi: ``AttentionVariant``) comes from
 ``runtime/kernels/attention_kernels.py`` (per-sequence SDPA on CPU, varlen or FlexAttention on CUDA). With context parallelism the K/V gathers are ``hgraph.all_gather`` calls
 outside the op. ``own_kv_heads`` picks the key/value head a rank's query heads read when tp exceeds
 the kv heads.
@@ -113,7 +113,8 @@ def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> Tensor:
 
 @torch.library.register_fake("hgraph::packed_attention_backward")
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    learned = [a.new_empty(a.shape) for a in args[4:] if isinstance(a, Tensor)]
+    variant = AttentionVariant(*args[4:])
+    learned = [getattr(variant, name).new_empty(getattr(variant, name).shape) for name in variant.tensors()]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), learned
 
 
@@ -126,8 +127,9 @@ def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
 def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
     with entered(ctx.rc):
         dq, dk, dv, learned = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
-    rest = iter(learned)  # the tensor arguments' gradients, in argument order
-    return (dq, dk, dv, None, *(next(rest) if isinstance(a, Tensor) else None for a in ctx.args))
+    grads = dict(zip(AttentionVariant(*ctx.args[3:]).tensors(), learned))  # the learned fields' gradients
+    return (dq, dk, dv, None, None, None, None,
+            *(grads.get(f.name) for f in dataclasses.fields(AttentionVariant)))
 
 
 torch.library.register_autograd("hgraph::packed_attention", _attention_backward, setup_context=_save_attention)
@@ -148,7 +150,11 @@ def packed_attention(
 
     ``variant``: the fields of ``AttentionVariant`` — ``window`` (sliding-window attention: a query
     sees itself and the ``window - 1`` keys before it, Mistral's ``sliding_window``), ``softcap``
-    (logits capped as ``softcap · tanh(logits / softcap)``, Gemma 2). Every kernel implements them.
+    (logits capped as ``softcap · tanh(logits / softcap)``, Gemma 2), ``chunk`` (a query sees the keys
+    of its own chunk of the document, Llama 4), ``sinks`` (``[hq]`` learned logits joining each softmax,
+    gpt-oss; their gradient is returned), ``alibi`` (``[hq]`` slopes: the
+    score of query i and key j of one document gets ``−slopeₕ·(i − j)``, Bloom and MPT; under tp each
+    rank holds its query heads' slopes). Every kernel implements them, or the dispatch avoids it.
 
     q ``[b, hq, s, d]``, k/v ``[b, hkv, s, d]``, position_ids ``[b, s]``. Attention never crosses a
     sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
@@ -165,6 +171,10 @@ def packed_attention(
         )
     chosen = AttentionVariant(**variant)
     shape_only = is_fake(q) and active_context() is None
+    if chosen.alibi is not None and not is_fake(q) and chosen.alibi.shape != (q.shape[1],):
+        raise ShardingRuleError(
+            f"packed_attention: {tuple(chosen.alibi.shape)} ALiBi slopes for {q.shape[1]} query heads (need one per head)"
+        )
     if not is_fake(q) and position_ids.shape != (q.shape[0], q.shape[2]):
         raise ShardingRuleError(
             f"packed_attention: position_ids {tuple(position_ids.shape)} do not match q {tuple(q.shape)} "

@@ -4,9 +4,10 @@ Every family: one packed step on tp2 (two processes) equal to ``torch.optim.Adam
 model (the two below by default, all with the slow tests). In depth: 3 iterations on 4
 gloo processes, switching strategy every iteration, equal to single-process ``torch.optim.AdamW`` on
 the unmodified model: Mistral (sliding window shorter than the longest sequences, grouped-query
-attention), Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token), and two mixtures of experts on
-the strategies their routing allows: Qwen3-MoE and DeepSeek-V3 (MLA, grouped sigmoid router with
-score correction, shared experts, dense first layers).
+attention), Phi-3 (fused ``qkv_proj`` / ``gate_up_proj``, a pad token), Bloom (ALiBi inside each
+packed document, its slopes cut with the heads over tp, documents cut into cp chunks), and two
+mixtures of experts on the strategies their routing allows: Qwen3-MoE and DeepSeek-V3 (MLA, grouped
+sigmoid router with score correction, shared experts, dense first layers).
 
 The first step's gradients are compared directly (AdamW's first ``exp_avg`` is ``(1 - beta1) * grad``
 on both sides), the parameters after every step with a tolerance derived from Adam itself: the
@@ -92,6 +93,7 @@ def hgraph_run(family: str, strategies: list[str]):
 @pytest.mark.parametrize("family, strategies", [
     ("mistral", STRATEGIES),
     pytest.param("phi3", STRATEGIES, marks=pytest.mark.slow),
+    pytest.param("bloom", STRATEGIES, marks=pytest.mark.slow),  # ALiBi per document, slopes cut over tp
     pytest.param("qwen3_moe", MOE_STRATEGIES, marks=pytest.mark.slow),  # 16 experts, top-8, softmax router
     pytest.param("deepseek_v3", MOE_STRATEGIES, marks=pytest.mark.slow),  # MLA, grouped sigmoid router, shared experts
 ])

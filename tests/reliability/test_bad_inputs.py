@@ -157,11 +157,14 @@ def test_trainer_rejects_bad_batches(compiled2, batch, match):
 
 
 @pytest.mark.parametrize("input_ids, match", [
-    (torch.ones(1, 8), r"input_ids must be a \[batch, seq\] LongTensor, got torch.float32 \(1, 8\)"),
+    (torch.ones(1, 8), r"input_ids must be a \[batch, seq\] LongTensor .*, got torch.float32 \(1, 8\)"),
     (torch.ones(1, 2, 8, dtype=torch.long),
-     r"input_ids must be a \[batch, seq\] LongTensor, got torch.int64 \(1, 2, 8\)"),
+     r"input_ids must be a \[batch, seq\] LongTensor .*, got torch.int64 \(1, 2, 8\)"),
     (torch.ones(0, 8, dtype=torch.long), r"the batch has no target tokens"),
-], ids=["dtype", "shape", "empty"])
+    ([torch.arange(5), torch.arange(1)], r"document 1 must be a 1-D LongTensor of at least 2 token ids"),
+    ([torch.arange(5), torch.ones(2, 3, dtype=torch.long)], r"document 1 must be a 1-D LongTensor .* \(2, 3\)"),
+    ([], r"empty list of documents"),
+], ids=["dtype", "shape", "empty", "short-document", "2-d-document", "no-documents"])
 def test_simulate_rejects_bad_inputs(compiled2, input_ids, match):
     with pytest.raises(hgraph.InputError, match=match):
         compiled2.simulate(0, input_ids)

@@ -87,6 +87,13 @@ def _attention_inputs(g: torch.Generator) -> Sample:
                   names=("q", "k", "v", "position_ids"))
 
 
+def _alibi_attention_inputs(g: torch.Generator) -> Sample:
+    """ALiBi slopes (a constant of the model, placed by the rule: cut with the query heads)."""
+    sample = _attention_inputs(g)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    return Sample(sample.args, {"alibi": slopes}, names=(*sample.names, "alibi"), params=frozenset({"alibi"}))
+
+
 _OFFSETS = torch.tensor([2, 4, 4, 8], dtype=torch.int32)  # expert 2 gets no token
 
 
@@ -364,6 +371,7 @@ CASES: dict[str, list[Case]] = {
     "hgraph.runtime.kernels.packed_attention.packed_attention": [
         case(packed_attention, _attention_inputs),
         case(packed_attention, _sink_attention_inputs, "sinks, chunks"),
+        case(packed_attention, _alibi_attention_inputs, "alibi"),
     ],
     # ---------------------------------------------------------------- linear_attention.py
     "hgraph.runtime.kernels.linear_attention.packed_gated_delta_rule": [case(packed_gated_delta_rule, _delta_rule_inputs)],

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -138,8 +139,6 @@ def complete(checkpoint_dir: Path, iteration: int) -> bool:
 
 
 def load_export(run: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(str(run / "model" / "model.safetensors"))
 
 

@@ -3,6 +3,7 @@ training continues, holds the state of the iteration it was taken at, at most on
 second save waits), and a rank killed in the middle of writing its file leaves the previous checkpoint
 complete and loadable (the killed one is never taken for complete)."""
 
+import copy
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import checkpoint
 from hgraph.runtime.checkpoint_manager import CheckpointManager, complete_steps, latest
 from hgraph.runtime.kernels.comm import run_threads
+from test_metrics import SMALL, _planner
 
 STRATEGIES = ["2x tp1", "tp2"]
 WRITE_DELAY = 1.5  # seconds every background write is held back, so that it is surely still in flight
@@ -148,10 +150,6 @@ def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint_loadab
 def test_resume_restores_the_planners_online_correction(tmp_path):
     """The correction a planner fitted to measured times is part of the checkpoint: a resumed planner
     holds exactly the state the saving one had, so it plans the next batch as that one would have."""
-    import copy
-
-    from test_metrics import SMALL, _planner
-
     model = Llama(LlamaConfig(**SMALL), seed=0)
     compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 64, (1, 8)))
     g = torch.Generator().manual_seed(0)

@@ -24,16 +24,21 @@ from hgraph.models.zoo import zoo_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 ENV = "HGRAPH_ATTENTION_KERNEL"
-# (window, softcap): plain causal, a window shorter than some documents and longer than others, a
-# window of one token, soft-capping, and both.
-VARIANTS = [(None, None), (4, None), (1, None), (None, 2.0), (3, 1.5)]
+# ALiBi slopes of the 4 query heads (Bloom's for 4 heads)
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+# (window, softcap, alibi): plain causal, a window shorter than some documents and longer than others,
+# a window of one token, soft-capping, both, ALiBi, and ALiBi with a window.
+VARIANTS = [(None, None, None), (4, None, None), (1, None, None), (None, 2.0, None), (3, 1.5, None),
+            (None, None, SLOPES), (4, None, SLOPES)]
+VARIANT_IDS = ["causal", "window4", "window1", "softcap", "window3-softcap", "alibi", "window4-alibi"]
 # Two rows packed differently (documents of 1 token, one longer than every window), and two rows
 # packed alike (computed together).
 PACKINGS = [[[5, 1, 9, 3], [7, 11]], [[6, 12], [6, 12]]]
 
 
-def dense_per_document(q, k, v, packing, window, softcap, scale=None):
-    """Attention of each document of each row on its own, as dense matrices."""
+def dense_per_document(q, k, v, packing, window, softcap, scale=None, alibi=None):
+    """Attention of each document of each row on its own, as dense matrices (ALiBi: the score of
+    query i and key j of the document gets -slope_h (i - j))."""
     repeat = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     rows = []
@@ -47,6 +52,8 @@ def dense_per_document(q, k, v, packing, window, softcap, scale=None):
             if softcap is not None:
                 logits = softcap * torch.tanh(logits / softcap)
             i = torch.arange(n)
+            if alibi is not None:
+                logits = logits - alibi.to(logits.dtype)[:, None, None] * (i[:, None] - i[None, :])
             visible = i[None, :] <= i[:, None]
             if window is not None:
                 visible &= i[:, None] - i[None, :] < window
@@ -67,19 +74,19 @@ def inputs(packing, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0):
             for h in (hq, hkv, hkv)]
 
 
-def variant_kwargs(window, softcap):
-    return {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+def variant_kwargs(window, softcap, alibi=None):
+    return {k: v for k, v in (("window", window), ("softcap", softcap), ("alibi", alibi)) if v is not None}
 
 
 # ----------------------------------------------------------------------------- every kernel, every variant
 @pytest.mark.parametrize("packing", PACKINGS, ids=str)
-@pytest.mark.parametrize("window, softcap", VARIANTS)
+@pytest.mark.parametrize("window, softcap, alibi", VARIANTS, ids=VARIANT_IDS)
 def test_sdpa_kernel_forward_and_backward_equal_dense_attention_per_document(monkeypatch, packing, window,
-                                                                             softcap):
+                                                                             softcap, alibi):
     monkeypatch.setenv(ENV, "sdpa")
     q, k, v = inputs(packing)
-    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap))
-    want = dense_per_document(q, k, v, packing, window, softcap)
+    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap, alibi))
+    want = dense_per_document(q, k, v, packing, window, softcap, alibi=alibi)
     torch.testing.assert_close(out, want)
     grad = torch.randn_like(out)
     for got, expected in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
@@ -87,12 +94,13 @@ def test_sdpa_kernel_forward_and_backward_equal_dense_attention_per_document(mon
 
 
 @pytest.mark.parametrize("packing", PACKINGS, ids=str)
-@pytest.mark.parametrize("window, softcap", VARIANTS)
-def test_flex_kernel_forward_equals_dense_attention_per_document(monkeypatch, packing, window, softcap):
+@pytest.mark.parametrize("window, softcap, alibi", VARIANTS, ids=VARIANT_IDS)
+def test_flex_kernel_forward_equals_dense_attention_per_document(monkeypatch, packing, window, softcap, alibi):
     monkeypatch.setenv(ENV, "flex")
     q, k, v = inputs(packing, dtype=torch.float32)
-    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap))
-    torch.testing.assert_close(out, dense_per_document(q, k, v, packing, window, softcap), rtol=1e-5, atol=1e-5)
+    out = packed_attention(q, k, v, positions_of(packing), enable_gqa=True, **variant_kwargs(window, softcap, alibi))
+    torch.testing.assert_close(out, dense_per_document(q, k, v, packing, window, softcap, alibi=alibi),
+                               rtol=1e-5, atol=1e-5)
     with pytest.raises(HGraphError, match="no backward on CPU"):  # the recompute inside the backward op
         out.sum().backward()
 
@@ -106,25 +114,26 @@ def test_flex_attention_has_no_backward_on_cpu_in_this_torch():
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "flex"])
-@pytest.mark.parametrize("window, softcap", VARIANTS)
-def test_kernels_with_local_queries_against_gathered_keys(kernel, window, softcap):
+@pytest.mark.parametrize("window, softcap, alibi", VARIANTS, ids=VARIANT_IDS)
+def test_kernels_with_local_queries_against_gathered_keys(kernel, window, softcap, alibi):
     """The context-parallel case: the queries are a load-balanced subset of the stream."""
     packing = [[12, 20], [25, 7]]
     q, k, v = (t.detach().float() for t in inputs(packing))
     chosen = load_balance_indices(32, 2, 1)
-    variant = kernels.AttentionVariant(window=window, softcap=softcap)
+    variant = kernels.AttentionVariant(window=window, softcap=softcap, alibi=alibi)
     with torch.no_grad():
         got = kernels.attend(kernel, q[:, :, chosen], k, v, positions_of(packing), chosen, None, True, variant)
-    want = dense_per_document(q, k, v, packing, window, softcap)[:, :, chosen]
+    want = dense_per_document(q, k, v, packing, window, softcap, alibi=alibi)[:, :, chosen]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window, softcap", [(4, None), (3, 1.5)])
-def test_context_parallel_attention_with_a_variant_on_two_ranks(window, softcap):
+@pytest.mark.parametrize("window, softcap, alibi", [(4, None, None), (3, 1.5, None), (None, None, SLOPES)],
+                         ids=["window4", "window3-softcap", "alibi"])
+def test_context_parallel_attention_with_a_variant_on_two_ranks(window, softcap, alibi):
     """Forward and backward of ``packed_attention(cp=True)`` on two thread ranks against the oracle."""
     packing = [[5, 1, 7, 3], [16]]
     q, k, v = inputs(packing)
-    want = dense_per_document(q, k, v, packing, window, softcap)
+    want = dense_per_document(q, k, v, packing, window, softcap, alibi=alibi)
     grad = torch.randn_like(want)
     dq, dk, dv = torch.autograd.grad(want, (q, k, v), grad)
     positions = positions_of(packing)
@@ -134,7 +143,7 @@ def test_context_parallel_attention_with_a_variant_on_two_ranks(window, softcap)
             idx = load_balance_indices(16, 2, comm.rank)
             lq, lk, lv = (t.detach()[:, :, idx].requires_grad_(True) for t in (q, k, v))
             out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True,
-                                       **variant_kwargs(window, softcap))
+                                       **variant_kwargs(window, softcap, alibi))
             return (idx, out, *torch.autograd.grad(out, (lq, lk, lv), grad[:, :, idx]))
 
     for idx, out, gq, gk, gv in run_threads(body, 2, timeout=60):
@@ -186,12 +195,16 @@ def test_varlen_receives_the_documents_and_the_window(monkeypatch, window):
 def test_varlen_refuses_what_it_cannot_compute_and_the_dispatch_avoids_it(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     softcap = kernels.AttentionVariant(softcap=2.0)
+    alibi = kernels.AttentionVariant(alibi=SLOPES)
     assert kernels.choose_kernel(CUDA, torch.bfloat16, variant=kernels.AttentionVariant(window=8)) == "varlen"
     assert kernels.choose_kernel(CUDA, torch.bfloat16, variant=softcap) == "flex"
+    assert kernels.choose_kernel(CUDA, torch.bfloat16, variant=alibi) == "flex"  # varlen has no score bias
     assert kernels.choose_kernel(CPU, torch.bfloat16, variant=softcap) == "sdpa"
     monkeypatch.setenv(ENV, "varlen")
     with pytest.raises(HGraphError, match="varlen cannot compute softcap .*use one of sdpa, flex"):
         kernels.choose_kernel(CUDA, torch.bfloat16, variant=softcap)
+    with pytest.raises(HGraphError, match="varlen cannot compute alibi .*use one of sdpa, flex"):
+        kernels.choose_kernel(CUDA, torch.bfloat16, variant=alibi)
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(HGraphError, match="cannot compute softcap"):
         kernels.varlen(q, q, q, torch.arange(4)[None], None, False, softcap)
@@ -237,13 +250,16 @@ def test_variant_values_and_names_are_checked():
     with pytest.raises(HGraphError, match="softcap=-1"):
         kernels.AttentionVariant(softcap=-1.0)
     q = torch.zeros(1, 2, 4, 8)
-    with pytest.raises(HGraphError, match="unknown attention variant alibi; the variants are window, softcap, chunk, sinks"):
-        packed_attention(q, q, q, torch.arange(4)[None], alibi=q)
+    with pytest.raises(HGraphError, match="unknown attention variant ring; the variants are window, softcap, chunk, sinks, alibi"):
+        packed_attention(q, q, q, torch.arange(4)[None], ring=q)
     with pytest.raises(HGraphError, match=r"attention sinks of shape \(1, 2, 4, 8\): one logit per query head"):
         packed_attention(q, q, q, torch.arange(4)[None], sinks=q)
     with pytest.raises(HGraphError, match="chunk=0"):
         kernels.AttentionVariant(chunk=0)
+    with pytest.raises(HGraphError, match=r"ALiBi slopes for 2 query heads"):
+        packed_attention(q, q, q, torch.arange(4)[None], alibi=SLOPES)
     assert str(kernels.AttentionVariant(window=4, softcap=2.0)) == "window=4, softcap=2.0"
+    assert str(kernels.AttentionVariant(alibi=SLOPES)) == "alibi=[4 heads]"
 
 
 def test_cu_seqlens_from_position_ids():
@@ -255,11 +271,11 @@ def test_cu_seqlens_from_position_ids():
 
 
 # ----------------------------------------------------------------------------- a model users load
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "bloom", "mpt"])
 def test_windowed_and_softcapped_families_equal_the_model_per_document(monkeypatch, family):
     """The issue's case: Mistral (window 8) and Gemma 2 (window 8, soft-caps) on packed documents
-    longer than the window, forward through the traced program with each CPU kernel, against the
-    unmodified model run on each document alone."""
+    longer than the window, and the ALiBi families (Bloom, MPT), forward through the traced program
+    with each CPU kernel, against the unmodified model run on each document alone."""
     model = zoo_model(family).eval()
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 256, (n,), generator=g) for n in (23, 5, 12)]

@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+from safetensors.torch import load_file
 
 from long_run_tools import (
     ROOT, TORCHRUN, assert_bitwise_equal, complete, finish, hgraph_train, history, load_export, running, tail,
@@ -132,8 +133,6 @@ def test_the_python_script_pattern_restarts_under_torchrun_and_continues_exactly
         out = finish(agent, log, 600)
     assert agent.returncode == 0, out[-4000:]
     assert "resumed at iteration" in out, out[-4000:]
-    from safetensors.torch import load_file
-
     assert_bitwise_equal(load_file(str(tmp_path / "run" / "model.safetensors")),
                          load_file(str(tmp_path / "ref" / "model.safetensors")))
     losses = {}  # every iteration's printed loss equals the uninterrupted run's (redone ones included)
