@@ -30,11 +30,13 @@ from hgraph.core.flops import ModelFlops
 from hgraph.core.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
+from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
@@ -284,6 +286,21 @@ class Trainer:
         return rank_micro_batches(sequences, d.micro_batches[program.pipeline], program.groups, self.rank, buffers,
                                   self.compiled.options.sequence_parallel, self.device)
 
+    def _routing_statistics(self, program: Any, routing: Optional[list]) -> dict[str, Any]:
+        """Router statistics of an expert-parallel iteration: ``expert_counts`` (rows routed to each
+        expert of each MoE layer of this rank's stage, summed over the stage's ranks and micro-batches)
+        and ``expert_imbalance`` (the busiest expert group's rows over the mean, slowest layer:
+        ``hgraph.planner.experts``); nothing without ep."""
+        if routing is None:
+            return {}
+        layers = sum(1 for sg in program.chunks for n in sg.gm.graph.nodes if n.target is expert_dispatch)
+        if not routing or not layers:
+            return {}
+        counts = torch.stack(routing).view(-1, layers, routing[0].numel()).sum(0).to(self.device)
+        counts = self.comm.all_reduce(counts, tuple(program.groups["stage"])).cpu()
+        ep = len(program.groups["ep"])
+        return {"expert_counts": counts.tolist(), "expert_imbalance": layer_imbalance(counts.tolist(), ep)}
+
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
         run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
@@ -296,8 +313,10 @@ class Trainer:
         if timeline is not None:
             timeline.iteration = self.iteration
             first_event = len(timeline.events)
-        with rank_context(RankContext(self.rank, self.comm, program.groups)):
+        routing: Optional[list] = [] if "ep" in program.groups else None
+        with rank_context(RankContext(self.rank, self.comm, program.groups, routing)):
             out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline)
+        routed = self._routing_statistics(program, routing)
         # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
         # communication per rank] (each rank fills its own slots; -1: not measured)
         n = len(self.world)
@@ -353,6 +372,7 @@ class Trainer:
             "lr": float(lr),
             "peak_memory_bytes": [int(m) for m in memory] if self.measure else None,
             "exposed_comm_ms": None if min(exposed) < 0 else exposed,
+            **routed,
         }
         self.history.append(record)
         if self.metrics is not None:
