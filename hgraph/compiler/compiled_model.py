@@ -65,6 +65,7 @@ from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disa
 from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.program.options import CompileOptions
+from hgraph.program.plan_codec import decode_plans, encode_plans
 from hgraph.program.context import CompileContext
 from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, ParameterLayouts, StageGraph
 from hgraph.program.rank_program import RankProgram
@@ -106,6 +107,7 @@ class CompiledModel:
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
+        trust_shared_cache: bool = False,
         packing: str = "auto",
     ) -> None:
         self.model = model
@@ -141,19 +143,22 @@ class CompiledModel:
         self.optimizer_layouts: dict[str, Layout] = optimizer_layouts(self.param_shapes, self.world_size, mesh_specs,
                                                                       experts)
         own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
-        cache = self._cache(cache_directory(cache_dir), own)
+        cache = self._cache(cache_directory(cache_dir), own, trust_shared_cache)
         self.cache_hit = False
         if cache is not None:
-            stored = cache.load()
-            if stored is not None and set(stored) == set(own):
+            with gc_paused():  # decoding builds many small objects, as planning does
+                stored = cache.load(decode_plans)
+            problem = None if stored is None else self._misfit(stored, own)
+            if stored is not None and problem is None:
                 self._param_comm.update(stored)
                 self.cache_hit = True
             elif stored is not None:
-                warnings.warn(f"compile cache entry {cache.path} holds other ranks' plans; rebuilt", CacheWarning, stacklevel=3)
+                warnings.warn(f"compile cache entry {cache.path} ignored and rebuilt: {problem}", CacheWarning, stacklevel=3)
         for i, r in own:
             self.parameter_comm(i, r)
         if cache is not None and not self.cache_hit:
-            cache.store({key: self._param_comm[key] for key in own})
+            with gc_paused():
+                cache.store(encode_plans({key: self._param_comm[key] for key in own}))
         if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
             for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
                 self.check_actions(i, [2 * p.pp for p in s.pipelines])
@@ -270,7 +275,7 @@ class CompiledModel:
         return {self.traced.param_names[n.name]: tuple(n.meta["hgraph_param_mesh"]) for n in gm.graph.nodes
                 if n.op == "placeholder" and n.name in self.traced.param_names and "hgraph_param_mesh" in n.meta}
 
-    def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
+    def _cache(self, directory: Optional[str], own: list[tuple[int, int]], trust_shared: bool) -> Optional[CompileCache]:
         """The cache entry of this compile's own plans, keyed by everything they are built from."""
         if directory is None:
             return None
@@ -281,7 +286,25 @@ class CompiledModel:
             sorted((n, repr(lay)) for n, lay in self.optimizer_layouts.items()),
             [(str(s), *(sorted(d.items()) for d in self._comm_inputs(i))) for i, s in enumerate(self.strategies)],
         )
-        return CompileCache(directory, plan_key(inputs))
+        return CompileCache(directory, plan_key(inputs), trust_shared)
+
+    def _misfit(self, stored: dict[tuple[int, int], dict[str, ParameterComm]], own: list[tuple[int, int]]) -> Optional[str]:
+        """Why plans read from the cache are not this compile's (``None`` when they fit): other ranks,
+        other parameters or holders, or Pull / Push ends other than the optimizer layouts."""
+        if set(stored) != set(own):
+            return "it holds other ranks' plans"
+        for (index, _), comms in stored.items():
+            users = self._comm_inputs(index)[0]
+            if comms.keys() != users.keys():
+                return f"its parameters of strategy {self.strategies[index]} are not this model's"
+            for name, pc in comms.items():
+                home = self.optimizer_layouts[name]
+                if pc.holders != tuple(users[name]) or not pc.pull.src == pc.push.dst == home \
+                        or pc.pull.plan is None or pc.push.plan is None \
+                        or (pc.pull.plan.src, pc.pull.plan.dst, pc.push.plan.src, pc.push.plan.dst) \
+                        != (pc.pull.src, pc.pull.dst, pc.push.src, pc.push.dst):
+                    return f"its plans of {name} in strategy {self.strategies[index]} do not fit this model"
+        return None
 
     def _comm_inputs(self, index: int) -> PlanInputs:
         """Strategy ``index``'s ``plan_inputs`` (built once)."""

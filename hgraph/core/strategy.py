@@ -121,6 +121,7 @@ class Pipeline:
         return groups
 
     def __str__(self) -> str:
+        """The form ``Strategy.parse`` reads: ``tp2,pp2`` (degrees of 1 left out, tp always shown)."""
         parts = [f"tp{self.tp}"]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
@@ -130,7 +131,7 @@ class Pipeline:
             parts.append(f"vpp{self.vpp}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
-        return "(" + ",".join(parts) + ")"
+        return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class Strategy:
             for r in p.ranks:
                 if r in seen:
                     raise StrategyError(
-                        f"rank {r} is used by pipeline {seen[r]} {pipelines[seen[r]]} and pipeline {i} {p}; "
+                        f"rank {r} is used by pipeline {seen[r]} ({pipelines[seen[r]]}) and pipeline {i} ({p}); "
                         "pipelines of one strategy need disjoint ranks"
                     )
                 seen[r] = i
@@ -193,8 +194,10 @@ class Strategy:
 
     @classmethod
     def parse(cls, text: str, gpus_per_node: int = 8) -> "Strategy":
-        """Parse the readable form, e.g. ``"tp2,pp2 + 2x tp1"``, ``"(tp4) + 2×(tp2)"``, ``"tp1,pp2,vpp2"``
-        or ``"tp4,ep4 + 2x tp2"``."""
+        """Parse the form ``str`` prints: pipelines joined by ``+``, each ``[Nx ]degrees`` with degrees
+        ``tp``, ``ep``, ``pp``, ``cp``, ``vpp`` (omitted: 1), e.g. ``"tp2,pp2 + 2x tp1"``,
+        ``"tp1,pp2,vpp2"`` or ``"tp4,ep4 + 2x tp2"``. The older printed form ``"(tp4) + 2×(tp2)"`` is
+        read too."""
         pipelines: list[Pipeline] = []
         for part in text.split("+"):
             part = part.strip()
@@ -224,7 +227,7 @@ class Strategy:
                 groups[-1] = (s, groups[-1][1] + 1)
             else:
                 groups.append((s, 1))
-        return " + ".join(s if n == 1 else f"{n}×{s}" for s, n in groups)
+        return " + ".join(s if n == 1 else f"{n}x {s}" for s, n in groups)
 
 
 def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:

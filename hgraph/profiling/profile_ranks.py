@@ -89,7 +89,13 @@ class Profile:
 
 
 def parse_schemes(text: str) -> list[Scheme]:
-    """Schemes from ``"tp1,tp2,tp1pp2"`` (comma-separated, compact) or ``"tp1,pp1 tp2,pp2"`` (spaces)."""
+    """Schemes (pipeline shapes) in the strategy syntax, ``;``-separated: ``"tp1; tp2; tp1,pp2"``. The
+    older forms ``"tp1,tp2,tp1pp2"`` (compact) and ``"tp1,pp1 tp2,pp2"`` (spaces) are read too."""
+    if ";" in text:
+        schemes = [Scheme.parse(part) for part in text.split(";") if part.strip()]
+        if not schemes:
+            raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
+        return list(dict.fromkeys(schemes))
     tokens = text.split()
     if len(tokens) == 1 and all(p.strip().startswith("tp") for p in tokens[0].split(",") if p.strip()):
         tokens = [p.strip() for p in tokens[0].split(",") if p.strip()]
@@ -98,7 +104,7 @@ def parse_schemes(text: str) -> list[Scheme]:
         parts = [p for p in _split_degrees(token) if p]
         schemes.append(Scheme.parse(",".join(parts)))
     if not schemes:
-        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1,tp2,tp1pp2'")
+        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
     return list(dict.fromkeys(schemes))
 
 
@@ -298,9 +304,10 @@ def _check(
 
 def measure_ranks(
     model_factory: ModelFactory, world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int],
-    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0,
+    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0, measure: bool = True,
 ) -> tuple[dict[str, Any], Path, bool]:
-    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``."""
+    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
+    ``measure=False``: the cached ones only (``CostModelError`` when there are none)."""
     import torch
 
     from hgraph.runtime.launch import launch
@@ -317,6 +324,8 @@ def measure_ranks(
     path = _cache_path(key)
     if use_cache and path.exists():
         return json.loads(path.read_text()), path, True
+    if not measure:
+        raise CostModelError(f"no profile of {name} on {world_size} ranks of this machine is cached (looked for {path})")
     start = time.perf_counter()
     per_rank = launch(
         _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp, s.ep) for s in schemes], lengths, repeats),
@@ -441,6 +450,7 @@ def profile_ranks(
     use_cache: bool = True,
     name: str = "profiled",
     timeout: float = 600.0,
+    measure: bool = True,
 ) -> Profile:
     """Measure ``schemes`` on ``world_size`` local ranks (or read the cache) and fit the cost model.
 
@@ -448,9 +458,9 @@ def profile_ranks(
     """
     parsed = [s if isinstance(s, Scheme) else Scheme.parse(",".join(_split_degrees(s))) for s in schemes]
     if not parsed:
-        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1pp2']")
+        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
     start = time.perf_counter()
-    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout)
+    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout, measure)
     model, fits, times = build_ranks_table(raw, memory_gb, name)
     seconds = raw["seconds"] if cached else time.perf_counter() - start
     return Profile(

@@ -1,7 +1,9 @@
 """``hgraph.Trainer``: one training iteration per ``step`` on every rank, any strategy each time.
 
-Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors).
-The planner (or the given strategy with a default dispatch) decides which pipeline runs which
+Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors);
+``step`` checks that they did (a digest of the lengths and tokens, gathered from every rank) and
+raises ``InputError`` naming the first rank whose batch differs. With one reader, ``step_data``
+reads the batch on rank 0 and sends each rank only its tokens. The planner (or the given strategy with a default dispatch) decides which pipeline runs which
 sequences, packed into which micro-batches; each rank builds its own micro-batches from that
 decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
 token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
@@ -12,6 +14,7 @@ rank's peak memory and exposed communication for rank 0's metrics writer.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -188,7 +191,30 @@ class Trainer:
         """One iteration on the global batch ``sequences``; returns the token-mean loss."""
         start = time.perf_counter()
         lengths = self._check_sequences(sequences)
+        self._check_same_batch(sequences)
         return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), start)
+
+    def _check_same_batch(self, sequences: Sequence[torch.Tensor]) -> None:
+        """``InputError`` on every rank unless every rank passed this batch (a 63-bit digest of the
+        lengths and tokens, all-gathered): ranks given their own shards would otherwise slice
+        different batches by one dispatch and train on them without a word."""
+        if len(self.world) == 1:
+            return
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr([len(s) for s in sequences]).encode())
+        for s in sequences:
+            h.update(s.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        digest = int.from_bytes(h.digest(), "little") >> 1  # fits an int64
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        every = [int(d) for d in self.comm.all_gather(mine, self.world).reshape(-1).tolist()]
+        differing = next((r for r, d in enumerate(every) if d != every[0]), None)
+        if differing is not None:
+            raise InputError(
+                f"Trainer.step: rank {differing} passed a different batch from rank 0 (digest of the lengths and "
+                f"tokens; {len(set(every))} distinct batches over {len(every)} ranks). step() takes the same "
+                "global batch on every rank, which the planner splits; to read it once, use "
+                "step_data(loader) (rank 0 reads, each rank receives its tokens), or give every rank the "
+                "same sampler seed without per-rank sharding (no DistributedSampler)")
 
     def step_data(self, loader: Any, strategy: Union[int, Any, None] = None) -> Optional[float]:
         """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
