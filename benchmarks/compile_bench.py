@@ -2,12 +2,15 @@
 
     python benchmarks/compile_bench.py [--quick] [--worlds 8,64,1024] [--world-layers 8] [--deep 32]
     python benchmarks/compile_bench.py --only-worlds --baseline /tmp/old-checkout   # before/after
+    python benchmarks/compile_bench.py --cache --baseline /tmp/old-checkout --worlds 1024 --deep 0
 
 World sweep: an 8-layer Llama with 4 strategies (all tp1; tp2; tp4; tp4,pp2 pipelines) at world
 sizes 8..4,096: one rank's work (``compile(rank=0)``, then rank 0's program of each strategy), wall
 and CPU seconds; ``--deep`` adds a row with that many layers at world 1,024. ``--baseline DIR``
 runs each world in fresh processes alternately with the checkout in DIR (its own
 ``benchmarks/compile_bench.py``, on ``PYTHONPATH=DIR``) and with this one, so both see the same load.
+``--cache`` (with ``--baseline``): each row with an empty compile cache (a miss, which writes the
+entry) and then again (a hit), before and after alternately, each checkout with its own cache.
 Depth sweep: the hand-written Llama with 2..32 layers, compiled for 4 strategies on 8 ranks.
 Strategy sweep: 4 layers, 1..8 strategies on 8 ranks. Reports seconds and seconds per layer /
 per strategy, so linear growth shows as a flat per-unit column.
@@ -20,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -62,7 +66,8 @@ def timed_world(world: int, layers: int, rank: int = 0, schedule: str = "none") 
     for i in range(len(compiled.strategies)):
         compiled.program(i, rank)
     return {"world": world, "layers": layers, "rank": rank, "schedule": schedule,
-            "seconds": round(time.perf_counter() - start, 3), "cpu_seconds": round(time.process_time() - cpu, 3)}
+            "seconds": round(time.perf_counter() - start, 3), "cpu_seconds": round(time.process_time() - cpu, 3),
+            "cache_hit": compiled.cache_hit}
 
 
 _ROW = """
@@ -77,9 +82,13 @@ print(json.dumps(row))
 """
 
 
-def _one_world(checkout: str, world: int, layers: int, schedule: str) -> dict:
-    """One world-sweep row of ``checkout``'s ``timed_world`` in a fresh process (after its warm-up)."""
+def _one_world(checkout: str, world: int, layers: int, schedule: str, cache: str = "") -> dict:
+    """One world-sweep row of ``checkout``'s ``timed_world`` in a fresh process (after its warm-up),
+    with ``cache`` as ``$HGRAPH_COMPILE_CACHE`` when given."""
     env = dict(os.environ, PYTHONPATH=checkout)
+    env.pop("HGRAPH_COMPILE_CACHE", None)
+    if cache:
+        env["HGRAPH_COMPILE_CACHE"] = cache
     cmd = [sys.executable, "-c", _ROW, os.path.join(checkout, "benchmarks"), str(world), str(layers), schedule]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd=checkout).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -99,6 +108,29 @@ def side_by_side(baseline: str, rows: list[tuple[int, int]], schedule: str) -> l
     return out
 
 
+def _entry_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+
+
+def cache_side_by_side(baseline: str, rows: list[tuple[int, int]], schedule: str) -> list[dict]:
+    """Each row's compile with an empty cache (miss) and then again (hit), before and after alternately."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = []
+    for world, layers in rows:
+        with tempfile.TemporaryDirectory() as before_dir, tempfile.TemporaryDirectory() as after_dir:
+            row: dict = {"world": world, "layers": layers}
+            for phase in ("miss", "hit"):
+                before = _one_world(baseline, world, layers, schedule, before_dir)
+                after = _one_world(here, world, layers, schedule, after_dir)
+                assert after["cache_hit"] == (phase == "hit"), after
+                row[phase] = {"seconds_before": before["seconds"], "seconds_after": after["seconds"],
+                              "cpu_seconds_before": before["cpu_seconds"], "cpu_seconds_after": after["cpu_seconds"],
+                              "cpu_after_over_before": round(after["cpu_seconds"] / max(before["cpu_seconds"], 1e-9), 3)}
+            row["entry_bytes_before"], row["entry_bytes_after"] = _entry_bytes(before_dir), _entry_bytes(after_dir)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer points (for CI smoke runs)")
@@ -108,10 +140,14 @@ def main() -> None:
     parser.add_argument("--schedule", default="none", choices=["none", "overlap"], help="world sweep's schedule")
     parser.add_argument("--deep", type=int, default=32, help="layers of an extra world-1,024 row (0: none)")
     parser.add_argument("--baseline", default="", help="another checkout to time side by side (world sweep)")
+    parser.add_argument("--cache", action="store_true", help="with --baseline: compile-cache miss and hit times")
     args = parser.parse_args()
     default_worlds = "8,64,256" if args.quick else "8,16,64,256,1024,4096"
     worlds = [int(w) for w in (args.worlds or default_worlds).split(",")]
     rows = [(w, args.world_layers) for w in worlds] + ([(1024, args.deep)] if args.deep else [])
+    if args.baseline and args.cache:
+        print(json.dumps({"cache_side_by_side": cache_side_by_side(args.baseline, rows, args.schedule)}, indent=1))
+        return
     if args.baseline:
         print(json.dumps({"side_by_side": side_by_side(args.baseline, rows, args.schedule)}, indent=1))
         return

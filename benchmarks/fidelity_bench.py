@@ -208,7 +208,7 @@ def run_single(args: argparse.Namespace) -> dict[str, Any]:
     for size in args.sizes.split(","):
         raw = measure(f"hgraph.cli.demo:{size}_model", PROFILE_LENGTHS, args.device, "float32", args.profile_repeats)
         cost, _ = build_table(raw, [1], f"{size}-{args.device}")
-        name = "(tp1)"
+        name = "tp1"
         terms = IterationTerms(AlphaBeta(0.0, 0.0), 0.0, raw["layers"],
                                {(name, "none"): StrategyTerms(name, "none", 0.0, 0.0, 1.0, 0.0, 0.0)})
         model = model_factory(size)

@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     run = (args.iterations, tuple(args.strategies), args.checkpoint_dir, args.checkpoint_interval, args.out)
     if "RANK" in os.environ:  # started by torchrun
-        hgraph.init_from_env("nccl" if torch.cuda.is_available() else "gloo")
+        hgraph.init_from_env()  # NCCL when CUDA is available, else gloo
         train(*run)
     else:
         hgraph.launch(train, args.world_size, args=run, timeout=600, preemptible=True)

@@ -15,7 +15,11 @@ Recorded in ``node.meta``:
 * on parameter placeholders: ``hgraph_param_spec`` (compute placement) and ``hgraph_grad_spec``
   (placement of the gradient autograd leaves: ``Partial`` on a mesh dim where every use computes on
   sharded tokens/features with the replicated weight, e.g. every weight on cp, norm weights under
-  sequence parallelism; the Push Gradient pass reduces it).
+  sequence parallelism; the Push Gradient pass reduces it); for expert weights under expert
+  parallelism also ``hgraph_param_mesh``, the expert mesh ``(ep, etp)`` both specs are on.
+
+Nodes marked ``meta["hgraph_mesh"] == "expert"`` (``hgraph.passes.experts``) are decided on the
+expert mesh (``ShardingOptions.experts``), every other node on the stage mesh.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from hgraph.core.errors import ShardingRuleError
 from hgraph.core.layout import Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
+    EXPERT_MESH,
     MESH_DIMS,
+    MESH_KEY,
     REPLICATED,
     Decision,
     RuleInput,
@@ -50,10 +56,12 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
     options = ShardingOptions.from_context(ctx)
     specs: dict[fx.Node, Any] = {}
     free: set[fx.Node] = set()
-    rin = RuleInput(options, specs, free)
+    stage_rin = RuleInput(options, specs, free)
+    expert_rin = RuleInput(options.experts(), specs, free) if options.ep > 1 else stage_rin
     params: list[fx.Node] = []
     views: dict[fx.Node, fx.Node] = {}  # free transposes of free parameters -> the parameter
     for node in gm.graph.nodes:
+        rin = expert_rin if node.meta.get(MESH_KEY) == EXPERT_MESH else stage_rin
         rin.node = node
         if node.op == "placeholder":
             if options.is_param(node):
@@ -76,7 +84,7 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
                     free.discard(inp)
                     specs[inp] = req
                     if inp in views:
-                        _place_view(inp, views.pop(inp), req, rin, free, specs)
+                        _place_view(inp, views.pop(inp), req, rin, free, specs, views)
                         rin.node = node
             specs[node] = decision.output
             node.meta["hgraph_decision"] = decision
@@ -91,14 +99,16 @@ def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
                 f"node '{node.name}' is a {node.op} ({node.target}); annotate needs a flat ATen graph from "
                 "hgraph.frontend.trace (call_module/call_method nodes have no sharding rules)"
             )
-    for view, param in views.items():
+    while views:  # newest first: a cast of a transpose places the transpose with it
+        view, param = views.popitem()
         free.discard(view)
-        _place_view(view, param, REPLICATED, rin, free, specs)
+        _place_view(view, param, REPLICATED, expert_rin if view.meta.get(MESH_KEY) == EXPERT_MESH else stage_rin, free, specs,
+                    views)
     for p in free:
         specs[p] = REPLICATED
     for node in gm.graph.nodes:
         node.meta["hgraph_spec"] = specs.get(node)
-    _gradient_placements(gm, options, params, rin)
+    _gradient_placements(gm, options, params, stage_rin, expert_rin)
     return gm
 
 
@@ -106,9 +116,11 @@ _PARAM_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.t.default, torch.op
                 torch.ops.aten.to.dtype)  # the precision pass's fp32 upcast of a bf16-pulled parameter
 
 
-def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: set, specs: dict) -> None:
+def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: set, specs: dict,
+                views: dict) -> None:
     """A transposed (or cast) parameter placed as ``req`` by its consumer: the parameter takes the
-    placement that the transpose maps to ``req`` (when still free), then the view is decided as usual."""
+    placement that the transpose maps to ``req`` (when still free), then the view is decided as usual.
+    ``param`` may itself be a view (the compute-dtype cast of a transposed weight): placed the same way."""
     if param in free:
         ndim = rin.ndim(param)
         if view.target is torch.ops.aten.to.dtype:
@@ -122,6 +134,8 @@ def _place_view(view: fx.Node, param: fx.Node, req: Spec, rin: RuleInput, free: 
         placed = tuple(replace(p, dim=source[p.dim % ndim]) if isinstance(p, Shard) else p for p in req)
         free.discard(param)
         specs[param] = placed
+        if param in views:
+            _place_view(param, views.pop(param), placed, rin, free, specs, views)
     rin.node = view
     decision = _decide(view, rin)
     specs[view] = decision.output
@@ -163,7 +177,7 @@ def _check_spec(rin: RuleInput, node: fx.Node, spec: Spec) -> None:
         raise rin.error(f"required spec {spec!r} of {node.name} is not one placement per mesh dim {MESH_DIMS}")
     for m, p in enumerate(spec):
         if rin.degree(m) == 1 and not isinstance(p, Replicate):
-            raise rin.error(f"spec {spec_str(spec)} of {node.name} places mesh dim '{MESH_DIMS[m]}' of size 1")
+            raise rin.error(f"spec {spec_str(spec)} of {node.name} places mesh dim '{rin.options.mesh_names[m]}' of size 1")
         if isinstance(p, Shard) and not -rin.ndim(node) <= p.dim < rin.ndim(node):
             raise rin.error(f"spec {spec_str(spec)} shards dim {p.dim} of {node.name}, which has {rin.ndim(node)} dims")
 
@@ -206,7 +220,9 @@ def _partial_uses(node: fx.Node, decision: Decision, grad: set[fx.Node]) -> dict
     return result
 
 
-def _gradient_placements(gm: fx.GraphModule, options: ShardingOptions, params: list[fx.Node], rin: RuleInput) -> None:
+def _gradient_placements(
+    gm: fx.GraphModule, options: ShardingOptions, params: list[fx.Node], stage_rin: RuleInput, expert_rin: RuleInput
+) -> None:
     grad = _requires_grad(gm, options)
     partial: dict[fx.Node, dict[fx.Node, set[int]]] = {}
     for node in gm.graph.nodes:
@@ -216,10 +232,11 @@ def _gradient_placements(gm: fx.GraphModule, options: ShardingOptions, params: l
             node.meta["hgraph_grad_reduce"] = {
                 inp: dims for inp, dims in partial[node].items() if not options.is_param(inp)
             }
-    degrees = options.degrees
     for p in params:
         spec = p.meta["hgraph_spec"]
         uses = [u for u in p.users if p in getattr(u.meta.get("hgraph_decision"), "inputs", {})]
+        rin = expert_rin if uses and all(u.meta.get(MESH_KEY) == EXPERT_MESH for u in uses) else stage_rin
+        degrees = rin.options.degrees
         grad_spec = list(spec)
         for m, placement in enumerate(spec):
             partial_uses = [u for u in uses if m in partial.get(u, {}).get(p, set())]
@@ -233,6 +250,9 @@ def _gradient_placements(gm: fx.GraphModule, options: ShardingOptions, params: l
         p.meta["hgraph_param_spec"] = spec
         p.meta["hgraph_grad_spec"] = (grad_spec[0], grad_spec[1])
         p.meta["hgraph_local_shape"] = local_shape(rin.shape(p), spec, degrees)
+        if rin.options.expert_parallel:  # an expert weight: its specs are on the expert mesh
+            p.meta["hgraph_param_mesh"] = degrees
+            p.meta[MESH_KEY] = EXPERT_MESH
 
 
 __all__ = ["annotate"]

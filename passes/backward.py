@@ -36,7 +36,8 @@ from hgraph.core.errors import CommunicationError, TraceError
 from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.kernels.context import RankContext, rank_context
 
-COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "split", "all_to_all", "all_reduce_max")
+COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "split", "all_to_all", "all_reduce_max",
+            "expert_dispatch", "expert_scatter", "expert_combine", "token_chunk", "token_gather")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,14 @@ _PLACEMENTS = {
     "split": lambda a: ("R", f"S({a[2]})"),
     "all_to_all": lambda a: (f"S({a[3]})", f"S({a[2]})"),
 }
+# Expert parallelism's token movement (hgraph.runtime.kernels.expert_dispatch): (group, src, dst).
+_TOKEN_MOVES = {
+    "expert_dispatch": lambda a: ("ep", "rows by token", "rows by expert"),
+    "expert_scatter": lambda a: ("ep", "rows by token", "rows by expert"),
+    "expert_combine": lambda a: ("ep", "rows by expert", "rows by token"),
+    "token_chunk": lambda a: (a[1], "R", "S(0)"),
+    "token_gather": lambda a: (a[2], "S(0)", "R"),
+}
 
 
 def _tag(gm: fx.GraphModule, direction: str) -> None:
@@ -207,8 +216,11 @@ def _tag(gm: fx.GraphModule, direction: str) -> None:
         op = comm_op(node)
         val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-        src, dst = _PLACEMENTS[op](node.args)
-        mesh_dim = node.args[1]
+        if op in _TOKEN_MOVES:
+            mesh_dim, src, dst = _TOKEN_MOVES[op](node.args)
+        else:
+            src, dst = _PLACEMENTS[op](node.args)
+            mesh_dim = node.args[1]
         node.meta["hgraph_comm"] = {
             "kind": "communicate_activation",
             "op": op,

@@ -21,6 +21,9 @@ A rule's label (``column-parallel``, ``vocab-parallel``...) is kept as ``meta["h
 not its fake value (``meta["val"]`` described global shapes); ``meta["hgraph_local_shape"]`` holds the
 local shape at the example sizes instead. The cp token order is load-balanced, so only P -> R is
 allowed on cp: any gather or split of cp-sharded tokens raises ``ShardingRuleError``.
+
+Nodes of an expert body (``hgraph.passes.experts``) are emitted with the options of the expert mesh:
+their collectives name the ``"ep"``/``"etp"`` groups and their local shapes are cut by ``(ep, etp)``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from hgraph.core.errors import ShardingRuleError
 from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
-    MESH_DIMS,
     TP,
     LowerContext,
     ShardingOptions,
@@ -88,9 +90,11 @@ def _global_shape(node: fx.Node) -> Optional[tuple[int, ...]]:
 
 
 class _Builder(LowerContext):
-    """Emits the local graph node by node; implements the ``LowerContext`` rules' lowerings use."""
+    """Emits the local graph node by node; implements the ``LowerContext`` rules' lowerings use.
+    ``options`` are those of the mesh of the node being emitted (stage or expert mesh)."""
 
     def __init__(self, options: ShardingOptions) -> None:
+        self.stage_options = options
         self.options = options
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
@@ -100,6 +104,7 @@ class _Builder(LowerContext):
     # ------------------------------------------------------------------ per node
     def emit(self, node: fx.Node) -> None:
         self.current = node
+        self.options = self.stage_options.for_node(node)
         if node.op == "placeholder":
             new = self.graph.placeholder(node.name, type_expr=node.type)
         elif node.op == "get_attr":
@@ -171,7 +176,7 @@ class _Builder(LowerContext):
     # ------------------------------------------------------------------ communication
     def convert(self, node: fx.Node, dst: Spec, fix: frozenset) -> fx.Node:
         src = node.meta.get("hgraph_spec")
-        key = (node, dst, fix)
+        key = (node, dst, fix, self.options.mesh_names)
         if key not in self.cache:
             local = self._local_broadcast(node, src, dst)
             self.cache[key] = local if local is not None else self._transitions(self.env[node], src, dst, fix, node.name, node)
@@ -202,7 +207,7 @@ class _Builder(LowerContext):
     def _transitions(self, value: fx.Node, src: Spec, dst: Spec, fix: frozenset, tensor: str, like: fx.Node) -> fx.Node:
         spec = src
         for m in (TP, CP):
-            name = MESH_DIMS[m]
+            name = self.options.mesh_names[m]
             s, t = spec[m], dst[m]
             gathered_partial = False
             if s != t and isinstance(s, InterleavedShard):  # gather in block order, then as from R
@@ -238,6 +243,11 @@ class _Builder(LowerContext):
                 value.meta["hgraph_spec"] = spec
                 s = t
             if s != t:
+                if m == CP and self.options.expert_parallel:
+                    raise ShardingRuleError(
+                        f"{self._where()}: '{tensor}' would need {spec_str(src)} -> {spec_str(dst)} on ep; "
+                        "rows and weights split by expert can only be used where their experts are"
+                    )
                 if m == CP and not (isinstance(s, Partial) and isinstance(t, Replicate)):
                     raise ShardingRuleError(
                         f"{self._where()}: '{tensor}' would need {spec_str(src)} -> {spec_str(dst)} on cp; "

@@ -3,11 +3,12 @@
 ``launch(fn, world_size, args)`` runs ``fn(*args)`` on every rank inside an initialised process group
 (``file://`` rendezvous in a private temporary directory, gloo bound to the loopback interface, one
 thread per process) and returns the return values in rank order. ``fn`` must be picklable (a
-module-level function). ``timeout`` bounds every collective (``HGRAPH_COMM_TIMEOUT``) and the whole
-run. When a rank dies or raises, every other rank fails within the timeout (a ``CommunicationError``
-naming what it was doing), the launcher waits a moment for their reports, stops what is left and
-raises one ``CommunicationError`` naming the root cause first (the rank that died or raised on its
-own), then what the others reported.
+module-level function). ``comm_timeout`` (default ``DEFAULT_COMM_TIMEOUT``, 300 s; exported as
+``HGRAPH_COMM_TIMEOUT``) bounds every collective; the run itself has no time limit unless
+``timeout`` is given. When a rank dies or raises, every other rank fails within the collective
+timeout (a ``CommunicationError`` naming what it was doing), the launcher waits a moment for their
+reports, stops what is left and raises one ``CommunicationError`` naming the root cause first (the
+rank that died or raised on its own), then what the others reported.
 """
 
 from __future__ import annotations
@@ -98,14 +99,16 @@ def launch(
     fn: Callable[..., Any],
     world_size: int,
     args: Sequence[Any] = (),
-    timeout: float = 120.0,
+    timeout: float | None = None,
     backend: str = "gloo",
     comm_timeout: float | None = None,
     preemptible: bool = False,
 ) -> list:
     """Run ``fn(*args)`` on ``world_size`` local ranks; return their results in rank order.
 
-    ``timeout`` bounds the whole run; ``comm_timeout`` (default: ``timeout``) each collective.
+    ``timeout``: seconds for the whole run (default ``None``: until done); ``comm_timeout``: seconds
+    for each collective (default ``DEFAULT_COMM_TIMEOUT``, 300 s, or ``timeout`` if that is shorter).
+    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
     ``preemptible``: every rank turns SIGTERM into a stop request (``hgraph.runtime.preemption``)
     before ``fn`` runs, and a SIGTERM sent to this process is passed on to the ranks, so a training
     ``fn`` can finish its iteration, checkpoint and return.
@@ -114,9 +117,10 @@ def launch(
 
     if world_size < 1:
         raise CommunicationError(f"world_size={world_size}; launch needs at least 1 rank")
-    comm_timeout = timeout if comm_timeout is None else comm_timeout
+    if comm_timeout is None:
+        comm_timeout = DEFAULT_COMM_TIMEOUT if timeout is None else min(timeout, DEFAULT_COMM_TIMEOUT)
     for name, value in (("timeout", timeout), ("comm_timeout", comm_timeout)):
-        if not value > 0:
+        if value is not None and not value > 0:
             raise CommunicationError(f"{name}={value}; launch needs a positive number of seconds")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -138,8 +142,9 @@ def launch(
                 )
                 p.start()
                 procs.append(p)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with _forwarding_sigterm(procs, preemptible):
-            return _collect(procs, results, world_size, time.monotonic() + timeout, timeout)
+            return _collect(procs, results, world_size, deadline, timeout)
     finally:
         for p in procs:
             if p.is_alive():
@@ -172,7 +177,7 @@ def _forwarding_sigterm(procs: list, enabled: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _collect(procs: list, results: Any, world_size: int, deadline: float, timeout: float) -> list:
+def _collect(procs: list, results: Any, world_size: int, deadline: float | None, timeout: float | None) -> list:
     values: dict[int, Any] = {}
     errors: dict[int, tuple[str, bool]] = {}  # rank -> (report, caused by a peer), in arrival order
     grace_end: float | None = None
@@ -182,7 +187,7 @@ def _collect(procs: list, results: Any, world_size: int, deadline: float, timeou
             r in values or r in errors or not p.is_alive() for r, p in enumerate(procs)
         )):
             break
-        if grace_end is None and now > deadline:
+        if grace_end is None and deadline is not None and now > deadline:
             missing = sorted(set(range(world_size)) - set(values))
             raise CommunicationError(
                 f"ranks {missing} did not finish within {timeout:.0f}s (a hang or a mismatched collective)"
@@ -192,14 +197,14 @@ def _collect(procs: list, results: Any, world_size: int, deadline: float, timeou
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
             if grace_end is None and any(r not in values for r in dead):
-                grace_end = min(time.monotonic() + GRACE_SECONDS, deadline)
+                grace_end = _grace_end(deadline)
             continue
         if ok:
             values[rank] = pickle.loads(payload)
         else:
             errors[rank] = (payload, by_peer)
             if grace_end is None:
-                grace_end = min(time.monotonic() + GRACE_SECONDS, deadline)
+                grace_end = _grace_end(deadline)
     if grace_end is None:
         return [values[r] for r in range(world_size)]
     while True:  # reports of ranks that exited are in the pipe already: read them all
@@ -212,6 +217,12 @@ def _collect(procs: list, results: Any, world_size: int, deadline: float, timeou
         else:
             errors[rank] = (payload, by_peer)
     raise CommunicationError(_failure_report(procs, values, errors))
+
+
+def _grace_end(deadline: float | None) -> float:
+    """When to stop waiting for the other ranks' reports after the first failure."""
+    end = time.monotonic() + GRACE_SECONDS
+    return end if deadline is None else min(end, deadline)
 
 
 def _exit_text(code: int | None) -> str:
@@ -255,10 +266,33 @@ def _failure_report(procs: list, values: dict[int, Any], errors: dict[int, tuple
     return "\n".join(lines)
 
 
-def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) -> tuple[int, int]:
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def choose_backend(requested: str = "auto", world_size: int | None = None) -> str:
+    """The process-group backend for ``requested``: ``"auto"`` is NCCL when CUDA is available (and,
+    for ``world_size`` local ranks, there are that many GPUs), else gloo; ``"nccl"`` without CUDA is
+    a ``CommunicationError`` naming the fix."""
+    import torch
+
+    if requested not in BACKENDS:
+        raise CommunicationError(f"backend={requested!r}; expected one of {', '.join(BACKENDS)}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    enough = gpus > 0 and (world_size is None or gpus >= world_size)
+    if requested == "auto":
+        return "nccl" if enough else "gloo"
+    if requested == "nccl" and not enough:
+        need = f"{world_size} GPUs" if world_size is not None else "a GPU"
+        raise CommunicationError(f"backend='nccl' needs {need}; this machine has {gpus} (use backend='gloo' "
+                                 "for CPU ranks, or 'auto')")
+    return requested
+
+
+def init_from_env(backend: str = "auto", timeout: float = DEFAULT_COMM_TIMEOUT) -> tuple[int, int]:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
 
-    Returns ``(rank, world_size)``; does nothing if the group is already initialised. The group
+    ``backend``: ``"auto"`` (NCCL when CUDA is available, else gloo), ``"nccl"`` or ``"gloo"``;
+    ``timeout``: seconds for each collective (default ``DEFAULT_COMM_TIMEOUT``, 300 s). Returns ``(rank, world_size)``; does nothing if the group is already initialised. The group
     hgraph joins here is left at interpreter exit (``destroy_process_group``), so gloo's worker
     threads are joined before the process ends instead of aborting it ("terminate called without
     an active exception").
@@ -269,6 +303,7 @@ def init_from_env(backend: str = "gloo", timeout: float = DEFAULT_COMM_TIMEOUT) 
     if missing:
         raise CommunicationError(f"init_from_env needs the environment variables {missing} (set by torchrun)")
     os.environ.setdefault(TIMEOUT_ENV, str(timeout))
+    backend = choose_backend(backend)
     if not dist.is_initialized():
         if backend == "nccl":
             import torch

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import hgraph
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -106,3 +108,19 @@ def test_plan_only():
         slowest = max(float(x) for x in re.findall(r"micro-batches, ([0-9.]+) ms", text))
         assert placed == tokens
         assert slowest <= predicted + 0.05  # predicted adds exposed Pull/Push to the compute time
+
+
+@pytest.mark.slow  # profiles this machine first (a few minutes on a loaded 2-core machine)
+@pytest.mark.timeout(1800)
+def test_quickstart_plans_every_step(tmp_path):
+    """The README's quickstart: every step's strategy is the planner's (one of the compiled three),
+    and the loss of these learnable sequences falls."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HGRAPH_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
+                          text=True, timeout=1700, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = re.findall(r"^step (\d+) loss ([0-9.]+) lengths \[[0-9, ]+\] strategy (.+)$", proc.stdout, re.M)
+    example = load_example("quickstart.py")
+    assert len(steps) == 8 and {s for _, _, s in steps} <= {str(hgraph.Strategy.parse(x)) for x in example.STRATEGIES}
+    losses = [float(x) for _, x, _ in steps]
+    assert losses[-1] < losses[0], losses

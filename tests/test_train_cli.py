@@ -1,37 +1,52 @@
-"""``hgraph train CONFIG``: a JSON config trains on local gloo ranks; its losses fall, and the losses it
-prints are the ones it records: one console line per iteration (log records go to a file, never in
-between) and the same figures in ``metrics.jsonl`` and in TensorBoard event files, read back with
-tensorboard's own reader."""
+"""``hgraph train CONFIG`` on local gloo ranks: with strategies and no planner section it plans every
+iteration (each batch's strategy is the planner's choice for its lengths); ``planner = "none"``
+rotates and says so, and its losses fall and are the ones printed; config keys and command-line flags
+reach ``compile`` and the ``Trainer`` (read back from what ran); the backend follows CUDA's
+availability; no whole-run time limit unless one is given. One console line per iteration (log
+records go to a file, never in between) and the same figures in ``metrics.jsonl`` and in TensorBoard
+event files, read back with tensorboard's own reader."""
 
+import inspect
 import json
 import math
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
+import pytest
+
+import hgraph
+from hgraph.core.errors import InputError
+from hgraph.core.strategy import Strategy
+from hgraph.cli.train_cli import choose_backend
+from hgraph.training.train_config import TrainConfig
 
 
-def test_train_config_trains_and_losses_fall(tmp_path):
-    config = {
-        "model": "hgraph.cli.demo:tiny_model",
-        "strategies": ["tp2", "2x tp1"],
-        "world_size": 2,
-        "iterations": 8,
-        "lr": 0.003,
-        "data": {"lengths": "wikipedia", "tokens_per_iteration": 512, "max_len": 128},
-        "metrics": {"peak_tflops": 0.5},
-        "out": str(tmp_path / "run"),
-    }
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps(config))
-    out = subprocess.run([sys.executable, "-m", "hgraph", "train", str(path)], capture_output=True, text=True,
-                         timeout=600)
+def _train(tmp_path, config, *flags, env=None):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"out": str(tmp_path / "run"), **config}))
+    out = subprocess.run([sys.executable, "-m", "hgraph", "train", str(path), *flags], capture_output=True,
+                         text=True, timeout=1200, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     history = json.loads((tmp_path / "run" / "history.json").read_text())
+    return out, history, json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+TINY = {"model": "hgraph.cli.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2, "lr": 0.003,
+        "data": {"lengths": "wikipedia", "tokens_per_iteration": 512, "max_len": 128}}
+
+
+def test_planner_none_rotates_says_so_and_losses_fall(tmp_path):
+    out, history, summary = _train(tmp_path, {**TINY, "iterations": 8, "planner": "none",
+                                              "metrics": {"peak_tflops": 0.5}})
+    assert 'planner = "none": iteration i runs strategy i mod 2' in out.stdout
     losses = [h["loss"] for h in history]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
-    assert {h["strategy"] for h in history} == {"(tp2)", "2×(tp1)"}  # cycled through both strategies
+    assert [h["strategy"] for h in history] == ["tp2", "2x tp1"] * 4  # rotated, as said
+    assert all(h["predicted_ms"] is None for h in history) and summary["planner"] == "rotation"
+    assert [str(Strategy.parse(s)) for s in summary["strategies"]] == summary["strategies"]
     printed = re.search(r"^training loss ([0-9.]+) -> ([0-9.]+)$", out.stdout, re.M)
     assert printed, out.stdout
     assert [float(x) for x in printed.groups()] == [round(losses[0], 4), round(losses[-1], 4)]
@@ -39,6 +54,108 @@ def test_train_config_trains_and_losses_fall(tmp_path):
     assert losses[0] > math.log(vocab) * 0.9  # starts near chance
     assert sum(losses[-2:]) / 2 < losses[0] - 0.2, losses  # measured: 5.56 -> 5.18
     check_metrics(tmp_path / "run", out.stdout, history)
+
+
+def test_config_keys_and_flags_reach_compile_and_trainer(tmp_path):
+    config = {**TINY, "strategies": ["tp1,pp2", "2x tp1"], "iterations": 2, "planner": "none",
+              "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": "selective",
+              "schedule": "overlap", "backend": "gloo"}
+    _, history, summary = _train(tmp_path, config, "--recompute", "full", "--schedule", "none",
+                                 "--pipeline-schedule", "zb1p")
+    assert summary["options"] == {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": "full",
+                                  "schedule": "none", "pipeline_schedule": "zb1p"}  # what the compiled model holds
+    assert summary["backend"] == "gloo" and summary["device"] == "cpu"
+    assert all(math.isfinite(h["loss"]) for h in history)
+
+
+def test_backend_follows_cuda_availability(monkeypatch):
+    import torch
+
+    cfg = TrainConfig(model="m:f", strategies=("2x tp1",), world_size=2)
+    for available, count, local, expected in [(True, 8, 8, "nccl"), (True, 8, 4, "nccl"), (True, 2, 4, "gloo"),
+                                              (False, 0, 2, "gloo")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        assert choose_backend(cfg, local) == expected, (available, count, local)
+        assert choose_backend(TrainConfig("m:f", ("2x tp1",), backend="gloo"), local) == "gloo"
+    with pytest.raises(InputError, match="backend='nccl' needs 2 GPUs; this machine has 0.*gloo"):
+        choose_backend(TrainConfig("m:f", ("2x tp1",), backend="nccl"), 2)
+    with pytest.raises(InputError, match="needs 2 GPUs"):
+        choose_backend(TrainConfig("m:f", ("2x tp1",), device="cuda"), 2)  # device = "cuda" asks for NCCL
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert choose_backend(TrainConfig("m:f", ("2x tp1",), device="cpu"), 2) == "gloo"
+
+
+def _sleep_then_meet(seconds):
+    import torch.distributed as dist
+
+    time.sleep(seconds)
+    dist.barrier()
+    return seconds
+
+
+def test_no_whole_run_timeout_by_default():
+    assert inspect.signature(hgraph.launch).parameters["timeout"].default is None
+    from hgraph.cli.command import build_parser
+
+    args = build_parser().parse_args(["train", "config.toml"])
+    assert args.timeout is None and args.comm_timeout == 300
+    # a run longer than its collective timeout finishes: the collective timeout bounds waits, not the run
+    start = time.monotonic()
+    assert hgraph.launch(_sleep_then_meet, 2, args=(4,), comm_timeout=2) == [4, 4]
+    assert time.monotonic() - start > 4
+
+
+@pytest.mark.slow  # profiles this machine first (about two minutes here)
+@pytest.mark.timeout(1800)
+def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
+    from hgraph.planner.assign import Planner
+    from hgraph.cli.train_cli import ModelSpec
+    from hgraph.cli.train_planning import planner_table, planning_cost_model
+    from hgraph.training.train_config import read_config
+
+    env = {**__import__("os").environ, "HGRAPH_CACHE": str(tmp_path / "cache")}
+    out, history, summary = _train(tmp_path, {**TINY, "iterations": 6}, env=env)
+    assert "planning every iteration over 2 strategies" in out.stdout and "rotat" not in out.stdout
+    assert summary["planner"] == "per iteration"
+    # the oracle: the planner called directly on each batch's lengths, with the profile the run cached
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
+    cfg = read_config(str(tmp_path / "config.json"))
+    table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun=True)  # torchrun=True: a cached profile only, never measured
+    planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies))
+    for h in history:
+        assert h["predicted_ms"] is not None
+        assert h["strategy"] == str(planner.plan(h["lengths"]).strategy), h["lengths"]
+
+
+def test_under_torchrun_plans_with_a_cost_table_and_never_profiles(tmp_path):
+    """``torchrun -m hgraph train``: with a preset cost table it plans every iteration (said once, by
+    rank 0); without one and without a cached profile it stops with the fix instead of profiling."""
+    import os
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HGRAPH_CACHE=str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+
+    def run(config):
+        path.write_text(json.dumps({"out": str(tmp_path / "run"), **config}))
+        return subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "hgraph", "train",
+                               str(path)], capture_output=True, text=True, timeout=900, env=env)
+
+    proc = run({**TINY, "iterations": 2, "planner": {"cost_table": "llama7b_a800"}})
+    assert proc.returncode != 0 and "cannot plan these strategies: cost model" in proc.stderr
+    assert "no scheme tp1,pp1" in proc.stderr  # the 7B table has no single-GPU scheme: named, before any compile
+    proc = run({**TINY, "strategies": ["tp2", "tp1,pp2"], "iterations": 2, "planner": {"cost_table": "llama7b_a800"}})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("planning every iteration over 2 strategies (tp2; tp1,pp2) with cost table "
+                             "llama7b_a800") == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["planner"] == "per iteration" and summary["backend"] == "gloo" and summary["iterations"] == 2
+    proc = run({**TINY, "iterations": 2})
+    assert proc.returncode != 0 and not (tmp_path / "cache" / "profile").exists()
+    assert "under torchrun hgraph train does not profile" in proc.stderr and "cost_table" in proc.stderr
 
 
 def check_metrics(run, stdout, history):

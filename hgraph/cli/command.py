@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import sys
+from importlib import metadata
 from typing import Optional, Sequence
 
 from hgraph.core.errors import HGraphError
@@ -21,16 +22,36 @@ SUBCOMMANDS = {
     "plan": ("hgraph.cli.plan_cli", "plan iterations for a length file with a cost model"),
     "profile": ("hgraph.profiling.profile", "profile T(l) on this machine and write a cost table"),
     "show": ("hgraph.cli.show_cli", "compile a model and print a rank's program (dot/SVG too)"),
-    "train": ("hgraph.cli.train_cli", "train a model from a JSON config on local ranks or under torchrun"),
+    "train": ("hgraph.cli.train_cli", "train a model from a TOML or JSON config on local ranks or under torchrun"),
 }
+
+
+def version() -> str:
+    """The installed hgraph's version (``"source"`` when run from a checkout that is not installed)."""
+    try:
+        return metadata.version("hgraph")
+    except metadata.PackageNotFoundError:
+        return "source"
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Each option's help ends with its default, unless the help names it or it is None / off."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hgraph", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hgraph {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=DefaultsFormatter)
         p.set_defaults(_module=module_name)
         try:
             module = importlib.import_module(module_name)

@@ -11,6 +11,9 @@ the slow ``hydraulis-reference``) and predicted by the same simulator. ``--json`
                  "baselines": [{"name", "predicted_ms_total", "plan_ms_median"}],
                  "speedup", "plan_ms_median", "plan_ms_max", "lower_bound_ms_total", "ratio_to_bound_max"}}
 
+``--max-len`` is the context: the longest piece of a sequence an iteration holds. Longer sequences
+are truncated to it, or with ``--split-long`` cut into pieces of at most ``--max-len`` tokens (and of
+at most the largest MaxLen, the longest sequence any candidate pipeline fits in memory).
 ``micro_batches`` hold indices into ``lengths`` (the planned pieces; ``sources`` maps each piece to
 ``[sequence, first token]`` when ``--split-long`` cut a sequence). ``lower_bound`` is
 ``hgraph.planner.bound``: computed from the batch and the cost model alone.
@@ -33,15 +36,23 @@ from hgraph.planner.proposal import propose
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cost-table", default="llama7b_a800", help="preset name or cost table JSON file")
+    from hgraph.planner.cost import PRESETS
+
+    parser.add_argument("--cost-table", default="llama7b_a800",
+                        help=f"a preset ({', '.join(PRESETS)}) or a cost table JSON file (default: %(default)s)")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     parser.add_argument("--lengths", default=None, help="length file, one integer per line (default: bundled Wikipedia sample)")
-    parser.add_argument("--tokens-per-iteration", type=int, default=200_000, help="tokens per global batch")
-    parser.add_argument("--max-len", type=int, default=32_768, help="context length: longer sequences are truncated")
-    parser.add_argument("--iterations", type=int, default=1, help="number of batches to plan")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the length-file shuffle")
+    parser.add_argument("--tokens-per-iteration", type=int, default=200_000,
+                        help="tokens per global batch (default: %(default)s)")
+    parser.add_argument("--max-len", type=int, default=32_768,
+                        help="context length (default: %(default)s): longer sequences are truncated to it, or "
+                        "with --split-long cut into pieces of at most this many tokens")
+    parser.add_argument("--iterations", type=int, default=1, help="number of batches to plan (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the length-file shuffle (default: %(default)s)")
     parser.add_argument("--exact", action="store_true", help="solve each iteration exactly by MILP (small batches only)")
-    parser.add_argument("--split-long", action="store_true", help="cut sequences longer than every MaxLen into pieces")
+    parser.add_argument("--split-long", action="store_true",
+                        help="cut sequences longer than --max-len, or than every candidate's MaxLen (the longest "
+                        "sequence it fits in memory), into pieces instead of truncating them")
     parser.add_argument("--baselines", action="store_true", help="also run the slow hydraulis-reference baseline")
     parser.add_argument(
         "--context-parallel", default=None, metavar="1,2,4",
@@ -56,10 +67,13 @@ def plan_run(args: argparse.Namespace) -> tuple[list[IterationPlan], dict[str, l
     if args.context_parallel is not None:
         cost_model = with_context_parallel(cost_model, parse_degrees(args.context_parallel))
     lengths = read_lengths(args.lengths or sample_path())
-    batches = make_batches(lengths, args.tokens_per_iteration, args.max_len, args.iterations, args.seed)
+    cut = max(lengths) if args.split_long else args.max_len  # --split-long: sequences kept whole, cut below
+    batches = make_batches(lengths, args.tokens_per_iteration, cut, args.iterations, args.seed)
     candidates = propose(cost_model, args.gpus, lengths, max_len=args.max_len, tokens_per_iteration=args.tokens_per_iteration)
     planner = Planner(cost_model, candidates)
-    ours = [planner.plan(b, split_long=args.split_long, exact=args.exact) for b in batches]
+    ours = [planner.plan(b, split_long=args.split_long, exact=args.exact, max_piece=args.max_len) for b in batches]
+    if args.split_long:  # the baselines plan the same pieces
+        batches = [list(p.lengths) for p in ours]
     others = {
         "megatron": baselines.megatron(cost_model, args.gpus, batches, args.max_len),
         "homogeneous-tuned": baselines.homogeneous_tuned(cost_model, args.gpus, batches),

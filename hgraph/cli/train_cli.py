@@ -1,5 +1,12 @@
 """``hgraph train CONFIG``: train a model described by a JSON or TOML config (see
-``hgraph.training.train_config``) on local gloo ranks, or one rank per process under torchrun (``RANK`` set).
+``hgraph.training.train_config`` and docs/config.md) on local ranks, or one rank per process under torchrun
+(``RANK`` set): NCCL when CUDA is available, gloo otherwise (``backend``).
+
+Every iteration the planner picks the strategy, the pipelines' sequences and their packing
+(``planner = "auto"``, the default): with the ``[planner] cost_table`` (a preset or a file), else
+with ``T(l)`` profiled on this machine's local ranks once and cached in ``$HGRAPH_CACHE``. Under
+torchrun nothing is profiled: a cost table or that cached profile must be there. ``planner =
+"none"`` rotates through the strategies instead, and says so.
 
 With ``data.paths``: documents from local files through ``hgraph.data`` (rank 0 reads; every rank
 gets only its pipeline's tokens), held-out loss every ``eval.interval`` iterations, checkpoints
@@ -34,12 +41,15 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.core.errors import HGraphError, InputError
+from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
+from hgraph.core.errors import CommunicationError, HGraphError, InputError
 from hgraph.runtime import preemption
-from hgraph.training.train_config import STDLIB, TrainConfig, read_config
+from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
+from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -158,12 +168,10 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
     from hgraph.core.model_info import model_dims
-    from hgraph.planner.cost import Scheme
+    from hgraph.planner.cost import CostModel, Scheme
     from hgraph.planner.proposal import propose
-    from hgraph.profiling import profile
 
     assert cfg.data is not None
-    spec = ModelSpec(cfg.model, cfg.seed)
     dims = model_dims(ModelSpec(cfg.model, cfg.seed, meta=True)())
     schemes = []
     for text in SCHEMES:
@@ -171,14 +179,26 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
         if cfg.world_size % s.gpus == 0 and all(dims.get(k, s.tp) % s.tp == 0 for k in ("heads", "kv_heads")) \
                 and dims.get("layers", s.pp) >= s.pp:
             schemes.append(text)
-    context = cfg.data.context
-    lengths = sorted({max(16, context * k // 4) for k in (1, 2, 3, 4)} | {n for n in (64, 128, 256) if n < context})
-    cm = profile.profile_cost_model(spec, cfg.world_size, schemes, lengths)
+    table = profiled_table(cfg, ModelSpec(cfg.model, cfg.seed), schemes)
     train, _ = loaders(cfg)
     sample = [len(s) for b in train.first_batches(8) for s in b]
-    found = propose(cm, cfg.world_size, sample, context, tokens_per_iteration=cfg.data.tokens_per_iteration,
-                    max_candidates=4)
-    return [str(s) for s in found], json.dumps(cm.to_table())
+    found = propose(CostModel.from_table(json.loads(table)), cfg.world_size, sample, cfg.context,
+                    tokens_per_iteration=cfg.data.tokens_per_iteration, max_candidates=4)
+    return [str(s) for s in found], table
+
+
+def choose_backend(cfg: TrainConfig, world_size: int) -> str:
+    """The process-group backend of a run: ``backend``, or from ``device``, or NCCL when CUDA is
+    available with enough GPUs (under torchrun: one per local rank), gloo otherwise."""
+    from hgraph.runtime.launch import choose_backend as backend_for
+
+    requested = cfg.backend
+    if requested == "auto" and cfg.device != "auto":
+        requested = "nccl" if cfg.device == "cuda" else "gloo"
+    try:
+        return backend_for(requested, world_size)
+    except CommunicationError as exc:
+        raise InputError(f"config {cfg.source}: backend / device: {exc}") from None
 
 
 def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -206,23 +226,32 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
         return {"error": str(exc)}
 
 
+def compile_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``hgraph.compile`` keywords of a config."""
+    return {"compute_dtype": None if cfg.compute_dtype == "float32" else DTYPES[cfg.compute_dtype],
+            "reduce_dtype": DTYPES[cfg.reduce_dtype], "recompute": cfg.recompute, "schedule": cfg.schedule,
+            "pipeline_schedule": cfg.pipeline_schedule}
+
+
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
+    import torch.distributed as dist
+
     from hgraph.compiler import entry
-    from hgraph.training.trainer import Trainer
     from hgraph.frontend.meta import is_meta_model
     from hgraph.runtime.checkpoint_manager import CheckpointManager
+    from hgraph.training.trainer import Trainer
 
     spec = ModelSpec(cfg.model, cfg.seed, meta=True)
     model = spec()
     vocab = model_vocab(model) or 256
-    compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)))
+    compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
+                             **compile_options(cfg))
     planner = None
-    if cost_table or cfg.cost_table:
+    if cost_table is not None:
         from hgraph.planner.assign import Planner
-        from hgraph.planner.cost import CostModel, load_cost_model
 
-        cm = CostModel.from_table(json.loads(cost_table)) if cost_table else load_cost_model(cfg.cost_table)
-        planner = Planner(cm, compiled.strategies)
+        planner = Planner(planning_cost_model(cfg, cost_table), compiled.strategies,
+                          pipeline_schedule=cfg.pipeline_schedule)
     scheduler = None
     if cfg.warmup or cfg.lr_schedule != "constant":
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))  # noqa: E731
@@ -300,9 +329,15 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
         "loss_last": trainer.history[-1]["loss"] if trainer.history else None,
         "heldout_first": evals[0]["loss"] if evals else None, "heldout_last": evals[-1]["loss"] if evals else None,
         "strategies": [str(s) for s in compiled.strategies], "checkpoint": cfg.checkpoint_dir, "export": exported,
+        "data_position": str(train.position) if train is not None else None,
         "resumed_from": str(resumed) if resumed is not None else None, "preempted": preempted,
         "metrics": str(trainer.metrics.directory) if trainer.metrics is not None else None,
-        "data_position": str(train.position) if train is not None else None}}
+        "planner": "per iteration" if planner is not None else "rotation", "backend": dist.get_backend(),
+        "device": str(trainer.device), "options": {
+            "compute_dtype": str(compiled.options.compute_dtype or torch.float32).removeprefix("torch."),
+            "reduce_dtype": str(compiled.options.reduce_dtype).removeprefix("torch."),
+            "recompute": compiled.options.recompute.mode, "schedule": compiled.options.schedule,
+            "pipeline_schedule": compiled.options.pipeline_schedule}}}
 
 
 def metrics_config(cfg: TrainConfig) -> Any:
@@ -340,44 +375,89 @@ def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
     return str(files[0] if len(files) == 1 else path)
 
 
+OVERRIDES = ("backend", "device", "compute_dtype", "reduce_dtype", "recompute", "schedule", "pipeline_schedule")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="JSON or TOML config (see the README, 'hgraph train')")
-    parser.add_argument("--world-size", type=int, help="override the config's world_size (local ranks only)")
-    parser.add_argument("--timeout", type=float, default=1800.0)
+    from hgraph.planner.cost import PRESETS
+
+    parser.epilog = ("Every config field, its default and what it does: docs/config.md. Command-line values "
+                     "override the config's.")
+    parser.add_argument("config", help="JSON or TOML config (docs/config.md)")
+    parser.add_argument("--world-size", type=int,
+                        help="override the config's world_size (local ranks; under torchrun WORLD_SIZE decides)")
+    for key in OVERRIDES:
+        parser.add_argument("--" + key.replace("_", "-"), choices=CHOICES[key], default=None,
+                            help=f"override the config's {key} (config default: {CHOICES[key][0]})")
+    parser.add_argument("--planner", choices=PLANNERS, default=None,
+                        help="'auto': plan every iteration (config default); 'none': rotate the strategies")
+    parser.add_argument("--cost-table", default=None,
+                        help="cost model the planner uses: a preset (" + ", ".join(sorted(PRESETS)) +
+                        ") or a cost table JSON file (default: profile this machine once, cached)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds for the whole run, local ranks only (default: none, run until done)")
+    parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT,
+                        help="seconds a collective may wait before the run stops with an error naming the rank "
+                        "(default: %(default)g)")
+
+
+def configured(args: argparse.Namespace) -> TrainConfig:
+    """The config file with the command line's overrides, checked."""
+    cfg = read_config(args.config)
+    over: dict[str, Any] = {k: getattr(args, k) for k in (*OVERRIDES, "planner", "cost_table")
+                            if getattr(args, k, None) is not None}
+    if getattr(args, "world_size", None):
+        over["world_size"] = args.world_size
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        over["world_size"] = int(os.environ["WORLD_SIZE"])
+    return check_choices(replace(cfg, **over))
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = read_config(args.config)
-    if "RANK" in os.environ:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0
+    cfg = configured(args)
+    torchrun = "RANK" in os.environ
+    lead = not torchrun or int(os.environ["RANK"]) == 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else cfg.world_size
+    backend = choose_backend(cfg, local_ranks)
+    if torchrun:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0
         preemption.install()
-    if args.world_size:
-        cfg = replace(cfg, world_size=args.world_size)
     precheck(cfg)
     batches = length_batches(cfg) if cfg.data is None else None
     cost_table = None
-    if cfg.auto and "RANK" in os.environ:
-        raise InputError(f"config {cfg.source}: strategies: \"auto\" profiles on local ranks; under torchrun "
-                         "list the strategies (run `hgraph train` locally once to see the proposal)")
+    if cfg.auto and torchrun:
+        raise InputError(f"config {cfg.source}: strategies: \"auto\" profiles on local ranks, which hgraph does not "
+                         "start under torchrun; run `hgraph train` with this config once without torchrun to see "
+                         "the proposed strategies (the profile is cached), then list them in the config")
     if cfg.auto:
         strategies, cost_table = auto_strategies(cfg)
         print(f"hgraph train: {len(strategies)} proposed strategies: " + "; ".join(strategies))
         cfg = replace(cfg, strategies=tuple(strategies))
-    if "RANK" in os.environ:
+        check_fits(cfg, cost_table)
+    elif cfg.planner == "auto":
+        cost_table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun)
+        check_fits(cfg, cost_table)
+        if lead:
+            print(f"hgraph train: planning every iteration over {len(cfg.strategies)} strategies "
+                  f"({'; '.join(cfg.strategies)}) with {source}")
+    elif lead:
+        print(f"hgraph train: planner = \"none\": iteration i runs strategy i mod {len(cfg.strategies)} "
+              f"({'; '.join(cfg.strategies)}); nothing is planned")
+    if torchrun:
         from hgraph.runtime.launch import init_from_env
 
-        init_from_env("gloo")
+        init_from_env(backend, timeout=args.comm_timeout)
         try:
             result = train_rank(cfg, batches, cost_table)
         except HGraphError as exc:
             leave_at_once_if_stopped(exc)
             raise
-        if int(os.environ["RANK"]) != 0:
+        if not lead:
             return 0
     else:
         from hgraph.runtime.launch import launch
 
         result = launch(train_rank, cfg.world_size, args=(cfg, batches, cost_table), timeout=args.timeout,
-                        preemptible=True)[0]
+                        backend=backend, comm_timeout=args.comm_timeout, preemptible=True)[0]
     if "error" in result:
         raise InputError(result["error"])
     write_outputs(Path(cfg.out), result)

@@ -5,25 +5,39 @@ parameter moves between: its shape, the optimizer layout, the (pipeline, stage) 
 strategy and their compute / gradient placements (which the traced graph, the sharding rules and
 the user passes decide), the byte sizes and the topology, and of the solver's code. The key hashes
 exactly those, with the hgraph and torch versions and the cache format, so another model, strategy,
-option, rule or hgraph release gives another key. An entry stores its key and a SHA-256 of its
-payload; a truncated, corrupt or foreign entry is reported (``CacheWarning``) and rebuilt, never used.
+option, rule or hgraph release gives another key.
+
+An entry ``<key>.json`` is data, never code: a header line ``{"hgraph_compile_cache": FORMAT, "key",
+"sha256"}`` and the payload, JSON (``hgraph.program.plan_codec``), loaded with ``json.loads`` and rebuilt
+into frozen dataclasses field by field. An entry that is truncated, corrupt, for another key, not
+JSON or JSON of another shape is reported (``CacheWarning``) and rebuilt, never used.
+
+Like ssh with its keys, the cache is used only if no one else can write it: a directory that is
+group- or other-writable, or owned by another user, is refused (``InputError`` naming
+``chmod go-w DIR``) unless ``trust_shared_cache=True`` says that everyone who can write it is
+trusted; an entry file writable by others is ignored and rewritten. The checksum catches damage,
+not tampering: the permissions keep tampering out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-import pickle
+import stat
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from hgraph.core.errors import InputError
+
 ENV = "HGRAPH_COMPILE_CACHE"
-FORMAT = 1
-_MAGIC = b"hgraph-compile-cache\n"
+FORMAT = 2  # 1: a pickle (before 0.2); 2: JSON data
+_HEADER_KEYS = {"hgraph_compile_cache", "key", "sha256"}
+T = TypeVar("T")
 
 
 class CacheWarning(UserWarning):
@@ -50,45 +64,94 @@ def plan_key(inputs: Any) -> str:
     return h.hexdigest()
 
 
+def others_can_write(st: os.stat_result) -> Optional[str]:
+    """Why someone other than this user could change what ``st`` describes, or ``None``."""
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "its group and others" if st.st_mode & stat.S_IWGRP and st.st_mode & stat.S_IWOTH else \
+            "its group" if st.st_mode & stat.S_IWGRP else "other users"
+        return f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it is owned by another user (uid {st.st_uid})"
+    return None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number hgraph writes")
+
+
 @dataclass(frozen=True)
 class CompileCache:
-    """One cache entry: ``directory/<key>.pkl``."""
+    """One cache entry: ``directory/<key>.json``. ``trust_shared``: skip the permission checks."""
 
     directory: str
     key: str
+    trust_shared: bool = False
 
     @property
     def path(self) -> str:
-        return os.path.join(self.directory, f"{self.key}.pkl")
+        return os.path.join(self.directory, f"{self.key}.json")
 
-    def load(self) -> Optional[dict]:
-        """The stored products, or ``None`` when absent or unusable (warned; the caller rebuilds)."""
+    def check_directory(self) -> None:
+        """``InputError`` if others could write the directory (unless ``trust_shared``)."""
+        if self.trust_shared:
+            return
+        try:
+            st = os.stat(self.directory)
+        except FileNotFoundError:
+            return  # made private by ``store``
+        problem = others_can_write(st)
+        if problem is not None:
+            raise InputError(
+                f"compile cache directory {self.directory} refused: {problem}, so another user could plant "
+                f"plans every job reading it would run. Fix: `chmod go-w {self.directory}` (and own it), "
+                "or, if everyone who can write it is trusted, compile(..., trust_shared_cache=True)")
+
+    def load(self, decode: Callable[[Any], T]) -> Optional[T]:
+        """``decode(payload)`` of the stored entry, or ``None`` when absent or unusable (warned; the
+        caller rebuilds). ``decode`` raises ``ValueError`` / ``TypeError`` on data of the wrong shape."""
+        self.check_directory()
         try:
             with open(self.path, "rb") as fh:
+                st = os.fstat(fh.fileno())
                 blob = fh.read()
         except FileNotFoundError:
             return None
-        head = len(_MAGIC)
-        digest, key, payload = blob[head:head + 64], blob[head + 64:head + 128], blob[head + 128:]
-        problem = None
-        if blob[:head] != _MAGIC or key != self.key.encode():
-            problem = "it is not an entry for this key"
-        elif hashlib.sha256(payload).hexdigest().encode() != digest:
-            problem = "its checksum does not match (truncated or corrupt)"
-        else:
+        problem = None if self.trust_shared else others_can_write(st)
+        if problem is None:
+            problem, payload = self._payload(blob)
+        if problem is None:
             try:
-                return pickle.loads(payload)
-            except Exception as exc:  # noqa: BLE001 - any unpickling failure means: rebuild
-                problem = f"it does not unpickle ({type(exc).__name__}: {exc})"
+                return decode(json.loads(payload, parse_constant=_reject_constant))
+            except (ValueError, TypeError, KeyError, RecursionError) as exc:  # JSON, or data of another shape
+                problem = f"it holds no plans hgraph can read ({type(exc).__name__}: {exc})"
         warnings.warn(f"compile cache entry {self.path} ignored and rebuilt: {problem}", CacheWarning, stacklevel=3)
         return None
 
-    def store(self, products: dict) -> None:
-        """Write ``products`` atomically (a temporary file renamed over the entry)."""
-        os.makedirs(self.directory, exist_ok=True)
-        payload = pickle.dumps(products, protocol=pickle.HIGHEST_PROTOCOL)
-        blob = _MAGIC + hashlib.sha256(payload).hexdigest().encode() + self.key.encode() + payload
+    def _payload(self, blob: bytes) -> tuple[Optional[str], bytes]:
+        """(what is wrong with the entry ``blob`` or ``None``, its payload)."""
+        head, _, payload = blob.partition(b"\n")
+        try:
+            header = json.loads(head)
+        except ValueError:
+            return "it is not a JSON compile cache entry (no header line)", b""
+        if type(header) is not dict or header.keys() != _HEADER_KEYS or header["hgraph_compile_cache"] != FORMAT:
+            return f"it is not a format-{FORMAT} compile cache entry", b""
+        if header["key"] != self.key:
+            return "it is not an entry for this key", b""
+        if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            return "its checksum does not match (truncated or corrupt)", b""
+        return None, payload
+
+    def store(self, data: Any) -> None:
+        """Write the JSON-ready ``data`` atomically (a temporary file renamed over the entry), readable
+        by others but writable by this user only (unless ``trust_shared``: then the umask decides)."""
+        os.makedirs(self.directory, mode=0o755, exist_ok=True)
+        self.check_directory()
+        payload = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+        header = json.dumps({"hgraph_compile_cache": FORMAT, "key": self.key,
+                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
         tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(blob)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if self.trust_shared else 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(header + b"\n" + payload)
         os.replace(tmp, self.path)

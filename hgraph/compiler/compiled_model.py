@@ -5,7 +5,7 @@ Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes trans
 steps compute products with the typed functions named; results cached; see docs/architecture.md)::
 
     model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp):  precision -> annotate -> localize                = local program
+      per stage mesh (cp, tp, ep): precision -> annotate -> localize              = local program
       per (cp, tp, pp):         partition step (``partition``); per stage: recompute
                                                                                  = stage programs
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
@@ -51,11 +51,12 @@ from hgraph.compiler.parameter_plans import (
 from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
-from hgraph.core.errors import InputError, PackingError, StrategyError
+from hgraph.core.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
 from hgraph.frontend.meta import is_meta_model
+from hgraph.passes.experts import find_expert_blocks, route_experts
 from hgraph.passes.annotate import annotate
 from hgraph.passes.backward import JointGraphs, rank_joint
 from hgraph.passes.localize import localize
@@ -64,6 +65,7 @@ from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disa
 from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
 from hgraph.program.options import CompileOptions
+from hgraph.program.plan_codec import decode_plans, encode_plans
 from hgraph.program.context import CompileContext
 from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, ParameterLayouts, StageGraph
 from hgraph.program.rank_program import RankProgram
@@ -74,6 +76,12 @@ COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with pe
 VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to this world size
 
 
+def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    """Specs of every value; under expert parallelism each MoE layer's tokens are first routed
+    through dispatch and combine (``hgraph.passes.experts``), whose specs annotate then decides."""
+    return annotate(route_experts(gm, ctx), ctx)
+
+
 def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return autocast(gm, ctx)
 
@@ -82,7 +90,7 @@ def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     return gm if ctx.recompute is None or ctx.recompute.mode == "none" else recompute(gm, ctx)
 
 
-BUILTIN_PASSES = {"annotate": annotate, "localize": localize, "precision": _precision_pass, "recompute": _recompute_pass}
+BUILTIN_PASSES = {"annotate": _annotate_pass, "localize": localize, "precision": _precision_pass, "recompute": _recompute_pass}
 
 
 class CompiledModel:
@@ -99,6 +107,7 @@ class CompiledModel:
         rank: Optional[int] = None,
         verify: Optional[bool] = None,
         cache_dir: Optional[str] = None,
+        trust_shared_cache: bool = False,
         packing: str = "auto",
     ) -> None:
         self.model = model
@@ -117,32 +126,39 @@ class CompiledModel:
                                                      user, off)
                         for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
-        self._local: dict[tuple[int, int], fx.GraphModule] = {}
-        self._stages: dict[tuple[int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp)
+        self._local: dict[tuple[int, int, int], fx.GraphModule] = {}  # (cp, tp, ep)
+        self._stages: dict[tuple[int, int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp, ep)
         self._plan_inputs: dict[int, PlanInputs] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], JointGraphs] = {}
         start = time.perf_counter()
-        meshes = list(dict.fromkeys(p.stage_mesh for s in strategies for p in s.pipelines))
+        keys = list(dict.fromkeys(p.program_key for s in strategies for p in s.pipelines))
         with gc_paused():  # builds every stage mesh's local program
-            mesh_specs = [self._specs(mesh, "hgraph_param_spec") for mesh in meshes]
-        self.optimizer_layouts: dict[str, Layout] = optimizer_layouts(self.param_shapes, self.world_size, mesh_specs)
+            mesh_specs = [self._specs(key, "hgraph_param_spec") for key in keys]
+        # with an ep strategy among them, expert weights are cut along their expert dim (ep Pulls read
+        # whole experts); without one, tp-sharded experts keep the cut that matches theirs
+        experts = self.expert_weights() if any(p.ep > 1 for s in strategies for p in s.pipelines) else set()
+        self.optimizer_layouts: dict[str, Layout] = optimizer_layouts(self.param_shapes, self.world_size, mesh_specs,
+                                                                      experts)
         own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
-        cache = self._cache(cache_directory(cache_dir), own)
+        cache = self._cache(cache_directory(cache_dir), own, trust_shared_cache)
         self.cache_hit = False
         if cache is not None:
-            stored = cache.load()
-            if stored is not None and set(stored) == set(own):
+            with gc_paused():  # decoding builds many small objects, as planning does
+                stored = cache.load(decode_plans)
+            problem = None if stored is None else self._misfit(stored, own)
+            if stored is not None and problem is None:
                 self._param_comm.update(stored)
                 self.cache_hit = True
             elif stored is not None:
-                warnings.warn(f"compile cache entry {cache.path} holds other ranks' plans; rebuilt", CacheWarning, stacklevel=3)
+                warnings.warn(f"compile cache entry {cache.path} ignored and rebuilt: {problem}", CacheWarning, stacklevel=3)
         for i, r in own:
             self.parameter_comm(i, r)
         if cache is not None and not self.cache_hit:
-            cache.store({key: self._param_comm[key] for key in own})
+            with gc_paused():
+                cache.store(encode_plans({key: self._param_comm[key] for key in own}))
         if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
             for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
                 self.check_actions(i, [2 * p.pp for p in s.pipelines])
@@ -184,29 +200,50 @@ class CompiledModel:
     def _context(self, **kw: Any) -> CompileContext:
         return CompileContext(self.traced, self.world_size, self.options, **kw)
 
-    def local_program(self, cp: int, tp: int) -> fx.GraphModule:
-        """The local (per-rank) program of a ``cp x tp`` stage mesh, before pipeline cuts."""
-        key = (cp, tp)
+    def local_program(self, cp: int, tp: int, ep: int = 1) -> fx.GraphModule:
+        """The local (per-rank) program of a ``cp x tp`` stage mesh (its MoE experts split ``ep``
+        ways), before pipeline cuts."""
+        key = (cp, tp, ep)
         if key not in self._local:
             gm = copy.deepcopy(self.traced.graph_module)
-            self._local[key], records = self._passes["mesh"].run(gm, self._context(cp=cp, tp=tp), f"cp{cp},tp{tp}")
+            scope = f"cp{cp},tp{tp}" + (f",ep{ep}" if ep > 1 else "")
+            try:
+                self._local[key], records = self._passes["mesh"].run(gm, self._context(cp=cp, tp=tp, ep=ep), scope)
+            except ShardingRuleError as exc:
+                raise self._router_error(exc, scope) if ep > 1 else exc
             self.pass_history += records
         return self._local[key]
 
+    def _router_error(self, exc: ShardingRuleError, scope: str) -> HGraphError:
+        """A rule that refused a node of an MoE layer under expert parallelism: the layer's router
+        cannot run on this rank's share of the tokens (``StrategyError``); any other error as it was."""
+        blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
+        layer = next((b.layer for b in blocks if b.layer and f"module '{b.layer}" in str(exc)), None)
+        if layer is None:
+            return exc
+        error = StrategyError(
+            f"{scope}: the router of MoE layer '{layer}' cannot be split by token, which expert parallelism "
+            f"needs (each rank routes its own tokens): {exc}. Use ep=1 for this strategy, or a strategy without "
+            "the split it refuses (e.g. no cp)"
+        )
+        error.__cause__ = exc
+        return error
+
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
-        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
+        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
         if key not in self._stages:
             with gc_paused():
                 self._stages[key] = self._stage_graphs(pipeline, key)
         return self._stages[key]
 
-    def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int]) -> list[StageGraph]:
+    def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int, int]) -> list[StageGraph]:
         """``stage_graphs`` built: the partition step (with the pipeline-level passes), then the stage
         passes on each stage."""
-        gm = self.local_program(pipeline.cp, pipeline.tp)
-        scope = f"cp{pipeline.cp},tp{pipeline.tp},pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else "")
-        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp,
+        gm = self.local_program(*pipeline.program_key)
+        scope = (f"cp{pipeline.cp},tp{pipeline.tp}" + (f",ep{pipeline.ep}" if pipeline.ep > 1 else "")
+                 + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
+        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,
                             recompute=self.options.recompute_for(*key[:3]))
         params = set(self.traced.param_names)
         cut, records = self._passes["pipeline"].around(
@@ -221,10 +258,24 @@ class CompiledModel:
         self.pass_history += records
         return stages
 
-    def _specs(self, mesh: tuple[int, int], key: str) -> dict[str, tuple]:
-        return parameter_specs(self.local_program(*mesh), self.traced.param_names, key)
+    def expert_weights(self) -> set[str]:
+        """Names of the parameters that hold one slice per routed expert (``[E, ...]``)."""
+        if not hasattr(self, "_expert_weights"):
+            blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
+            self._expert_weights = {self.traced.param_names[w.name] for b in blocks for w in b.weights}
+        return self._expert_weights
 
-    def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
+    def _specs(self, program_key: tuple[int, int, int], key: str) -> dict[str, tuple]:
+        return parameter_specs(self.local_program(*program_key), self.traced.param_names, key)
+
+    def _param_meshes(self, program_key: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
+        """The expert weights of that local program, each with the expert mesh ``(ep, etp)`` its
+        specs are on (every other parameter's are on the stage mesh)."""
+        gm = self.local_program(*program_key)
+        return {self.traced.param_names[n.name]: tuple(n.meta["hgraph_param_mesh"]) for n in gm.graph.nodes
+                if n.op == "placeholder" and n.name in self.traced.param_names and "hgraph_param_mesh" in n.meta}
+
+    def _cache(self, directory: Optional[str], own: list[tuple[int, int]], trust_shared: bool) -> Optional[CompileCache]:
         """The cache entry of this compile's own plans, keyed by everything they are built from."""
         if directory is None:
             return None
@@ -235,13 +286,31 @@ class CompiledModel:
             sorted((n, repr(lay)) for n, lay in self.optimizer_layouts.items()),
             [(str(s), *(sorted(d.items()) for d in self._comm_inputs(i))) for i, s in enumerate(self.strategies)],
         )
-        return CompileCache(directory, plan_key(inputs))
+        return CompileCache(directory, plan_key(inputs), trust_shared)
+
+    def _misfit(self, stored: dict[tuple[int, int], dict[str, ParameterComm]], own: list[tuple[int, int]]) -> Optional[str]:
+        """Why plans read from the cache are not this compile's (``None`` when they fit): other ranks,
+        other parameters or holders, or Pull / Push ends other than the optimizer layouts."""
+        if set(stored) != set(own):
+            return "it holds other ranks' plans"
+        for (index, _), comms in stored.items():
+            users = self._comm_inputs(index)[0]
+            if comms.keys() != users.keys():
+                return f"its parameters of strategy {self.strategies[index]} are not this model's"
+            for name, pc in comms.items():
+                home = self.optimizer_layouts[name]
+                if pc.holders != tuple(users[name]) or not pc.pull.src == pc.push.dst == home \
+                        or pc.pull.plan is None or pc.push.plan is None \
+                        or (pc.pull.plan.src, pc.pull.plan.dst, pc.push.plan.src, pc.push.plan.dst) \
+                        != (pc.pull.src, pc.pull.dst, pc.push.src, pc.push.dst):
+                    return f"its plans of {name} in strategy {self.strategies[index]} do not fit this model"
+        return None
 
     def _comm_inputs(self, index: int) -> PlanInputs:
         """Strategy ``index``'s ``plan_inputs`` (built once)."""
         if index not in self._plan_inputs:
             self._plan_inputs[index] = plan_inputs(self.strategies[index], self.stage_graphs, self._specs,
-                                                   self.traced.param_names)
+                                                   self._param_meshes, self.traced.param_names)
         return self._plan_inputs[index]
 
     def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
@@ -250,11 +319,12 @@ class CompiledModel:
         if index not in self._param_layouts:
             strategy = self.strategies[index]
             ctx = self._context(strategy=strategy)
-            gm = self.local_program(*strategy.pipelines[0].stage_mesh)
+            gm = self.local_program(*strategy.pipelines[0].program_key)
             with gc_paused():
                 layouts, records = self._passes["strategy"].around(
                     gm, ctx, f"strategy {strategy}",
-                    lambda: parameter_layouts(strategy, *self._comm_inputs(index), self.param_shapes, self.optimizer_layouts),
+                    lambda: parameter_layouts(strategy, *self._comm_inputs(index)[:3], self.param_shapes,
+                                              self.optimizer_layouts, self._comm_inputs(index)[3]),
                     lambda layouts: replace(ctx, parameter_layouts=MappingProxyType(layouts)))
             self.pass_history += records
             self._param_layouts[index] = layouts
@@ -340,7 +410,7 @@ class CompiledModel:
             coalesce=self.options.coalesce,
             pipeline_schedule=self.options.pipeline_schedule,
         )
-        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, strategy=s, program=program)
+        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, ep=pipeline.ep, strategy=s, program=program)
         program, records = self._passes["rank"].around(
             program.stage_graph.gm, ctx, f"strategy {s} rank {rank}",
             lambda: self._scheduled(program), lambda scheduled: replace(ctx, program=scheduled))

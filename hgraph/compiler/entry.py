@@ -43,6 +43,7 @@ def compile(
     verify: Optional[bool] = None,
     cache_dir: Optional[str] = None,
     pipeline_schedule: str = "1f1b",
+    trust_shared_cache: bool = False,
     packing: str = "auto",
 ) -> CompiledModel:
     """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
@@ -68,7 +69,9 @@ def compile(
     compile-time dry run of ``schedule="overlap"`` over every rank (default: world size <=
     ``VERIFY_WORLD``; it builds every rank's program). ``cache_dir`` (or ``$HGRAPH_COMPILE_CACHE``):
     keep the compiled rank's Pull / Push plans on disk, keyed by what they are built from
-    (``hgraph.compiler.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
+    (``hgraph.compiler.compile_cache``: JSON data, never code); ``compiled.cache_hit`` says whether they came
+    from there. A cache directory that other users can write is refused unless
+    ``trust_shared_cache=True`` (everyone who can write it is trusted; docs/reliability.md, "Trust").
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
     (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``. ``packing``: ``"auto"``
@@ -101,7 +104,8 @@ def compile(
                 "write that computation without Python control flow over sizes (or supply a layer that does)"
             )
         own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir, packing)
+        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir,
+                             trust_shared_cache=trust_shared_cache, packing=packing)
 
 
 def _own_rank(world: int) -> Optional[int]:

@@ -22,7 +22,7 @@ rank's part) and are cached there by layout pair, so strategies that share a lay
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -49,34 +49,39 @@ def _union(layouts: list[Layout], hetero: str) -> AnyLayout:
 def parameter_layouts(
     strategy: Strategy,
     users: dict[str, list[tuple[int, int]]],
-    specs: dict[tuple[int, int], dict[str, tuple]],
-    grad_specs: dict[tuple[int, int], dict[str, tuple]],
+    specs: dict[tuple[int, int, int], dict[str, tuple]],
+    grad_specs: dict[tuple[int, int, int], dict[str, tuple]],
     shapes: dict[str, tuple[int, ...]],
     optimizer_layouts: dict[str, Layout],
+    meshes: Optional[dict[tuple[int, int, int], dict[str, tuple[int, int]]]] = None,
 ) -> dict[str, ParameterLayouts]:
     """Pull/push layouts of every parameter of ``strategy``.
 
     ``users[name]`` lists the (pipeline, stage) pairs whose stage program takes the parameter;
-    ``specs[(cp, tp)][name]`` / ``grad_specs[...]`` are its compute and gradient placements on that
-    stage mesh.
+    ``specs[(cp, tp, ep)][name]`` / ``grad_specs[...]`` are its compute and gradient placements in the
+    local program of that pipeline key (``Pipeline.program_key``), on the stage mesh ``(cp, tp)`` or,
+    for the expert weights listed in ``meshes[key]``, on the expert mesh ``(ep, etp)`` (same ranks).
     """
     out: dict[str, ParameterLayouts] = {}
-    held: dict[int, tuple[tuple[tuple[int, int], ...], tuple]] = {}  # id(holders) -> holders, their meshes
+    held: dict[int, tuple[tuple[tuple[int, int], ...], tuple]] = {}  # id(holders) -> holders, their program keys
     unions: dict[tuple, tuple[AnyLayout, AnyLayout]] = {}  # parameters of equal shape and placement share them
+    meshes = meshes or {}
     for name, holders in users.items():
         if id(holders) not in held:
-            meshes = tuple(dict.fromkeys(strategy.pipelines[i].stage_mesh for i, _ in holders))
-            held[id(holders)] = (tuple(holders), meshes)
-        holder_tuple, meshes = held[id(holders)]
-        key = (id(holders), shapes[name], tuple(specs[m][name] for m in meshes), tuple(grad_specs[m][name] for m in meshes))
+            keys = tuple(dict.fromkeys(strategy.pipelines[i].program_key for i, _ in holders))
+            held[id(holders)] = (tuple(holders), keys)
+        holder_tuple, keys = held[id(holders)]
+        key = (id(holders), shapes[name], tuple(specs[k][name] for k in keys), tuple(grad_specs[k][name] for k in keys),
+               tuple(meshes.get(k, {}).get(name) for k in keys))
         if key not in unions:
             compute, grads = [], []
             for pipeline_index, stage in holder_tuple:
                 pipeline = strategy.pipelines[pipeline_index]
-                mesh = pipeline.stage_mesh
+                program = pipeline.program_key
+                mesh = meshes.get(program, {}).get(name, pipeline.stage_mesh)
                 ranks = pipeline.stage_ranks(stage)
-                compute.append(_layout(shapes[name], ranks, mesh, specs[mesh][name]))
-                grads.append(_layout(shapes[name], ranks, mesh, grad_specs[mesh][name]))
+                compute.append(_layout(shapes[name], ranks, mesh, specs[program][name]))
+                grads.append(_layout(shapes[name], ranks, mesh, grad_specs[program][name]))
             unions[key] = (_union(compute, "duplicate"), _union(grads, "partial"))
         out[name] = ParameterLayouts(name, holder_tuple, optimizer_layouts[name], *unions[key])
     return out
@@ -129,46 +134,52 @@ def parameter_specs(gm: fx.GraphModule, param_names: dict[str, str], key: str) -
     return out
 
 
-def optimizer_layouts(shapes: dict[str, tuple[int, ...]], world: int,
-                      mesh_specs: Sequence[dict[str, tuple]]) -> dict[str, Layout]:
+def optimizer_layouts(shapes: dict[str, tuple[int, ...]], world: int, mesh_specs: Sequence[dict[str, tuple]],
+                      experts: Collection[str] = ()) -> dict[str, Layout]:
     """The fixed ZeRO layouts of every parameter; a fused projection cut by blocks on some stage mesh
-    (``mesh_specs``: each stage mesh's compute placements) keeps its blocks."""
+    (``mesh_specs``: each local program's compute placements) keeps its blocks; the ``experts``
+    weights ``[E, ...]`` are cut along their expert dim (``hgraph.core.zero``)."""
     blocks: dict[str, InterleavedShard] = {}
     for specs in mesh_specs:
         for fqn, spec in specs.items():
             for p in spec:
                 if isinstance(p, InterleavedShard):
                     blocks.setdefault(fqn, p)
-    return {fqn: optimizer_layout(shape, world, blocks.get(fqn)) for fqn, shape in shapes.items()}
+    return {fqn: optimizer_layout(shape, world, blocks.get(fqn), fqn in experts) for fqn, shape in shapes.items()}
 
 
-PlanInputs = tuple[dict[str, list[tuple[int, int]]], dict[tuple[int, int], dict[str, tuple]],
-                   dict[tuple[int, int], dict[str, tuple]]]
+ProgramKey = tuple[int, int, int]  # Pipeline.program_key: (cp, tp, ep)
+PlanInputs = tuple[dict[str, list[tuple[int, int]]], dict[ProgramKey, dict[str, tuple]],
+                   dict[ProgramKey, dict[str, tuple]], dict[ProgramKey, dict[str, tuple[int, int]]]]
 
 
 def plan_inputs(
     strategy: Strategy,
     stage_graphs: Callable[[Pipeline], Sequence[StageGraph]],
-    specs: Callable[[tuple[int, int], str], dict[str, tuple]],
+    specs: Callable[[ProgramKey, str], dict[str, tuple]],
+    param_meshes: Callable[[ProgramKey], dict[str, tuple[int, int]]],
     param_names: dict[str, str],
 ) -> PlanInputs:
     """What ``strategy``'s Pull / Push layouts are built from: parameter users ``name -> [(pipeline,
-    stage)]`` and per-mesh compute and gradient placements ``mesh -> {name: spec}``.
-    ``stage_graphs(pipeline)``: its stage programs; ``specs(mesh, key)``: ``parameter_specs`` there."""
-    stages_of: dict[tuple[int, int, int, int], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
-    compute, grads = {}, {}
+    stage)]``, per local program (``Pipeline.program_key``) compute and gradient placements
+    ``key -> {name: spec}`` and the expert meshes of its expert weights ``key -> {name: (ep, etp)}``.
+    ``stage_graphs(pipeline)``: its stage programs; ``specs(key, meta)``: ``parameter_specs`` there;
+    ``param_meshes(key)``: the expert weights' meshes there."""
+    stages_of: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
+    compute, grads, meshes = {}, {}, {}
     for pipeline in strategy.pipelines:
-        mesh, scheme = pipeline.stage_mesh, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
-        if mesh not in compute:
-            compute[mesh] = specs(mesh, "hgraph_param_spec")
-            grads[mesh] = specs(mesh, "hgraph_grad_spec")
+        key, scheme = pipeline.program_key, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
+        if key not in compute:
+            compute[key] = specs(key, "hgraph_param_spec")
+            grads[key] = specs(key, "hgraph_grad_spec")
+            meshes[key] = param_meshes(key)
         if scheme not in stages_of:  # data-parallel pipelines of one scheme share their stage programs
             held: dict[str, dict[int, None]] = {}
             for sg in stage_graphs(pipeline):
                 for ph in sg.params:  # the physical stage running this chunk
                     held.setdefault(param_names[ph], {})[sg.stage % pipeline.pp] = None
             stages_of[scheme] = {name: tuple(st) for name, st in held.items()}
-    schemes = [(p.cp, p.tp, p.pp, p.vpp) for p in strategy.pipelines]
+    schemes = [(p.cp, p.tp, p.pp, p.vpp, p.ep) for p in strategy.pipelines]
     shared: dict[tuple, list[tuple[int, int]]] = {}  # parameters held alike share one holder list
     users: dict[str, list[tuple[int, int]]] = {}
     for name in dict.fromkeys(n for held in stages_of.values() for n in held):  # first use, as the stages hold them
@@ -177,7 +188,7 @@ def plan_inputs(
             at = dict(zip(stages_of, pattern))
             shared[pattern] = [(i, st) for i, scheme in enumerate(schemes) for st in at[scheme]]
         users[name] = shared[pattern]
-    return users, compute, grads
+    return users, compute, grads, meshes
 
 
 def itemsizes(options: CompileOptions) -> tuple[int, int]:

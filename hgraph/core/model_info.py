@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def model_dims(model: nn.Module) -> dict[str, int]:
-    """Heads, kv heads, hidden size, vocabulary and layers, read from the model's config."""
+    """Heads, kv heads, hidden size, vocabulary, layers and routed experts, read from the model's config."""
     cfg = getattr(model, "config", None)
     dims: dict[str, int] = {}
     if cfg is None:
@@ -24,6 +24,7 @@ def model_dims(model: nn.Module) -> dict[str, int]:
         "hidden": ("hidden", "hidden_size", "n_embd"),
         "vocab": ("vocab_size",),
         "layers": ("layers", "num_hidden_layers", "n_layer"),
+        "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
     }
     for key, options in names.items():
         for attr in options:
@@ -58,6 +59,23 @@ def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: d
                     f"strategy {s}: pp*vpp={p.pp * p.vpp} virtual stages exceed the model's {dims['layers']} layers; "
                     f"use vpp <= {dims['layers'] // p.pp}"
                 )
+            if p.ep > 1:
+                _check_expert_degree(s, p.ep, dims)
+
+
+def _check_expert_degree(strategy: Strategy, ep: int, dims: dict[str, int]) -> None:
+    """``ep`` needs routed experts in the model, and a number of them it divides."""
+    experts = dims.get("experts")
+    if not experts:
+        raise StrategyError(
+            f"strategy {strategy}: ep={ep} but the model has no routed experts (its config names no "
+            "num_local_experts / num_experts / n_routed_experts); use ep=1 for a dense model"
+        )
+    if experts % ep:
+        raise StrategyError(
+            f"strategy {strategy}: ep={ep} does not divide the model's {experts} experts; "
+            f"use an ep dividing {experts}"
+        )
 
 
 

@@ -5,6 +5,11 @@ Each pipeline is one model replica with its own tensor- (tp), pipeline- (pp) and
 group is a run of consecutive ranks and stays inside one node when pipelines are placed largest-TP
 first. Model-dependent checks (degrees that must divide heads, hidden size, ...) live in
 ``hgraph.compile``; this module checks what the strategy alone can tell.
+
+Expert parallelism (``ep``) reuses a stage's ``cp x tp`` ranks as an expert mesh ``(ep, etp)`` with
+``etp = cp·tp / ep``, row-major over the stage's ranks: rank ``i`` of the stage holds expert group
+``i // etp`` (a run of ``etp`` consecutive ranks, which cut those experts tensor-parallel) and
+exchanges tokens with the ranks ``i % etp + k·etp`` (its ``ep`` group).
 """
 
 from __future__ import annotations
@@ -20,21 +25,28 @@ from hgraph.core.errors import StrategyError
 class Pipeline:
     """One model replica: ``pp`` stages, each a ``cp x tp`` mesh of ranks. With ``vpp > 1`` (interleaved
     1F1B) the layers are cut into ``pp * vpp`` virtual stages and stage ``s`` holds the non-adjacent
-    chunks ``s, s + pp, ...``."""
+    chunks ``s, s + pp, ...``. With ``ep > 1`` each mixture-of-experts layer splits its experts into
+    ``ep`` groups over the stage's ranks and moves tokens to them (see the module docstring)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ranks: Optional[tuple[int, ...]] = None
     vpp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "vpp"):
+        for name in ("tp", "pp", "cp", "vpp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(f"Pipeline {name}={value!r}; every degree must be an integer >= 1")
         if self.vpp > 1 and self.pp < 2:
             raise StrategyError(f"Pipeline vpp={self.vpp} needs pp >= 2 (interleaving chunks over stages); got pp={self.pp}")
+        if (self.cp * self.tp) % self.ep:
+            raise StrategyError(
+                f"Pipeline ep={self.ep} does not divide the stage mesh cp*tp={self.cp * self.tp} "
+                f"(cp={self.cp}, tp={self.tp}); use an ep dividing {self.cp * self.tp}"
+            )
         if self.ranks is not None:
             ranks = tuple(int(r) for r in self.ranks)
             object.__setattr__(self, "ranks", ranks)
@@ -63,6 +75,16 @@ class Pipeline:
         """Mesh shape of one stage: ``(cp, tp)``."""
         return (self.cp, self.tp)
 
+    @property
+    def expert_mesh(self) -> tuple[int, int]:
+        """The stage's ranks as the experts see them: ``(ep, etp)``, ``etp = cp·tp / ep``."""
+        return (self.ep, self.cp * self.tp // self.ep)
+
+    @property
+    def program_key(self) -> tuple[int, int, int]:
+        """``(cp, tp, ep)``: pipelines with equal keys run the same local program."""
+        return (self.cp, self.tp, self.ep)
+
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Ranks of stage ``stage`` in row-major ``(cp, tp)`` order."""
         if self.ranks is None:
@@ -79,25 +101,37 @@ class Pipeline:
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
         """The process groups ``rank`` belongs to in this pipeline: its ``tp`` and ``cp`` groups (a
-        stage's ranks are cp-major: position ``c * tp + t``), its whole ``stage`` and the ``pipeline``."""
+        stage's ranks are cp-major: position ``c * tp + t``), its whole ``stage`` and the ``pipeline``;
+        with ``ep > 1`` also its ``ep`` group (the ranks it exchanges tokens with) and ``etp`` group
+        (the ranks holding its experts, see ``expert_mesh``)."""
         ranks = self.stage_ranks(self.stage_of(rank))
-        c, t = divmod(ranks.index(rank), self.tp)
-        return {
+        position = ranks.index(rank)
+        c, t = divmod(position, self.tp)
+        groups = {
             "tp": tuple(ranks[c * self.tp + j] for j in range(self.tp)),
             "cp": tuple(ranks[j * self.tp + t] for j in range(self.cp)),
             "stage": tuple(ranks),
             "pipeline": tuple(self.ranks or ()),
         }
+        if self.ep > 1:
+            etp = self.expert_mesh[1]
+            g, e = divmod(position, etp)
+            groups["ep"] = tuple(ranks[k * etp + e] for k in range(self.ep))
+            groups["etp"] = tuple(ranks[g * etp + k] for k in range(etp))
+        return groups
 
     def __str__(self) -> str:
+        """The form ``Strategy.parse`` reads: ``tp2,pp2`` (degrees of 1 left out, tp always shown)."""
         parts = [f"tp{self.tp}"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}")
         if self.vpp > 1:
             parts.append(f"vpp{self.vpp}")
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
-        return "(" + ",".join(parts) + ")"
+        return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -126,7 +160,7 @@ class Strategy:
             for r in p.ranks:
                 if r in seen:
                     raise StrategyError(
-                        f"rank {r} is used by pipeline {seen[r]} {pipelines[seen[r]]} and pipeline {i} {p}; "
+                        f"rank {r} is used by pipeline {seen[r]} ({pipelines[seen[r]]}) and pipeline {i} ({p}); "
                         "pipelines of one strategy need disjoint ranks"
                     )
                 seen[r] = i
@@ -160,7 +194,10 @@ class Strategy:
 
     @classmethod
     def parse(cls, text: str, gpus_per_node: int = 8) -> "Strategy":
-        """Parse the readable form, e.g. ``"tp2,pp2 + 2x tp1"``, ``"(tp4) + 2×(tp2)"`` or ``"tp1,pp2,vpp2"``."""
+        """Parse the form ``str`` prints: pipelines joined by ``+``, each ``[Nx ]degrees`` with degrees
+        ``tp``, ``ep``, ``pp``, ``cp``, ``vpp`` (omitted: 1), e.g. ``"tp2,pp2 + 2x tp1"``,
+        ``"tp1,pp2,vpp2"`` or ``"tp4,ep4 + 2x tp2"``. The older printed form ``"(tp4) + 2×(tp2)"`` is
+        read too."""
         pipelines: list[Pipeline] = []
         for part in text.split("+"):
             part = part.strip()
@@ -171,9 +208,9 @@ class Strategy:
             if m:
                 count, part = int(m.group(1)), m.group(2)
             part = part.strip().strip("()")
-            degrees = {"tp": 1, "pp": 1, "cp": 1, "vpp": 1}
+            degrees = {"tp": 1, "pp": 1, "cp": 1, "vpp": 1, "ep": 1}
             for token in filter(None, (t.strip() for t in part.split(","))):
-                m2 = re.fullmatch(r"(tp|vpp|pp|cp)(\d+)", token)
+                m2 = re.fullmatch(r"(tp|vpp|pp|cp|ep)(\d+)", token)
                 if not m2:
                     raise StrategyError(
                         f"cannot parse {token!r} in strategy {text!r}; use e.g. 'tp2,pp2 + 2x tp1'"
@@ -190,7 +227,7 @@ class Strategy:
                 groups[-1] = (s, groups[-1][1] + 1)
             else:
                 groups.append((s, 1))
-        return " + ".join(s if n == 1 else f"{n}×{s}" for s, n in groups)
+        return " + ".join(s if n == 1 else f"{n}x {s}" for s, n in groups)
 
 
 def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
@@ -213,12 +250,12 @@ def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
     return tuple(sorted(out, key=lambda p: p.ranks[0] if p.ranks else 0))
 
 
-def homogeneous(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> Strategy:
+def homogeneous(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Strategy:
     """``world_size / (tp*pp*cp)`` identical pipelines (plain data parallelism over replicas)."""
     size = tp * pp * cp
     if world_size % size:
         raise StrategyError(f"tp*pp*cp={size} does not divide world size {world_size}")
-    return Strategy(tuple(Pipeline(tp=tp, pp=pp, cp=cp) for _ in range(world_size // size)))
+    return Strategy(tuple(Pipeline(tp=tp, pp=pp, cp=cp, ep=ep) for _ in range(world_size // size)))
 
 
 def as_strategies(strategies: Iterable[Strategy | Pipeline | str]) -> list[Strategy]:

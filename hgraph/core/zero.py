@@ -8,7 +8,10 @@ dim, instead of flattening, keeps every shard a box, so the layout solver plans 
 any compute layout exactly (a flattened range of a column-sharded weight is no box). A fused
 projection that some strategy cuts block by block (``InterleavedShard``) is cut the same way here,
 when every block divides over the world: a tp rank's Pull then reads what it would for separate
-projections.
+projections. An expert weight ``[E, ...]`` (one slice per routed expert) is cut along its expert
+dim, so a rank's shard is whole experts and an expert-parallel Pull reads whole experts from few
+ranks: over all ranks when they divide the experts, else as a ``(E, world/E)`` mesh (each expert
+cut along its longest other dim) when the experts divide the world.
 """
 
 from __future__ import annotations
@@ -29,11 +32,19 @@ def shard_dim(shape: Sequence[int], world_size: int) -> int:
 
 
 def optimizer_layout(
-    shape: Sequence[int], world_size: int, interleaved: Optional[InterleavedShard] = None
+    shape: Sequence[int], world_size: int, interleaved: Optional[InterleavedShard] = None, expert: bool = False
 ) -> Layout:
     """The fixed ZeRO layout of a parameter of ``shape`` over ranks ``0..world_size-1``;
-    ``interleaved``: the block placement its compute layouts use, if any."""
+    ``interleaved``: the block placement its compute layouts use, if any; ``expert``: a weight with
+    one slice per routed expert along dim 0."""
     ranks = tuple(range(world_size))
+    if expert and len(shape) > 1:
+        experts = shape[0]
+        if experts % world_size == 0:
+            return Layout(tuple(shape), ranks, (world_size,), (Shard(0),))
+        if world_size % experts == 0:
+            inner = 1 + max(range(len(shape) - 1), key=lambda d: shape[d + 1])
+            return Layout(tuple(shape), ranks, (experts, world_size // experts), (Shard(0), Shard(inner)))
     if interleaved is not None and all(b % world_size == 0 for b in interleaved.blocks):
         return Layout(tuple(shape), ranks, (world_size,), (interleaved,))
     dim = shard_dim(shape, world_size)

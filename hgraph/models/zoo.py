@@ -158,4 +158,15 @@ def zoo_model(name: str, seed: int = 0) -> nn.Module:
     return seeded_model(("zoo_model", name), seed, lambda: transformers.AutoModelForCausalLM.from_config(config))
 
 
-__all__ = ["FAMILIES", "Family", "zoo_config", "zoo_model"]
+@dataclass(frozen=True)
+class ZooFactory:
+    """``zoo_model(name)`` as a picklable zero-argument factory (``hgraph profile``, benchmarks: ranks
+    in other processes build the model themselves)."""
+
+    name: str
+
+    def __call__(self) -> nn.Module:
+        return zoo_model(self.name)
+
+
+__all__ = ["FAMILIES", "Family", "ZooFactory", "zoo_config", "zoo_model"]

@@ -26,6 +26,12 @@ Communication (alpha-beta, ring algorithms; intra-node bandwidth when the group 
   forward volume). Counted as not overlapped with attention: an upper bound.
 * PP: one activation send forward and one gradient send backward of ``2*l/cp*H/tp`` bytes per stage.
 
+Mixture of experts (``experts > 0``): the FFN is ``top_k`` routed experts of width ``expert_ffn`` plus
+a router. With the experts tp-sharded (``ep = 1``) they cost as a dense FFN of that width. Under expert
+parallelism (``ep > 1``) their FLOPs are the busiest group's (``imbalance`` times the even share),
+the two MLP all-reduces of each layer are replaced by four all-to-alls and the tp gather of the
+tokens (``hgraph.planner.experts``).
+
 Every term is linear in ``l`` except attention, so the model is exactly of the table form and is
 returned as a ``CostModel`` (with the analytic MaxLen constants) that can be saved as a table.
 """
@@ -38,6 +44,12 @@ from dataclasses import dataclass
 
 from hgraph.core.errors import CostModelError
 from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.planner.experts import (
+    EVEN_ROUTING,
+    MoELayerShape,
+    all_to_all_bytes_per_token,
+    token_gather_bytes_per_token,
+)
 from hgraph.planner.memory import MemoryRegression
 
 BF16 = 2
@@ -54,6 +66,9 @@ class ModelConfig:
     ffn: int
     vocab: int
     kv_heads: int | None = None
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    top_k: int = 0
+    expert_ffn: int | None = None  # each expert's width (default: ffn)
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "ffn", "vocab"):
@@ -66,6 +81,14 @@ class ModelConfig:
             raise CostModelError(
                 f"ModelConfig kv_heads={self.kv_heads!r}; it must be >= 1 and divide heads={self.heads}"
             )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise CostModelError(f"ModelConfig top_k={self.top_k!r}; an MoE model routes 1..{self.experts} experts per token")
+
+    def moe(self, layers: int) -> MoELayerShape | None:
+        """The MoE shape of ``layers`` layers (None for a dense model)."""
+        if not self.experts:
+            return None
+        return MoELayerShape(self.hidden, self.experts, self.top_k, self.expert_ffn or self.ffn, layers)
 
     @property
     def kv_hidden(self) -> int:
@@ -73,8 +96,10 @@ class ModelConfig:
         return self.hidden * (self.kv_heads or self.heads) // self.heads
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention, SwiGLU MLP, two norms)."""
+        """Parameters of one decoder layer (attention, SwiGLU MLP or routed experts and router, two norms)."""
         h, f = self.hidden, self.ffn
+        if self.experts:
+            return 2 * h * h + 2 * h * self.kv_hidden + self.experts * 3 * h * (self.expert_ffn or f) + h * self.experts + 2 * h
         return 2 * h * h + 2 * h * self.kv_hidden + 3 * h * f + 2 * h
 
     def params(self) -> int:
@@ -82,8 +107,11 @@ class ModelConfig:
         return self.layers * self.layer_params() + 2 * self.vocab * self.hidden + self.hidden
 
     def linear_flops_per_token(self) -> float:
-        """Forward FLOPs of one layer's matmuls per token."""
+        """Forward FLOPs of one layer's matmuls per token (an MoE layer: router and ``top_k`` experts)."""
         h = self.hidden
+        moe = self.moe(1)
+        if moe is not None:
+            return 2.0 * (2 * h * h + 2 * h * self.kv_hidden + h * self.experts) + moe.expert_flops_per_token()
         return 2.0 * (2 * h * h + 2 * h * self.kv_hidden + 3 * h * self.ffn)
 
     def activation_bytes(self, tp: int) -> float:
@@ -152,7 +180,8 @@ HARDWARE_PRESETS = {
 def default_schemes(
     config: ModelConfig, hardware: HardwareSpec, max_gpus: int = 64, cp_degrees: Iterable[int] = (1,)
 ) -> list[Scheme]:
-    """tp in powers of two up to a node (dividing heads and kv heads), pp in 1, 2, 4, 8 (<= layers)."""
+    """tp in powers of two up to a node (dividing heads and kv heads), pp in 1, 2, 4, 8 (<= layers);
+    for an MoE model also every ep > 1 dividing both ``tp·cp`` and the experts."""
     kv = config.kv_heads or config.heads
     tps = [
         t
@@ -160,25 +189,45 @@ def default_schemes(
         if t <= hardware.gpus_per_node and config.heads % t == 0 and kv % t == 0
     ]
     pps = [p for p in (1, 2, 4, 8) if p <= config.layers]
-    return [Scheme(tp, pp, cp) for cp in cp_degrees for tp in tps for pp in pps if tp * pp * cp <= max_gpus]
+    out = []
+    for cp in cp_degrees:
+        for tp in tps:
+            eps = [e for e in range(1, tp * cp + 1) if (tp * cp) % e == 0 and (e == 1 or (config.experts and config.experts % e == 0))]
+            out += [Scheme(tp, pp, cp, ep) for pp in pps for ep in eps if tp * pp * cp <= max_gpus]
+    return out
 
 
-def stage_cost(config: ModelConfig, hardware: HardwareSpec, scheme: Scheme) -> StageCost:
-    """``T(l) = a*l^2 + b*l + c`` in ms of the slowest stage of ``scheme`` (see the module docstring)."""
-    tp, pp, cp = scheme.tp, scheme.pp, scheme.cp
+def stage_cost(
+    config: ModelConfig, hardware: HardwareSpec, scheme: Scheme, imbalance: float = EVEN_ROUTING
+) -> StageCost:
+    """``T(l) = a*l^2 + b*l + c`` in ms of the slowest stage of ``scheme`` (see the module docstring);
+    ``imbalance``: the expert load imbalance an ep scheme is costed with (``hgraph.planner.experts``)."""
+    tp, pp, cp, ep = scheme.tp, scheme.pp, scheme.cp, scheme.ep
     if pp > config.layers:
         raise CostModelError(f"scheme {scheme} has more stages than the model's {config.layers} layers")
     h = config.hidden
     stage_layers = math.ceil(config.layers / pp)
+    moe = config.moe(stage_layers)
+    if ep > 1 and moe is None:
+        raise CostModelError(f"scheme {scheme} splits experts but the model config has none (experts=0)")
     speed = hardware.peak_flops * hardware.mfu
     a = 3 * 2 * h * stage_layers / (tp * cp) / speed
-    b = 3 * (stage_layers * config.linear_flops_per_token() + 2 * h * config.vocab) / (tp * cp) / speed
+    linear = config.linear_flops_per_token()
+    if moe is not None and ep > 1:  # the stage waits for its busiest expert group
+        linear += (imbalance - 1) * moe.expert_flops_per_token()
+    b = 3 * (stage_layers * linear + 2 * h * config.vocab) / (tp * cp) / speed
     c = stage_layers * hardware.layer_overhead
     if tp > 1:
         bw, lat = hardware.bandwidth(tp)
         per_token = BF16 * h / cp
-        b += stage_layers * 4 * 2 * (tp - 1) / tp * per_token / bw
-        c += stage_layers * 4 * 2 * (tp - 1) * lat
+        reduces = 2 if moe is not None and ep > 1 else 4  # ep: the MLP's two all-reduces are gone
+        b += stage_layers * reduces * 2 * (tp - 1) / tp * per_token / bw
+        c += stage_layers * reduces * 2 * (tp - 1) * lat
+    if moe is not None and ep > 1:
+        bw, lat = hardware.bandwidth(tp * cp)
+        moved = all_to_all_bytes_per_token(moe, cp, tp, ep, BF16) + token_gather_bytes_per_token(moe, cp, tp, ep, BF16)
+        b += moved / bw
+        c += stage_layers * (4 * (ep - 1) + (2 * (tp - 1) if tp > 1 else 0)) * lat
     if cp > 1:
         bw, lat = hardware.bandwidth(tp * cp)
         per_token = 2 * BF16 * config.kv_hidden / tp / cp  # K and V of one token
@@ -211,18 +260,23 @@ def analytic_cost_model(
     hardware: HardwareSpec | str,
     schemes: Iterable[Scheme] | None = None,
     name: str | None = None,
+    expert_imbalance: float = EVEN_ROUTING,
 ) -> CostModel:
-    """A ``CostModel`` for ``config`` on ``hardware`` (a spec or a preset name) over ``schemes``."""
+    """A ``CostModel`` for ``config`` on ``hardware`` (a spec or a preset name) over ``schemes``;
+    ``expert_imbalance``: the busiest expert group's load over the mean that ep schemes are costed
+    with (a stated assumption, or ``hgraph.planner.experts.layer_imbalance`` of observed counts)."""
     spec = HardwareSpec.preset(hardware) if isinstance(hardware, str) else hardware
     chosen = list(schemes) if schemes is not None else default_schemes(config, spec)
     if not chosen:
         raise CostModelError("analytic_cost_model needs at least one scheme")
-    costs = {s: stage_cost(config, spec, s) for s in chosen}
+    costs = {s: stage_cost(config, spec, s, expert_imbalance) for s in chosen}
     memory = memory_regression(config, spec, (s.tp for s in chosen))
     about = (
         f"Analytic T(l): FLOP counts at {spec.mfu:.0%} of {spec.peak_flops:.3g} FLOP/s plus alpha-beta "
         f"communication, {spec.name}; model H={config.hidden} L={config.layers} F={config.ffn} "
         f"V={config.vocab}."
+        + (f" MoE: {config.experts} experts, top-{config.top_k}, width {config.expert_ffn or config.ffn}; ep schemes "
+           f"costed at expert load imbalance {expert_imbalance:g}." if config.experts else "")
     )
     return CostModel(
         name or f"analytic-{spec.name}",

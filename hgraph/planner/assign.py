@@ -196,19 +196,23 @@ class Planner:
     def plan(
         self, lengths: Sequence[int], split_long: bool = False, exact: bool = False,
         time_limit: Optional[float] = 60.0, only: Optional[Sequence[int]] = None,
+        max_piece: Optional[int] = None,
     ) -> IterationPlan:
         """The best plan for one batch of sequence ``lengths`` (see the module docstring); ``only``
-        restricts the choice to those candidate indices (e.g. to predict one strategy)."""
+        restricts the choice to those candidate indices (e.g. to predict one strategy). With
+        ``split_long`` a sequence longer than the largest MaxLen, or than ``max_piece`` (the context
+        length) when that is shorter, is cut into pieces of at most that many tokens."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         longest = max(lengths)
+        cap = self.largest_max_len if max_piece is None else min(self.largest_max_len, max_piece)
         if longest > self.largest_max_len and not split_long:
             raise PlanError(
                 f"a sequence of {longest} tokens exceeds the largest MaxLen {self.largest_max_len} of every "
                 "candidate strategy; truncate it or pass split_long=True"
             )
         if split_long:
-            pieces, sources = split_pieces(lengths, self.largest_max_len)
+            pieces, sources = split_pieces(lengths, cap)
         else:
             pieces, sources = lengths, [(i, 0) for i in range(len(lengths))]
         longest = max(pieces)

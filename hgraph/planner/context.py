@@ -95,7 +95,7 @@ def with_context_parallel(
             if cost_model.source(scheme):
                 sources[scheme] = cost_model.source(scheme)
     for scheme in cost_model.schemes:
-        if scheme.cp != 1:
+        if scheme.cp != 1 or scheme.ep != 1:
             continue
         for cp in wanted:
             derived = Scheme(scheme.tp, scheme.pp, cp)

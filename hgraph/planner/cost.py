@@ -11,6 +11,12 @@ scheme that the table does not list is not guessed: ``stage_cost`` raises ``Cost
 ``hgraph.planner.context.with_context_parallel`` adds cp schemes derived from the table's own entries.
 An entry may say where it came from (``"source": "analytic"``, ``"profiled"``...); ``source(scheme)``
 returns it and ``str`` shows it.
+
+Expert parallelism: an entry may carry ``"ep": n`` (the MoE layers' experts split over ``n`` groups of
+the stage's ranks, ``hgraph.core.strategy``); its ``T(l)`` holds the all-to-all and the expert load
+imbalance (``hgraph.planner.experts``). MaxLen is the one of the same ``(tp, pp, cp)``: a rank holds
+no more expert bytes under ep than with the experts tp-sharded (``E·P/(cp·tp)`` against ``E·P/tp``),
+and the routed rows are costed at balanced routing.
 """
 
 from __future__ import annotations
@@ -29,23 +35,26 @@ from hgraph.planner.memory import MemoryRegression, get_field, get_section, inte
 PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")
 
 _TOP_KEYS = {"strategies", "memory_regression", "model_config", "cluster_config", "comm_cost"}
-_ENTRY_KEYS = {"tp", "pp", "cp", "a", "b", "c", "source"}
+_ENTRY_KEYS = {"tp", "pp", "cp", "ep", "a", "b", "c", "source"}
 _CLUSTER_KEYS = {"gpus_per_node", "gpu_memory_bound", "utilization_seqlen", "world_size"}
 
 
 @dataclass(frozen=True, order=True)
 class Scheme:
-    """One pipeline's parallel degrees; ``str`` gives ``"tp2,pp4"`` (cp shown only when > 1)."""
+    """One pipeline's parallel degrees; ``str`` gives ``"tp2,pp4"`` (cp and ep shown only when > 1)."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CostModelError(f"Scheme {name}={value!r}; every degree must be an integer >= 1")
+        if (self.tp * self.cp) % self.ep:
+            raise CostModelError(f"Scheme ep={self.ep} does not divide the stage's cp*tp={self.cp * self.tp} ranks")
 
     @property
     def gpus(self) -> int:
@@ -54,23 +63,27 @@ class Scheme:
 
     @classmethod
     def parse(cls, text: str) -> Scheme:
-        """Read ``"tp2,pp4"`` / ``"tp4,cp2"`` / ``"(tp8)"``; omitted degrees are 1."""
-        degrees = {"tp": 1, "pp": 1, "cp": 1}
+        """Read ``"tp2,pp4"`` / ``"tp4,cp2"`` / ``"tp4,ep4"`` / ``"(tp8)"``; omitted degrees are 1."""
+        degrees = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
         for token in filter(None, (t.strip() for t in text.strip().strip("()").split(","))):
-            m = re.fullmatch(r"(tp|pp|cp)([1-9]\d*)", token)
+            m = re.fullmatch(r"(tp|pp|cp|ep)([1-9]\d*)", token)
             if not m:
-                raise CostModelError(f"cannot parse scheme {text!r}; write e.g. 'tp2,pp4' or 'tp4,cp2'")
+                raise CostModelError(f"cannot parse scheme {text!r}; write e.g. 'tp2,pp4', 'tp4,cp2' or 'tp4,ep4'")
             degrees[m.group(1)] = int(m.group(2))
         return cls(**degrees)
 
     @classmethod
     def of(cls, pipeline: Any) -> Scheme:
-        """The scheme of anything with ``tp``/``pp``/``cp`` attributes (e.g. ``hgraph.Pipeline``)."""
-        return cls(pipeline.tp, pipeline.pp, getattr(pipeline, "cp", 1))
+        """The scheme of anything with ``tp``/``pp``/``cp`` (and ``ep``) attributes (e.g. ``hgraph.Pipeline``)."""
+        return cls(pipeline.tp, pipeline.pp, getattr(pipeline, "cp", 1), getattr(pipeline, "ep", 1))
+
+    def without_ep(self) -> Scheme:
+        """The same degrees with the experts tp-sharded (``ep=1``)."""
+        return Scheme(self.tp, self.pp, self.cp)
 
     def __str__(self) -> str:
         text = f"tp{self.tp},pp{self.pp}"
-        return text + (f",cp{self.cp}" if self.cp > 1 else "")
+        return text + (f",cp{self.cp}" if self.cp > 1 else "") + (f",ep{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -304,6 +317,8 @@ class CostModel:
             entry: dict[str, Any] = {"tp": s.tp, "pp": s.pp}
             if s.cp > 1:
                 entry["cp"] = s.cp
+            if s.ep > 1:
+                entry["ep"] = s.ep
             entry.update(a=cost.a, b=cost.b, c=cost.c)
             if s in self._sources:
                 entry["source"] = self._sources[s]
@@ -334,6 +349,7 @@ def _read_entry(entry: Any, where: str) -> tuple[Scheme, StageCost]:
     only_keys(entry, where, _ENTRY_KEYS)
     degrees = {k: integer(get_field(entry, k, where), f"{where}.{k}") for k in ("tp", "pp")}
     degrees["cp"] = integer(entry.get("cp", 1), f"{where}.cp")
+    degrees["ep"] = integer(entry.get("ep", 1), f"{where}.ep")
     cost = StageCost(*(number(get_field(entry, k, where), f"{where}.{k}") for k in ("a", "b", "c")))
     return Scheme(**degrees), cost
 

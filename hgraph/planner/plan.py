@@ -31,7 +31,7 @@ class PipelinePlan:
     @property
     def scheme(self) -> str:
         """``"tp2,pp4"``: the pipeline's degrees."""
-        return str(self.pipeline).strip("()")
+        return str(self.pipeline)
 
     @property
     def max_len(self) -> int:

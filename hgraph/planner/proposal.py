@@ -437,6 +437,6 @@ def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
     pipelines, start = [], 0
     for s, d in layout:
         for _ in range(d):
-            pipelines.append(Pipeline(tp=s.tp, pp=s.pp, cp=s.cp, ranks=tuple(range(start, start + s.gpus))))
+            pipelines.append(Pipeline(tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, ranks=tuple(range(start, start + s.gpus))))
             start += s.gpus
     return Strategy(tuple(pipelines), gpus_per_node=gpus_per_node)

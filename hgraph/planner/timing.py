@@ -122,6 +122,7 @@ class AlphaBetaComm:
     intra_node_gbps: float = 300.0
     alpha_ms: float = 0.02
     gpus_per_node: int = 8
+    expert_param_count: float = 0.0  # routed experts' parameters (of param_count): an ep pipeline pulls 1/(cp·tp) of them
 
     @classmethod
     def for_model(cls, hidden: int, layers: int, vocab: int, **figures: Any) -> "AlphaBetaComm":
@@ -134,7 +135,9 @@ class AlphaBetaComm:
         if world <= 1:
             return 0.0
         gbps = self.intra_node_gbps if world <= self.gpus_per_node else self.inter_node_gbps
-        shard_bytes = self.bytes_per_param * self.param_count / (p.tp * p.pp)
+        experts = self.expert_param_count
+        ep_split = p.cp if getattr(p, "ep", 1) > 1 else 1  # ep: E/ep experts cut over etp = cp·tp/ep ranks
+        shard_bytes = self.bytes_per_param * ((self.param_count - experts) + experts / ep_split) / (p.tp * p.pp)
         steps = math.ceil(math.log2(world))
         return 2.0 * (shard_bytes / (gbps * 1e9) * 1e3 + steps * self.alpha_ms)
 

@@ -241,7 +241,8 @@ def profile_cost_model(
     """The cost model measured on ``world_size`` local gloo ranks (what the demo plans with).
 
     Arguments and options as ``hgraph.profiling.profile_ranks.profile_ranks`` (``repeats``,
-    ``memory_gb``, ``use_cache``, ``name``, ``timeout``), which also returns the fits and timings.
+    ``memory_gb``, ``use_cache``, ``name``, ``timeout``, ``measure``), which also returns the fits and
+    timings.
     """
     from hgraph.profiling.profile_ranks import profile_ranks
 
@@ -266,8 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schemes",
-        default="tp1,pp1 tp1,pp2",
-        help="schemes, 'tp1,tp2,tp1pp2' or 'tp1,pp1 tp2,pp2'; tp > 1 needs --world-size",
+        default="tp1; tp1,pp2",
+        help="';'-separated schemes (pipeline shapes) to measure, e.g. 'tp1; tp2; tp1,pp2' (default: %(default)s); "
+        "tp > 1 needs --world-size",
     )
     parser.add_argument(
         "--world-size",

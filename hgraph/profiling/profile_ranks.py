@@ -3,7 +3,9 @@
 ``profile_ranks(model_factory, world_size, schemes, lengths)`` launches ``world_size`` processes
 once (``hgraph.launch``); every rank compiles the model for the homogeneous strategy of each scheme
 (``world_size / (tp*pp*cp)`` replicas; under cp each rank gets its load-balanced chunks of every
-micro-batch, as in training, so ``--schemes tp1,cp2`` measures context parallelism itself). Per scheme, each iteration is one ``run_iteration`` (Pull, 1F1B,
+micro-batch, as in training, so ``--schemes tp1,cp2`` measures context parallelism itself, and
+``--schemes tp2ep2`` expert parallelism: its all-to-alls and the load imbalance of the model's own
+router on the profiled tokens are in the measured ``T(l)``). Per scheme, each iteration is one ``run_iteration`` (Pull, 1F1B,
 Push) in which every pipeline runs one micro-batch per length (one sequence of ``l`` tokens each,
 in a seeded shuffled order that all ranks share): one warm-up iteration per scheme, then ``repeats``
 rounds of one timed iteration per scheme (rounds outermost, so that load from other programs on
@@ -87,7 +89,13 @@ class Profile:
 
 
 def parse_schemes(text: str) -> list[Scheme]:
-    """Schemes from ``"tp1,tp2,tp1pp2"`` (comma-separated, compact) or ``"tp1,pp1 tp2,pp2"`` (spaces)."""
+    """Schemes (pipeline shapes) in the strategy syntax, ``;``-separated: ``"tp1; tp2; tp1,pp2"``. The
+    older forms ``"tp1,tp2,tp1pp2"`` (compact) and ``"tp1,pp1 tp2,pp2"`` (spaces) are read too."""
+    if ";" in text:
+        schemes = [Scheme.parse(part) for part in text.split(";") if part.strip()]
+        if not schemes:
+            raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
+        return list(dict.fromkeys(schemes))
     tokens = text.split()
     if len(tokens) == 1 and all(p.strip().startswith("tp") for p in tokens[0].split(",") if p.strip()):
         tokens = [p.strip() for p in tokens[0].split(",") if p.strip()]
@@ -96,7 +104,7 @@ def parse_schemes(text: str) -> list[Scheme]:
         parts = [p for p in _split_degrees(token) if p]
         schemes.append(Scheme.parse(",".join(parts)))
     if not schemes:
-        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1,tp2,tp1pp2'")
+        raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
     return list(dict.fromkeys(schemes))
 
 
@@ -142,9 +150,9 @@ def resolve_factory(model_factory: ModelFactory) -> Callable[[], Any]:
 # -- on every rank ---------------------------------------------------------------------------------
 
 
-def _key(tp: int, pp: int, cp: int = 1) -> str:
-    """The per-rank measurement key of a scheme: ``"tp2,pp1"``, ``"tp1,pp1,cp2"``."""
-    return f"tp{tp},pp{pp}" + (f",cp{cp}" if cp > 1 else "")
+def _key(tp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
+    """The per-rank measurement key of a scheme: ``"tp2,pp1"``, ``"tp1,pp1,cp2"``, ``"tp2,pp1,ep2"``."""
+    return f"tp{tp},pp{pp}" + (f",cp{cp}" if cp > 1 else "") + (f",ep{ep}" if ep > 1 else "")
 
 
 def _rank_main(
@@ -167,8 +175,8 @@ def _rank_main(
     model = resolve_factory(factory)()
     vocab = embedding_of(model).num_embeddings
     start = time.perf_counter()
-    schemes = [tuple(s) + (1,) * (3 - len(s)) for s in schemes]  # (tp, pp, cp)
-    strategies = [homogeneous(comm.world_size, tp=tp, pp=pp, cp=cp) for tp, pp, cp in schemes]
+    schemes = [tuple(s) + (1,) * (4 - len(s)) for s in schemes]  # (tp, pp, cp, ep)
+    strategies = [homogeneous(comm.world_size, tp=tp, pp=pp, cp=cp, ep=ep) for tp, pp, cp, ep in schemes]
     compiled = compile_model(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
     params = compiled.traced.params()
     shards = {
@@ -288,7 +296,7 @@ def _check(
             raise CostModelError(
                 f"scheme {s} needs {s.gpus} ranks per pipeline, which does not divide world size {world_size}"
             )
-    validate_strategies([homogeneous(world_size, s.tp, s.pp, s.cp) for s in schemes], world_size, model_dims(model))
+    validate_strategies([homogeneous(world_size, s.tp, s.pp, s.cp, s.ep) for s in schemes], world_size, model_dims(model))
     short = [l for l in lengths if any(l < 2 * s.cp for s in schemes)]
     if short:
         raise CostModelError(f"lengths {short}: a cp scheme splits each sequence into 2·cp chunks; use longer lengths")
@@ -296,9 +304,10 @@ def _check(
 
 def measure_ranks(
     model_factory: ModelFactory, world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int],
-    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0,
+    repeats: int = 3, use_cache: bool = True, timeout: float = 600.0, measure: bool = True,
 ) -> tuple[dict[str, Any], Path, bool]:
-    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``."""
+    """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
+    ``measure=False``: the cached ones only (``CostModelError`` when there are none)."""
     import torch
 
     from hgraph.runtime.launch import launch
@@ -315,9 +324,11 @@ def measure_ranks(
     path = _cache_path(key)
     if use_cache and path.exists():
         return json.loads(path.read_text()), path, True
+    if not measure:
+        raise CostModelError(f"no profile of {name} on {world_size} ranks of this machine is cached (looked for {path})")
     start = time.perf_counter()
     per_rank = launch(
-        _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp) for s in schemes], lengths, repeats),
+        _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp, s.ep) for s in schemes], lengths, repeats),
         timeout=timeout,
     )
     raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
@@ -337,7 +348,7 @@ def _stage_ranks(world_size: int, scheme: Scheme) -> list[list[int]]:
 def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
     """``T(l)`` per length: the slowest stage's median forward+backward time of the ``l``-token
     micro-batch, the median taken over every sample of that stage (its ranks times the repeats)."""
-    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    key = _key(scheme.tp, scheme.pp, scheme.cp, scheme.ep)
     ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]  # [rank][repeat][length]
     stages = _stage_ranks(raw["world_size"], scheme)
     repeats = range(raw["repeats"])
@@ -350,7 +361,7 @@ def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
 def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
     """Measurement noise of ``T(l)``: per length, the median relative deviation of the slowest stage's
     samples from their median; the median over the lengths."""
-    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    key = _key(scheme.tp, scheme.pp, scheme.cp, scheme.ep)
     ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]
     out = []
     for i in range(len(raw["lengths"])):
@@ -365,7 +376,7 @@ def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
 def activation_per_token(raw: dict[str, Any], scheme: Scheme) -> float:
     """Saved-for-backward bytes per token of the whole model on one TP rank (see module docstring);
     under cp, per token of the micro-batch's ``1/cp`` share on the rank."""
-    key = _key(scheme.tp, scheme.pp, scheme.cp)
+    key = _key(scheme.tp, scheme.pp, scheme.cp, scheme.ep)
     hi, lo = len(raw["lengths"]) - 1, len(raw["lengths"]) - 2
     dl = raw["lengths"][hi] - raw["lengths"][lo]
     slope = [(r["saved_bytes"][key][hi] - r["saved_bytes"][key][lo]) / dl * scheme.cp for r in raw["per_rank"]]
@@ -439,6 +450,7 @@ def profile_ranks(
     use_cache: bool = True,
     name: str = "profiled",
     timeout: float = 600.0,
+    measure: bool = True,
 ) -> Profile:
     """Measure ``schemes`` on ``world_size`` local ranks (or read the cache) and fit the cost model.
 
@@ -446,9 +458,9 @@ def profile_ranks(
     """
     parsed = [s if isinstance(s, Scheme) else Scheme.parse(",".join(_split_degrees(s))) for s in schemes]
     if not parsed:
-        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1pp2']")
+        raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
     start = time.perf_counter()
-    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout)
+    raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout, measure)
     model, fits, times = build_ranks_table(raw, memory_gb, name)
     seconds = raw["seconds"] if cached else time.perf_counter() - start
     return Profile(

@@ -29,6 +29,7 @@ class CompileContext:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual stages per pipeline stage: partition cuts pp * vpp stage programs
+    ep: int = 1  # expert-parallel degree: the MoE layers' experts split over the stage's ranks
     strategy: Optional[Strategy] = None
     stages: Optional[tuple[StageGraph, ...]] = None  # the partition step's
     parameter_layouts: Mapping[str, ParameterLayouts] = field(default_factory=lambda: MappingProxyType({}))  # insert_comm's
@@ -50,4 +51,5 @@ class CompileContext:
 
     def __str__(self) -> str:
         where = f", strategy {self.strategy}" if self.strategy is not None else ""
-        return f"CompileContext(world {self.world_size}, cp={self.cp}, tp={self.tp}, pp={self.pp}{where})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"CompileContext(world {self.world_size}, cp={self.cp}, tp={self.tp}{ep}, pp={self.pp}{where})"

@@ -11,13 +11,18 @@ On the ``cp`` mesh dim a ``Shard`` of the token dims means "this rank's subset o
 load-balanced 2·cp chunk order, or the interleaving a flatten of sharded tokens gives), not a
 contiguous slice: it is consistent across tensors derived the same way, which is all token-wise ops
 and summed losses need, but it cannot be gathered back in order.
+
+Under expert parallelism the nodes of an expert body (marked ``meta[MESH_KEY] == EXPERT_MESH`` by
+``hgraph.passes.experts``) see the stage's ranks as the expert mesh ``(ep, etp)``
+(``ShardingOptions.experts``): the same two mesh-dim slots, named ``"ep"`` and ``"etp"``. There a
+``Shard(0)`` on ep means "the rows or weights of this rank's experts".
 """
 
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -28,6 +33,8 @@ from hgraph.core.layout import InterleavedShard, Partial, Placement, Replicate, 
 
 MESH_DIMS = ("cp", "tp")
 CP, TP = 0, 1
+MESH_KEY = "hgraph_mesh"  # node.meta key: which mesh a node's specs are on (absent: the stage mesh)
+EXPERT_MESH = "expert"
 R = Replicate()
 P = Partial()
 
@@ -83,6 +90,8 @@ class ShardingOptions:
     ``position_ids``: the placeholder that packed attention reads sequence starts from.
     ``seq_dim``: the token dim of ``[batch, seq, ...]`` inputs and activations (cp splits it; sequence
     parallelism reduce-scatters 3-d activations along it).
+    ``ep``: expert-parallel degree (``experts()`` gives the options of the expert mesh);
+    ``mesh_names``: the group names of the two mesh dims (``("ep", "etp")`` on the expert mesh).
     """
 
     cp: int = 1
@@ -93,20 +102,43 @@ class ShardingOptions:
     buffers: Optional[frozenset[str]] = None
     position_ids: str = "position_ids"
     seq_dim: int = 1
+    ep: int = 1
+    mesh_names: tuple[str, str] = MESH_DIMS
 
     def __post_init__(self) -> None:
-        for name in ("cp", "tp"):
+        for name in ("cp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ShardingRuleError(f"mesh degree {name}={value!r} is invalid; use an integer >= 1")
+        if not self.expert_parallel and (self.cp * self.tp) % self.ep:
+            raise ShardingRuleError(f"ep={self.ep} does not divide the stage mesh cp{self.cp} x tp{self.tp}")
 
     @property
     def degrees(self) -> tuple[int, int]:
         return (self.cp, self.tp)
 
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether these are the options of an expert mesh ``(ep, etp)``."""
+        return self.mesh_names == ("ep", "etp")
+
+    def experts(self) -> "ShardingOptions":
+        """The options of this stage's expert mesh: ``(ep, etp = cp·tp / ep)`` in the mesh-dim slots."""
+        if self.expert_parallel:
+            return self
+        return replace(self, cp=self.ep, tp=self.cp * self.tp // self.ep, sequence_parallel=False,
+                       mesh_names=("ep", "etp"))
+
+    def for_node(self, node: fx.Node) -> "ShardingOptions":
+        """The options of the mesh ``node``'s specs are on."""
+        return self.experts() if node.meta.get(MESH_KEY) == EXPERT_MESH else self
+
     def __str__(self) -> str:
         flags = [name for name, on in (("sequence-parallel", self.sequence_parallel), ("vocab-parallel", self.vocab_parallel)) if on]
-        return f"stage mesh cp{self.cp} x tp{self.tp}" + (f" ({', '.join(flags)})" if flags else "")
+        mesh = f"{self.mesh_names[0]}{self.cp} x {self.mesh_names[1]}{self.tp}"
+        kind = "expert mesh" if self.expert_parallel else "stage mesh"
+        ep = f", ep{self.ep}" if self.ep > 1 and not self.expert_parallel else ""
+        return f"{kind} {mesh}{ep}" + (f" ({', '.join(flags)})" if flags else "")
 
     @classmethod
     def from_context(cls, ctx: Any) -> "ShardingOptions":
@@ -124,6 +156,7 @@ class ShardingOptions:
         return cls(
             cp=getattr(ctx, "cp", 1),
             tp=getattr(ctx, "tp", 1),
+            ep=getattr(ctx, "ep", 1),
             sequence_parallel=bool(getattr(ctx, "sequence_parallel", False)),
             vocab_parallel=bool(getattr(ctx, "vocab_parallel", True)),
             params=frozenset(params) if params is not None else None,

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.layout import InterleavedShard, Partial, Shard
-from hgraph.rules.base import REPLICATED, TP, P, R, Decision, RuleInput, Spec
+from hgraph.rules.base import CP, REPLICATED, TP, P, R, Decision, RuleInput, Spec
 from hgraph.rules.elementwise import pointwise_decision
 from hgraph.rules.linear import fused_blocks
 from hgraph.rules.registry import register, register_by_name
@@ -76,12 +76,18 @@ def inplace_pointwise_rule(node: fx.Node, rin: RuleInput) -> Decision:
 
 
 def grouped_mm_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """Per-expert matmul of expert-sorted tokens ``[S, in]`` with ``[E, in, out]`` (see module doc)."""
+    """Per-expert matmul of expert-sorted tokens ``[S, in]`` with ``[E, in, out]`` (see module doc).
+    On the expert mesh of expert parallelism (``hgraph.rules.experts``) the rows, offsets and weights
+    are those of this rank's experts: ``S(0)`` on ep, and the tp logic below runs on etp."""
     x, w, offs = node.args[:3]
     xs = rin.spec(x)
     pw = None if rin.is_free(w) else rin.spec(w)[TP]
     px = xs[TP]
     req_x, req_w, out = [R, R], [R, R], [R, R]
+    req_offs = REPLICATED
+    if rin.options.expert_parallel and xs[CP] == Shard(0):
+        req_x[CP] = req_w[CP] = out[CP] = Shard(0)
+        req_offs = (Shard(0), R)
     if rin.degree(TP) > 1:
         if isinstance(px, Shard) and not isinstance(px, InterleavedShard) and px.dim % 2 == 1 and (pw is None or pw == Shard(1)):
             req_x[TP], req_w[TP], out[TP] = Shard(1), Shard(1), P  # row-parallel: the down projection
@@ -93,7 +99,7 @@ def grouped_mm_rule(node: fx.Node, rin: RuleInput) -> Decision:
                 req_w[TP], out[TP] = Shard(2), Shard(1)
     return Decision(
         output=(out[0], out[1]),
-        inputs={x: (req_x[0], req_x[1]), w: (req_w[0], req_w[1]), offs: REPLICATED},
+        inputs={x: (req_x[0], req_x[1]), w: (req_w[0], req_w[1]), offs: req_offs},
         note="experts row-parallel" if out[TP] == P else "experts column-parallel" if isinstance(out[TP], Shard) else "",
     )
 

@@ -103,7 +103,7 @@ def _view_placement(
         if m == CP and len(targets) > 1 and dst[e] % (2 * degree):
             return None  # cp tokens are in 2·cp load-balanced chunks: the leading dim must hold them
         if dst[e] % degree:
-            if len(targets) > 1:
+            if len(targets) > 1 and degree % dst[e]:
                 raise rin.error(
                     f"view {tuple(src)} -> {tuple(dst)} would cut dim {e} of size {dst[e]} {degree} ways "
                     f"over '{MESH_DIMS[m]}', but {dst[e]} is not divisible by {degree}; when this is the "

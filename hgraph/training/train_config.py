@@ -1,19 +1,24 @@
 """The ``hgraph train`` config (JSON or TOML), parsed and checked: every problem is one
-``InputError`` line naming the field (``data.context``) or the file.
+``InputError`` line naming the field (``data.context``) or the file. Every field, its default and
+its meaning: docs/config.md.
 
 Top level: ``model`` (``module:factory``, an HF ``config.json``, or a local HF checkpoint
 directory), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_size``,
 ``iterations``, ``lr``, ``weight_decay``, ``grad_clip``, ``warmup``, ``lr_schedule``
-(``"constant"`` | ``"cosine"``), ``min_lr_ratio``, ``seed``, ``out``. Tables: ``data`` (``paths``,
-``format``, ``text_field``, ``tokenizer``, ``context``, ``tokens_per_iteration``,
-``long_documents``, ``seed``, ``window``; without ``paths``: the synthetic sequences of 0.1 with
-``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``, ``interval``, ``batches``),
-``checkpoint`` (``dir``: a folder of ``step-N`` checkpoints, ``interval``, ``resume``: continue from
-the newest, ``keep``: how many to keep, ``async``: write in the background), ``export`` (``dir``),
-``planner`` (``cost_table``), ``metrics`` (``dir``, default ``<out>/metrics``; ``jsonl``,
-``tensorboard``, ``console``: one line per iteration; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` / ``eval.paths`` / ``data.tokenizer``
-names the embedded corpus (training / held-out files) and its BPE. Input paths (model files, data, tokenizer, eval) are relative to the config file; output
-directories (``out``, checkpoint, export) to the working directory.
+(``"constant"`` | ``"cosine"``), ``min_lr_ratio``, ``seed``, ``out``; how it runs: ``backend``,
+``device``, ``compute_dtype``, ``reduce_dtype``, ``recompute``, ``schedule``,
+``pipeline_schedule``; ``planner`` (``"auto"``, ``"none"`` or a table). Tables: ``data``
+(``paths``, ``format``, ``text_field``, ``tokenizer``, ``context``, ``tokens_per_iteration``,
+``long_documents``, ``seed``, ``window``; without ``paths``: synthetic sequences with the lengths of
+a length file, ``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``, ``interval``,
+``batches``), ``checkpoint`` (``dir``: a folder of ``step-N`` checkpoints, ``interval``,
+``resume``: continue from the newest, ``keep``: how many to keep, ``async``: write in the
+background), ``export`` (``dir``), ``planner`` (``cost_table``, ``memory_gb``), ``metrics``
+(``dir``, default ``<out>/metrics``; ``jsonl``, ``tensorboard``, ``console``: one line per
+iteration; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` /
+``eval.paths`` / ``data.tokenizer`` names the embedded corpus (training / held-out files) and its
+BPE. Input paths (model files, data, tokenizer, eval, cost table) are relative to the config file;
+output directories (``out``, checkpoint, export) to the working directory.
 """
 
 from __future__ import annotations
@@ -29,14 +34,26 @@ from hgraph.core.errors import InputError
 
 STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
 TOP = {"model", "strategies", "world_size", "iterations", "lr", "weight_decay", "grad_clip", "warmup",
-       "lr_schedule", "min_lr_ratio", "seed", "data", "eval", "checkpoint", "export", "planner", "metrics", "out"}
+       "lr_schedule", "min_lr_ratio", "seed", "data", "eval", "checkpoint", "export", "planner", "metrics", "out",
+       "backend", "device", "compute_dtype", "reduce_dtype", "recompute", "schedule", "pipeline_schedule"}
+CHOICES = {  # top-level keys with a fixed set of values (the first is the default)
+    "backend": ("auto", "nccl", "gloo"),
+    "device": ("auto", "cpu", "cuda"),
+    "compute_dtype": ("float32", "bfloat16", "float16"),
+    "reduce_dtype": ("float32", "bfloat16", "float16"),
+    "recompute": ("none", "selective", "full"),
+    "schedule": ("none", "overlap"),
+    "pipeline_schedule": ("1f1b", "zb1p"),
+    "lr_schedule": ("constant", "cosine"),
+}
+PLANNERS = ("auto", "none")  # planner = "auto": plan every iteration; "none": rotate the strategies
 TABLES = {
     "data": {"paths", "format", "text_field", "tokenizer", "context", "tokens_per_iteration", "long_documents",
              "seed", "window", "lengths", "max_len", "length_scale"},
     "eval": {"paths", "interval", "batches"},
     "checkpoint": {"dir", "interval", "resume", "keep", "async"},
     "export": {"dir"},
-    "planner": {"cost_table"},
+    "planner": {"cost_table", "memory_gb"},
     "metrics": {"dir", "jsonl", "tensorboard", "console", "peak_tflops"},
 }
 
@@ -84,8 +101,17 @@ class TrainConfig:
     checkpoint_keep: int = 2
     checkpoint_async: bool = True
     export_dir: Optional[str] = None
-    cost_table: Optional[str] = None
+    planner: str = "auto"  # PLANNERS
+    cost_table: Optional[str] = None  # a preset name or a JSON file; None: profile this machine (cached)
+    memory_gb: Optional[float] = None  # the memory budget behind MaxLen of a profiled cost model
     out: str = "runs/train"
+    backend: str = "auto"
+    device: str = "auto"
+    compute_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    recompute: str = "none"
+    schedule: str = "none"
+    pipeline_schedule: str = "1f1b"
     metrics_dir: Optional[str] = None  # None: <out>/metrics
     metrics_jsonl: bool = True
     metrics_tensorboard: bool = True
@@ -96,6 +122,33 @@ class TrainConfig:
     @property
     def auto(self) -> bool:
         return self.strategies == ("auto",)
+
+    @property
+    def context(self) -> int:
+        """The longest sequence a batch may hold: ``data.context``, or ``data.max_len`` (synthetic)."""
+        return self.data.context if self.data is not None else self.max_len
+
+
+def check_choices(cfg: TrainConfig) -> TrainConfig:
+    """``InputError`` naming the field for a value outside ``CHOICES`` or a combination that cannot
+    run; ``cfg`` otherwise (also after command-line overrides)."""
+    where = f"config {cfg.source}: " if cfg.source else ""
+    for key, allowed in CHOICES.items():
+        value = getattr(cfg, key)
+        if value not in allowed:
+            raise InputError(f"{where}{key}: {value!r}; expected one of {', '.join(map(repr, allowed))}")
+    if cfg.planner not in PLANNERS:
+        raise InputError(f"{where}planner: {cfg.planner!r}; expected \"auto\", \"none\" or a [planner] table")
+    if cfg.schedule == "overlap" and cfg.pipeline_schedule != "1f1b":
+        raise InputError(f"{where}schedule: \"overlap\" runs with pipeline_schedule = \"1f1b\" only; "
+                         "set one of them back")
+    if (cfg.backend, cfg.device) in (("nccl", "cpu"), ("gloo", "cuda")):
+        raise InputError(f"{where}backend = {cfg.backend!r} with device = {cfg.device!r}: NCCL runs on GPUs, gloo "
+                         "here on CPUs; set device = \"auto\" (or backend = \"auto\")")
+    if cfg.planner == "none" and (cfg.cost_table or cfg.memory_gb):
+        raise InputError(f"{where}planner: \"none\" rotates the strategies; drop [planner] cost_table / memory_gb "
+                         "or plan with planner = \"auto\"")
+    return cfg
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -148,6 +201,14 @@ class _Fields:
         return tuple(v if v == STDLIB or os.path.isabs(os.path.expanduser(v)) else str(base / v) for v in value)
 
 
+def _cost_table(planner: _Fields) -> Optional[str]:
+    """``planner.cost_table``: a preset name as is, a file relative to the config."""
+    value = planner.get("cost_table", str)
+    if value is None or "/" not in value and not value.endswith(".json"):
+        return value
+    return planner.paths("cost_table")[0]
+
+
 def read_config(path: str) -> TrainConfig:
     """Parse and check a config file (JSON, or TOML when it ends in ``.toml``)."""
     raw = _load(path)
@@ -159,6 +220,9 @@ def read_config(path: str) -> TrainConfig:
             raise InputError(f"config {path}: missing required key {key!r}")
     top = _Fields(path, raw)
     tables = {}
+    planner = "auto"
+    if isinstance(raw.get("planner"), str):  # planner = "none" | "auto" instead of a [planner] table
+        planner = raw.pop("planner")
     for name, known in TABLES.items():
         table = raw.get(name, {})
         if not isinstance(table, dict):
@@ -188,9 +252,6 @@ def read_config(path: str) -> TrainConfig:
             raise d.fail("tokens_per_iteration", f"{data.tokens_per_iteration} is below data.context={data.context}")
     elif e.table.get("paths"):
         raise e.fail("paths", "held-out evaluation needs data.paths and data.tokenizer (real documents)")
-    schedule = top.get("lr_schedule", str, "constant")
-    if schedule not in ("constant", "cosine"):
-        raise top.fail("lr_schedule", f"{schedule!r}; use 'constant' or 'cosine'")
     checkpoint_dir = c.get("dir", str)
     model = top.get("model", str)
     relative = Path(path).parent / os.path.expanduser(model)
@@ -205,7 +266,7 @@ def read_config(path: str) -> TrainConfig:
         weight_decay=top.get("weight_decay", float, 0.0, 0),
         grad_clip=top.get("grad_clip", float, 1.0, 0) if "grad_clip" in raw else 1.0,
         warmup=top.get("warmup", int, 0, 0),
-        lr_schedule=schedule,
+        lr_schedule=top.get("lr_schedule", str, "constant"),
         min_lr_ratio=top.get("min_lr_ratio", float, 0.1, 0),
         seed=top.get("seed", int, 0),
         lengths=d.get("lengths", str, "wikipedia"),
@@ -222,7 +283,9 @@ def read_config(path: str) -> TrainConfig:
         checkpoint_keep=c.get("keep", int, 2, 0),
         checkpoint_async=c.get("async", bool, True),
         export_dir=tables["export"].get("dir", str),
-        cost_table=tables["planner"].get("cost_table", str),
+        planner=planner,
+        cost_table=_cost_table(tables["planner"]),
+        memory_gb=tables["planner"].get("memory_gb", float, None, 0),
         out=top.get("out", str, "runs/train"),
         metrics_dir=m.get("dir", str),
         metrics_jsonl=m.get("jsonl", bool, True),
@@ -230,7 +293,9 @@ def read_config(path: str) -> TrainConfig:
         metrics_console=m.get("console", bool, True),
         peak_tflops=m.get("peak_tflops", float, None, 0),
         source=path,
+        **{key: top.get(key, str, allowed[0]) for key, allowed in CHOICES.items() if key != "lr_schedule"},
     )
+    check_choices(cfg)
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise m.fail("peak_tflops", f"{cfg.peak_tflops}; give the per-rank peak in TFLOP/s (> 0)")
     if (cfg.checkpoint_interval or cfg.resume) and cfg.checkpoint_dir is None:

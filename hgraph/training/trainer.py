@@ -1,7 +1,9 @@
 """``hgraph.Trainer``: one training iteration per ``step`` on every rank, any strategy each time.
 
-Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors).
-The planner (or the given strategy with a default dispatch) decides which pipeline runs which
+Every rank calls ``trainer.step(sequences)`` with the same global batch (a list of 1-D LongTensors);
+``step`` checks that they did (a digest of the lengths and tokens, gathered from every rank) and
+raises ``InputError`` naming the first rank whose batch differs. With one reader, ``step_data``
+reads the batch on rank 0 and sends each rank only its tokens. The planner (or the given strategy with a default dispatch) decides which pipeline runs which
 sequences, packed into which micro-batches; each rank builds its own micro-batches from that
 decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
 token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
@@ -12,6 +14,7 @@ rank's peak memory and exposed communication for rank 0's metrics writer.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -27,11 +30,13 @@ from hgraph.core.flops import ModelFlops
 from hgraph.core.layout import Layout, Replicate
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
+from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
@@ -192,7 +197,30 @@ class Trainer:
         """One iteration on the global batch ``sequences``; returns the token-mean loss."""
         start = time.perf_counter()
         lengths = self._check_sequences(sequences)
+        self._check_same_batch(sequences)
         return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), start)
+
+    def _check_same_batch(self, sequences: Sequence[torch.Tensor]) -> None:
+        """``InputError`` on every rank unless every rank passed this batch (a 63-bit digest of the
+        lengths and tokens, all-gathered): ranks given their own shards would otherwise slice
+        different batches by one dispatch and train on them without a word."""
+        if len(self.world) == 1:
+            return
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr([len(s) for s in sequences]).encode())
+        for s in sequences:
+            h.update(s.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+        digest = int.from_bytes(h.digest(), "little") >> 1  # fits an int64
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        every = [int(d) for d in self.comm.all_gather(mine, self.world).reshape(-1).tolist()]
+        differing = next((r for r, d in enumerate(every) if d != every[0]), None)
+        if differing is not None:
+            raise InputError(
+                f"Trainer.step: rank {differing} passed a different batch from rank 0 (digest of the lengths and "
+                f"tokens; {len(set(every))} distinct batches over {len(every)} ranks). step() takes the same "
+                "global batch on every rank, which the planner splits; to read it once, use "
+                "step_data(loader) (rank 0 reads, each rank receives its tokens), or give every rank the "
+                "same sampler seed without per-rank sharding (no DistributedSampler)")
 
     def step_data(self, loader: Any, strategy: Union[int, Any, None] = None) -> Optional[float]:
         """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
@@ -264,6 +292,21 @@ class Trainer:
         return rank_micro_batches(sequences, d.micro_batches[program.pipeline], program.groups, self.rank, buffers,
                                   self.compiled.options.sequence_parallel, self.device)
 
+    def _routing_statistics(self, program: Any, routing: Optional[list]) -> dict[str, Any]:
+        """Router statistics of an expert-parallel iteration: ``expert_counts`` (rows routed to each
+        expert of each MoE layer of this rank's stage, summed over the stage's ranks and micro-batches)
+        and ``expert_imbalance`` (the busiest expert group's rows over the mean, slowest layer:
+        ``hgraph.planner.experts``); nothing without ep."""
+        if routing is None:
+            return {}
+        layers = sum(1 for sg in program.chunks for n in sg.gm.graph.nodes if n.target is expert_dispatch)
+        if not routing or not layers:
+            return {}
+        counts = torch.stack(routing).view(-1, layers, routing[0].numel()).sum(0).to(self.device)
+        counts = self.comm.all_reduce(counts, tuple(program.groups["stage"])).cpu()
+        ep = len(program.groups["ep"])
+        return {"expert_counts": counts.tolist(), "expert_imbalance": layer_imbalance(counts.tolist(), ep)}
+
     def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
         """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
         run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
@@ -276,8 +319,10 @@ class Trainer:
         if timeline is not None:
             timeline.iteration = self.iteration
             first_event = len(timeline.events)
-        with rank_context(RankContext(self.rank, self.comm, program.groups)):
+        routing: Optional[list] = [] if "ep" in program.groups else None
+        with rank_context(RankContext(self.rank, self.comm, program.groups, routing)):
             out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline)
+        routed = self._routing_statistics(program, routing)
         # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
         # communication per rank] (each rank fills its own slots; -1: not measured)
         n = len(self.world)
@@ -333,6 +378,7 @@ class Trainer:
             "lr": float(lr),
             "peak_memory_bytes": [int(m) for m in memory] if self.measure else None,
             "exposed_comm_ms": None if min(exposed) < 0 else exposed,
+            **routed,
         }
         self.history.append(record)
         if self.metrics is not None:

@@ -408,7 +408,21 @@ class ProcessGroupComm(Communicator):
     def start_all_to_all(
         self, pieces: Sequence[torch.Tensor], group: Group, recv_shapes: Sequence[tuple[int, ...]]
     ) -> Handle:
+        group = tuple(group)
+        if list(group) != sorted(group):
+            raise CommunicationError(f"all_to_all needs its group in ascending rank order, got {group}")
         ref = pieces[0]
+        trailing = {tuple(p.shape[1:]) for p in pieces} | {tuple(s[1:]) for s in recv_shapes}
+        if len(trailing) == 1 and ref.dim() > 0:
+            # Pieces of one row shape, any row counts (expert dispatch): gloo's list form needs equal
+            # sizes, all_to_all_single takes split sizes.
+            rows = [int(s[0]) for s in recv_shapes]
+            out_flat = ref.new_empty((sum(rows),) + tuple(ref.shape[1:]))
+            work = self.dist.all_to_all_single(
+                out_flat, torch.cat([p.contiguous() for p in pieces]), rows, [int(p.shape[0]) for p in pieces],
+                group=self.group(tuple(group)), async_op=True,
+            )
+            return self._work(work, lambda: list(out_flat.split(rows)))
         out = [ref.new_empty(tuple(shape)) for shape in recv_shapes]
         ins = [p.contiguous() for p in pieces]
         work = self.dist.all_to_all(out, ins, group=self.group(tuple(group)), async_op=True)

@@ -19,11 +19,14 @@ from hgraph.runtime.kernels.comm import Communicator, Group
 
 @dataclass(frozen=True)
 class RankContext:
-    """Who is running: global rank, communicator, and this rank's group and index per mesh dim name."""
+    """Who is running: global rank, communicator, and this rank's group and index per mesh dim name.
+    ``routing``: when a list, every expert dispatch appends the rows this rank routed to each expert
+    (``[E]``, in call order): router statistics for the planner (``Trainer.history``)."""
 
     rank: int
     comm: Communicator
     groups: dict[str, Group] = field(default_factory=dict)
+    routing: Optional[list] = None
 
     def group(self, mesh_dim: str) -> Group:
         try:

@@ -91,7 +91,7 @@ def test_bad_degrees_raise():
     with pytest.raises(ShardingRuleError, match="cp='2'"):
         ShardingOptions(cp="2")
     with pytest.raises(ShardingRuleError, match="heads"):
-        _annotated("llama", tp=4)  # 2 key/value heads
+        _annotated("llama", tp=8)  # 4 heads: 2 key/value heads may be replicated over tp, heads may not
 
 
 class _Flipped(nn.Module):

@@ -215,10 +215,19 @@ def test_comm_metadata_and_placeholders():
     assert view.args[1][2:] == [8 // 2, hidden // 8]  # heads cut to the local count, head_dim kept
 
 
-def test_tp_not_dividing_kv_heads_names_them():
-    traced = _traced("llama")  # 4 key/value heads
-    with pytest.raises(ShardingRuleError, match=r"not divisible by 8.*heads|heads.*tp=8"):
-        local_program(traced, 1, 8)
+def test_tp_a_multiple_of_kv_heads_replicates_them():
+    """tp=8 over 4 key/value heads (Megatron: each kv head on tp/kv ranks, which compile's checks
+    allow): the k/v projections are gathered whole, each rank reads its heads' pair; equal to eager."""
+    traced = _traced("llama")  # 8 heads, 4 key/value heads
+    inputs = _inputs()
+    losses, grads = run_ranks(traced, local_program(traced, 1, 8), (1, 8), inputs)
+    assert_matches(losses, grads, *eager_reference(traced, inputs))
+
+
+def test_tp_not_dividing_heads_names_them():
+    traced = _traced("llama")  # 8 heads, 4 key/value heads
+    with pytest.raises(ShardingRuleError, match=r"8 attention heads cannot be split over tp=16"):
+        local_program(traced, 1, 16)
 
 
 def test_shard_and_assemble_roundtrip():

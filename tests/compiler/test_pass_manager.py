@@ -31,7 +31,7 @@ def test_every_stage_is_a_pass_with_a_record_of_what_it_did(model_and_ids):
         by_name[record.name].append(record)
     # besides the passes, "plan": each rank's part of the Pull / Push plans (a timed step, no graph)
     assert set(by_name) == set(STAGES) | {"plan"}
-    assert sorted(r.scope for r in by_name["plan"]) == [f"strategy (tp2,pp2) rank {r}" for r in range(4)]
+    assert sorted(r.scope for r in by_name["plan"]) == [f"strategy tp2,pp2 rank {r}" for r in range(4)]
     # sizes are those of the graphs the compiled model holds, not numbers the pass reports itself
     (localize,) = by_name["localize"]
     assert localize.scope == "cp1,tp2" and localize.nodes_after == len(compiled.local_program(1, 2).graph.nodes)
@@ -43,10 +43,10 @@ def test_every_stage_is_a_pass_with_a_record_of_what_it_did(model_and_ids):
         assert recompute[f"cp1,tp2,pp2 stage {sg.stage}"].nodes_after < recompute[f"cp1,tp2,pp2 stage {sg.stage}"].nodes_before
     (precision,) = by_name["precision"]
     assert precision.scope == "cp1,tp2" and precision.nodes_after > precision.nodes_before  # bf16: autocast's casts
-    assert [r.scope for r in by_name["insert_comm"]] == ["strategy (tp2,pp2)"]
-    assert sorted(r.scope for r in by_name["schedule"]) == [f"strategy (tp2,pp2) rank {r}" for r in range(4)]
+    assert [r.scope for r in by_name["insert_comm"]] == ["strategy tp2,pp2"]
+    assert sorted(r.scope for r in by_name["schedule"]) == [f"strategy tp2,pp2 rank {r}" for r in range(4)]
     assert all(compiled.program(0, r).overlap is not None for r in range(4))  # what the lowering made
-    assert "insert_comm [strategy (tp2,pp2)]" in str(by_name["insert_comm"][0])
+    assert "insert_comm [strategy tp2,pp2]" in str(by_name["insert_comm"][0])
 
 
 def test_user_passes_run_after_any_stage_at_its_level(model_and_ids):
@@ -111,5 +111,5 @@ def test_a_pass_that_changes_the_graph_where_products_live_in_the_context_raises
     def rewrite(gm, ctx):
         return torch.fx.GraphModule(gm, gm.graph)
 
-    with pytest.raises(hgraph.HGraphError, match=r"rewrite \[strategy \(tp1\)\] changed the graph at the strategy level"):
+    with pytest.raises(hgraph.HGraphError, match=r"rewrite \[strategy tp1\] changed the graph at the strategy level"):
         hgraph.compile(model, ["tp1"], example_inputs=ids, passes=[hgraph.Pass("rewrite", rewrite, after="insert_comm")])

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import Partial, Replicate, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules import lookup, register, registered_ops
 from hgraph.rules.base import RuleInput, ShardingOptions, StridedShard
 from hgraph.rules.shape import view_groups
@@ -76,10 +76,14 @@ def test_flatten_of_cp_tokens_is_strided_and_unflattens_back():
     assert d.output == (Shard(1), R)
 
 
-def test_merging_tp_sharded_inner_dim_needs_a_gather():
+def test_merging_tp_sharded_inner_dim_keeps_it_strided():
+    """Rows merged from [b, s/tp] stay cut (a tp StridedShard), no gather; an op that needs the rows
+    whole gets them gathered in order (tests/compiler/test_strided_shard.py runs it end to end)."""
     x = torch.randn(2, 8, 4)
     node, d, (ph,) = decide(lambda t: t.flatten(0, 1), [x], [(R, Shard(1))], aten.flatten.using_ints, tp=2)
-    assert d.inputs[ph] == (R, R) and d.output == (R, R)
+    assert d.inputs[ph] == (R, Shard(1)) and d.output == (R, StridedShard(0, split_factor=2))
+    _, d, _ = decide(lambda t: t.flatten(0, 1).sum(0), [x], [(R, Shard(1))], aten.sum.dim_IntList, tp=2)
+    assert d.output == (R, R)
 
 
 def test_broadcast_weight_stays_replicated():
@@ -119,9 +123,13 @@ def test_linear_column_then_row_parallel():
     assert d.output == (R, P) and d.note == "row-parallel" and d.inputs[pw2] == (R, Shard(1))
 
 
-def test_cat_along_sharded_dim_gathers():
+def test_cat_along_sharded_dim_is_interleaved_or_gathers():
+    """Pieces all cut along the cat dim stay cut: the result is an InterleavedShard (each rank holds its
+    part of every piece); a piece that is whole makes the cut ones gather."""
     a, b = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
     _, d, (pa, pb) = decide(lambda x, y: torch.cat([x, y], -1), [a, b], [(R, Shard(2)), (R, Shard(2))], aten.cat.default, tp=2)
+    assert d.inputs[pa] == (R, Shard(2)) and d.output == (R, InterleavedShard(2, (8, 8)))
+    _, d, (pa, pb) = decide(lambda x, y: torch.cat([x, y], -1), [a, b], [(R, Shard(2)), (R, R)], aten.cat.default, tp=2)
     assert d.inputs[pa] == (R, R) and d.output == (R, R)
     _, d, (pa, pb) = decide(lambda x, y: torch.cat([x, y], -1), [a, b], [(R, Shard(1)), (R, R)], aten.cat.default, tp=2)
     assert d.inputs[pb] == (R, Shard(1)) and d.output == (R, Shard(1))

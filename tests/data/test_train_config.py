@@ -47,7 +47,11 @@ def setup_run(tmp_path, **over):
     ({"data": {"paths": ["missing_dir"]}}, "missing_dir'?: no such file or directory"),
     ({"data": {"tokenizer": "nope.json"}}, "tokenizer .*nope.json'?: no such file"),
     ({"model": {"vocab_size": 256}}, "data.tokenizer: .* has 512 tokens but the model's vocabulary is 256"),
-    ({"lr_schedule": "linear"}, "lr_schedule: 'linear'; use 'constant' or 'cosine'"),
+    ({"lr_schedule": "linear"}, "lr_schedule: 'linear'; expected one of 'constant', 'cosine'"),
+    ({"compute_dtype": "fp8"}, "compute_dtype: 'fp8'; expected one of 'float32', 'bfloat16', 'float16'"),
+    ({"planner": "greedy"}, 'planner: \'greedy\'; expected "auto", "none" or a \\[planner\\] table'),
+    ({"schedule": "overlap", "pipeline_schedule": "zb1p"}, 'schedule: "overlap" runs with pipeline_schedule = "1f1b"'),
+    ({"backend": "nccl", "device": "cpu"}, "NCCL runs on GPUs"),
 ])
 def test_bad_configs_get_one_line_errors(tmp_path, capsys, over, message):
     import re
@@ -72,10 +76,11 @@ def test_bad_data_gets_one_line_errors(tmp_path, capsys):
 
 @pytest.mark.slow  # make test-all / CI; the default run covers the feature elsewhere
 @pytest.mark.timeout(600)
-def test_train_checkpoint_resume_export(tmp_path, capsys):
+def test_train_checkpoint_resume_export(tmp_path, capsys, monkeypatch):
     import torch
     import transformers
 
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))  # the default planner profiles once, here
     path = setup_run(tmp_path)
     assert main(["train", path]) == 0
     first = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -72,7 +72,7 @@ def test_planner_chooses_among_candidates_and_checks_its_plan(llama7b):
     planner = Planner(llama7b, ["4x tp1,pp2", "tp4 + 2x tp1,pp2", "2x tp4"])
     plan = planner.plan(lengths)
     check_plan(plan, lengths)
-    assert str(plan.strategy) in {"(tp4) + 2×(tp1,pp2)", "2×(tp4)"}  # tp1,pp2 cannot hold 30K tokens
+    assert str(plan.strategy) in {"tp4 + 2x tp1,pp2", "2x tp4"}  # tp1,pp2 cannot hold 30K tokens
     assert predict(plan, planner.comm) == pytest.approx(plan.predicted_ms)
     assert "IterationPlan" in str(plan) and "MaxLen" in str(plan)
 

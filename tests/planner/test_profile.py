@@ -151,6 +151,7 @@ def test_parse_schemes_compact_and_spaced():
     ]
     assert parse_schemes("tp1,pp1 tp2,pp2") == [Scheme(1, 1), Scheme(2, 2)]
     assert parse_schemes("tp2,pp1") == [Scheme(2, 1)]  # one scheme in the spaced format
+    assert parse_schemes("tp1; tp2; tp1,pp2") == [Scheme(1, 1), Scheme(2, 1), Scheme(1, 2)]  # the strategy syntax
     with pytest.raises(CostModelError, match="cannot parse scheme"):
         parse_schemes("tp2,xx3")
 
