@@ -23,7 +23,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from hgraph.core.batch import (
-    DEFAULT_MICRO_BATCH_TOKENS, local_micro_batches, next_token_targets, one_document_per_micro_batch, rank_micro_batches,
+    DEFAULT_MICRO_BATCH_TOKENS, local_micro_batches, longest_packed_row, next_token_targets, one_document_per_micro_batch,
+    rank_micro_batches,
 )
 from hgraph.core.errors import InputError
 from hgraph.planner.dispatch import default_dispatch
@@ -125,6 +126,8 @@ def _simulate_documents(
     dispatch = default_dispatch(strategy.pipelines, lengths, micro_batch_tokens)
     if not compiled.packing.packs:  # as the Trainer: packing not proved exact
         dispatch = one_document_per_micro_batch(dispatch)
+    else:  # as the Trainer: packing proved for rows this long (or PackingError)
+        compiled.packing_for(longest_packed_row(dispatch, lengths))
     buffers = _buffers(compiled)
 
     def micro_batches(rank: int, pipeline: int) -> list[dict[str, torch.Tensor]]:

@@ -38,7 +38,7 @@ from torch import nn
 
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
 from hgraph.compiler.overlap_order import rank_schedule
-from hgraph.compiler.packing_proof import prove_packing
+from hgraph.compiler.packing_proof import check_rows, prove_packing
 from hgraph.compiler.parameter_plans import (
     PlanInputs,
     itemsizes,
@@ -476,6 +476,12 @@ class CompiledModel:
         each document alone; or a ``[batch, seq]`` tensor, each row its own micro-batch."""
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids,
                                  micro_batch_tokens)
+
+    def packing_for(self, tokens: int) -> PackingProof:
+        """``packing``, checked to cover packed micro-batches of ``tokens`` tokens: ``PackingError``
+        where it is exact only for shorter ones (``PackingProof.checked_tokens``)."""
+        check_rows(self.traced, self.packing, tokens)
+        return self.packing
 
 
 def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options: CompileOptions) -> None:

@@ -19,6 +19,13 @@ nothing carries information from one document to another: no op may mix tokens e
    together and on each alone, at lengths past every length constant in the graph (up to
    ``PROBE_MAX_TOKENS``), a long document first and last; every token's loss must agree.
 
+Where the row's length enters the program as a value (Llama 4's NoPE layers scale queries by a function
+of the position in the *row*, from an ``arange`` over it: 1 below 8192 tokens), the probe shows packing
+exact only for its short rows; ``hgraph.compiler.row_terms`` evaluates those terms along a long row and
+finds how long a row may be with them constant. The proof records it (``PackingProof.checked_tokens``),
+and ``check_rows`` raises a ``PackingError`` naming the construct, the row length and the fix before a
+longer packed row trains.
+
 A model neither way proves is trained one document per micro-batch, with a ``PackingWarning``
 naming the module and construct and the cost measured on the probe (``packing="auto"``), or refused
 with a ``PackingError`` (``packing="require"``). ``packing="off"`` never packs. Never packed silently.
@@ -35,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 from torch import fx
 
+from hgraph.compiler.row_terms import exact_rows, length_as_value
 from hgraph.core.batch import next_token_targets
 from hgraph.core.errors import HGraphError, PackingError
 from hgraph.core.model_info import model_dims
@@ -42,7 +50,7 @@ from hgraph.frontend.mask_probe import longest_traced
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.program.products import PackingProof
-from hgraph.rules.base import ShardingOptions, module_of
+from hgraph.rules.base import ShardingOptions
 
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel
@@ -68,6 +76,10 @@ def prove_packing(traced: "TracedModel", mode: str = "auto") -> PackingProof:
     if mode == "off":  # not packed anyway: the probe would change nothing
         return PackingProof(False, "unproved", construct, mode=mode)
     proof = replace(probe(traced, construct), mode=mode)
+    if proof.exact and traced.dynamic and length_as_value(traced.graph_module) is not None:
+        rows = exact_rows(traced.graph_module)  # how long a row keeps the terms constant
+        if rows is not None:  # past the probe's rows, as the terms say
+            proof = replace(proof, checked_tokens=max(rows, max(sum(p) for p in proof.probe_lengths)))
     if not proof.exact:
         model = type(traced.model).__name__
         if mode == "require":
@@ -79,13 +91,27 @@ def prove_packing(traced: "TracedModel", mode: str = "auto") -> PackingProof:
     return proof
 
 
+def check_rows(traced: "TracedModel", proof: PackingProof, tokens: int) -> None:
+    """Raise ``PackingError`` where ``proof`` packs but covers only rows shorter than ``tokens``
+    (``checked_tokens``: the program reads positions in the row)."""
+    if not proof.packs or proof.checked_tokens is None or tokens <= proof.checked_tokens:
+        return
+    raise PackingError(
+        f"{type(traced.model).__name__}: a packed micro-batch of {tokens} tokens, but packing is exact only "
+        f"for micro-batches of up to {proof.checked_tokens} tokens, because {proof.construct} (a value computed "
+        f"from the position in the row, checked constant only that far). Use micro_batch_tokens <= {proof.checked_tokens} "
+        "(a longer document still gets a micro-batch of its own; a planner packs up to its MaxLen), or "
+        "compile with packing='off'"
+    )
+
+
 # ----------------------------------------------------------------------------- from the graph
 def graph_proof(traced: "TracedModel") -> Optional[str]:
     """``None`` when the graph shows every token depends only on its own document (module
     docstring, 1.); else what it cannot show: the refused op (node, module) or the communication."""
     if not traced.dynamic:
         return "the model specialises on its input shape (one graph per length): only probes can show it"
-    length = _length_as_value(traced.graph_module)
+    length = length_as_value(traced.graph_module)
     if length is not None:
         return length
     gm = copy.deepcopy(traced.graph_module)
@@ -103,35 +129,6 @@ def graph_proof(traced: "TracedModel") -> Optional[str]:
         if set(node.users) <= {output}:  # summing the loss over the token chunks
             continue
         return f"{info['op']} of '{info['tensor']}' over tokens (node '{node.name}'): it mixes every token of a micro-batch"
-    return None
-
-
-_VALUE_TYPES = ("Tensor", "number", "float", "complex")  # schema types whose argument is a value, not a size
-
-
-def _length_as_value(gm: fx.GraphModule) -> Optional[str]:
-    """Where the micro-batch's length (or a number computed from it) enters a tensor as a value (``x /
-    seq_len``, ``arange(seq_len)``): packed, it is the row's length, not the document's. As a size
-    (``view``, ``expand``, slice bounds) it only shapes the tensors."""
-    ids = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
-    seq = ids.meta["val"].shape[1]
-    if not isinstance(seq, torch.SymInt):
-        return None
-    symbol = seq.node.expr
-
-    def from_length(value: Any) -> bool:
-        v = value.meta.get("val") if isinstance(value, fx.Node) else None
-        return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and symbol in v.node.expr.free_symbols
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        schema = node.target._schema.arguments
-        given = list(zip(schema, node.args)) + [(a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs]
-        for argument, value in given:
-            if from_length(value) and any(t in str(argument.type) for t in _VALUE_TYPES):
-                return (f"{node.target} at node '{node.name}'{module_of(node)} takes the sequence length "
-                        f"('{value.name}') as a value: packed, that is the micro-batch's length, not the document's")
     return None
 
 
@@ -281,5 +278,5 @@ def _constants(gm: fx.GraphModule) -> list[int]:
     return found
 
 
-__all__ = ["PACKING_MODES", "PROBE_MAX_TOKENS", "PackingWarning", "graph_proof", "probe",
+__all__ = ["PACKING_MODES", "check_rows", "PROBE_MAX_TOKENS", "PackingWarning", "graph_proof", "probe",
            "probe_documents", "prove_packing"]

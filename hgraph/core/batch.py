@@ -125,3 +125,9 @@ def one_document_per_micro_batch(micro_batches: Sequence[Sequence[Sequence[int]]
     """Per pipeline, every micro-batch split into one micro-batch per document (same order): how a
     model whose packing is not proved exact trains (``hgraph.compiler.packing_proof``)."""
     return tuple(tuple((i,) for mb in pipeline for i in mb) for pipeline in micro_batches)
+
+
+def longest_packed_row(micro_batches: Sequence[Sequence[Sequence[int]]], lengths: Sequence[int]) -> int:
+    """Tokens in the longest micro-batch holding more than one document (0 if none): the row length
+    packing must be exact for (``CompiledModel.packing_for``)."""
+    return max((sum(lengths[i] for i in mb) for pipeline in micro_batches for mb in pipeline if len(mb) > 1), default=0)

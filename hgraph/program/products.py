@@ -138,6 +138,10 @@ class PackingProof:
     ``finding``: what the probe saw; ``probe_lengths``: the documents probed, per probe;
     ``packed_ms`` / ``alone_ms``: the probe's forward time packed and one document at a time;
     ``mode``: ``compile(packing=...)``. Training packs (``packs``) when exact and not ``"off"``.
+    ``checked_tokens``: the longest packed row the proof covers; ``None`` for any length (the row's
+    length never enters the program as a value). Where the program reads positions in the row (Llama
+    4's query scale), only a probe shows packing exact, and only up to the row length it ran:
+    ``CompiledModel.packing_for`` probes again before a longer row is trained.
     """
 
     exact: bool
@@ -148,6 +152,7 @@ class PackingProof:
     packed_ms: Optional[float] = None
     alone_ms: Optional[float] = None
     mode: str = "auto"
+    checked_tokens: Optional[int] = None
 
     @property
     def packs(self) -> bool:
@@ -174,7 +179,8 @@ class PackingProof:
                 "by probing " + "; ".join("+".join(map(str, p)) for p in self.probe_lengths) + " tokens"
             )
             note = f" (the graph alone could not show it: {self.construct})" if self.construct and self.method == "probe" else ""
-            return f"packing exact, proved {how}{note}"
+            upto = f" for micro-batches of up to {self.checked_tokens} tokens" if self.checked_tokens is not None else ""
+            return f"packing exact{upto}, proved {how}{note}"
         cost = f"; on the probe one document at a time took {self.cost:.2f}x the packed time" if self.cost else ""
         return (f"packing not proved exact: {self.construct or 'the graph proof failed'}"
                 + (f"; probe: {self.finding}" if self.finding else "") + cost

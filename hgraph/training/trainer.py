@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, U
 
 import torch
 
-from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS, rank_micro_batches
+from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS, longest_packed_row, rank_micro_batches
 from hgraph.core.errors import CheckpointError, InputError, TrainingError
 from hgraph.core.flops import ModelFlops
 from hgraph.core.layout import Layout, Replicate
@@ -119,6 +119,8 @@ class Trainer:
         self.planner = planner
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
+        if planner is None:  # rows of up to micro_batch_tokens: refused now where packing is exact only for shorter
+            compiled.packing_for(micro_batch_tokens)
         layouts = compiled.optimizer_layouts
         shards = initial_shards(compiled, self.rank, self.comm, self.world, self.device, weights, init_seed)
         replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
@@ -158,9 +160,13 @@ class Trainer:
     # ------------------------------------------------------------------ planning
     def dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None] = None) -> Dispatch:
         """Where each sequence runs this iteration (planner's choice unless ``strategy`` is given);
-        one document per micro-batch where packing is not proved exact (``compiled.packing``)."""
+        one document per micro-batch where packing is not proved exact (``compiled.packing``); a
+        ``PackingError`` where it is proved only for shorter micro-batches (``CompiledModel.packing_for``)."""
         d = self._dispatch(lengths, strategy)
-        return d if self.compiled.packing.packs else d.one_document_per_micro_batch()
+        if not self.compiled.packing.packs:
+            return d.one_document_per_micro_batch()
+        self.compiled.packing_for(longest_packed_row(d.micro_batches, lengths))  # PackingError past checked_tokens
+        return d
 
     def _dispatch(self, lengths: Sequence[int], strategy: Union[int, Any, None]) -> Dispatch:
         if strategy is None and self.planner is not None:

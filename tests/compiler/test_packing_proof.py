@@ -89,8 +89,9 @@ def each_document_alone(model, documents):
     tokens = sum(len(d) - 1 for d in documents)
     total = 0.0
     for d in documents:
-        loss = F.cross_entropy(model(d[None], torch.arange(len(d))[None])[0, :-1] if isinstance(model, Leaky)
-                               else model(d[None])[0, :-1], d[1:], reduction="sum") / tokens
+        out = model(d[None], torch.arange(len(d))[None]) if isinstance(model, Leaky) else model(d[None])
+        logits = getattr(out, "logits", out)  # an HF model's output, or the logits
+        loss = F.cross_entropy(logits[0, :-1], d[1:], reduction="sum") / tokens
         loss.backward()
         total += loss.detach()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -194,3 +195,34 @@ def test_a_model_on_the_meta_device_is_probed_with_stand_in_weights():
     assert proof.exact and proof.method == "probe", str(proof)
     with pytest.warns(PackingWarning, match=r"probe: document \d+ of lengths .* packed together"):
         assert not prove_packing(trace(shift, EXAMPLE)).exact
+
+
+def test_llama4_rows_past_its_row_position_scale_are_refused_not_trained_wrong():
+    """Llama 4's NoPE layers scale queries by a function of the position in the *row* (1 below 8192
+    tokens). A micro-batch budget past it packs later documents at other scales: training must refuse
+    that (or equal each document alone), never train on a silently different loss. The default
+    budget (4096) still packs."""
+    from hgraph.models.zoo import zoo_model
+
+    model = zoo_model("llama4")
+    compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 256, (2, 8)))
+    assert compiled.packing.packs and compiled.packing.checked_tokens == 8191, str(compiled.packing)
+    generator = torch.Generator().manual_seed(0)
+    documents = [torch.randint(0, 256, (500,), generator=generator) for _ in range(20)]  # one row: 10000 tokens
+    budget = 10240
+
+    def body(comm):
+        Trainer(compiled, comm=comm, lr=0.0)  # the default micro_batch_tokens packs
+        with pytest.raises(PackingError, match=r"10240 tokens.*up to 8191 tokens.*layers\.3\.self_attn.*packing='off'"):
+            Trainer(compiled, comm=comm, lr=0.0, micro_batch_tokens=budget)
+
+    run_threads(body, 1)
+    try:  # the Trainer's packing (default_dispatch, one row), run with gradients
+        loss, grads = compiled.simulate(0, documents, micro_batch_tokens=budget)
+    except PackingError as exc:
+        assert "a packed micro-batch of 10000 tokens" in str(exc)
+        return
+    ref_loss, ref_grads = each_document_alone(model, documents)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name, want in ref_grads.items():  # freshly initialised: layer 3's query grads are ~1e-5, so relative
+        torch.testing.assert_close(grads[name], want, rtol=1e-3, atol=1e-3 * float(want.abs().max()), msg=name)
