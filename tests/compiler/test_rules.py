@@ -63,9 +63,17 @@ def test_view_splitting_heads_divides_the_constant():
 
 
 def test_view_heads_not_divisible_raises():
+    x = torch.randn(2, 8, 24)
+    with pytest.raises(ShardingRuleError, match="dim 2 of size 3.*not divisible by 4"):
+        decide(lambda t: t.view(2, 8, 3, 8), [x], [(R, Shard(2))], aten.view.default, tp=4)
+
+
+def test_view_of_fewer_heads_than_tp_ranks_gathers():
+    """tp a multiple of the heads (4 ranks, 2 key/value heads): each rank needs a whole head, so the
+    projection is gathered rather than cut (tests/compiler/test_localize.py checks the values)."""
     x = torch.randn(2, 8, 16)
-    with pytest.raises(ShardingRuleError, match="dim 2 of size 2.*not divisible by 4"):
-        decide(lambda t: t.view(2, 8, 2, 8), [x], [(R, Shard(2))], aten.view.default, tp=4)
+    _, d, _ = decide(lambda t: t.view(2, 8, 2, 8), [x], [(R, Shard(2))], aten.view.default, tp=4)
+    assert d.output == (R, R)
 
 
 def test_flatten_of_cp_tokens_is_strided_and_unflattens_back():
