@@ -320,6 +320,38 @@ class OverlapOrder(Protocol):
     buckets: tuple[tuple[int, ...], ...]
 
 
+# ----------------------------------------------------------------------------- replay
+def replay(
+    programs: Mapping[int, Sequence[tuple[Action, ...]]],
+    post: Callable[[int, tuple[Action, ...]], None],
+    ready: Callable[[int, tuple[Action, ...]], bool],
+    complete: Callable[[int, tuple[Action, ...]], None],
+) -> dict[int, int]:
+    """The one event loop over per-rank step lists (``steps``), shared by the dry run (order checks)
+    and ``hgraph.schedule.bubble`` (durations): every rank runs its steps in order; when a rank reaches
+    a step, ``post(rank, step)`` once (its sends leave); the step runs once ``ready(rank, step)``, then
+    ``complete(rank, step)``. Ranks take turns until none moves. Returns the step each rank stopped at
+    (its list's length when it finished)."""
+    pos = dict.fromkeys(programs, 0)
+    posted = dict.fromkeys(programs, False)
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in programs.items():
+            while pos[rank] < len(program):
+                step = program[pos[rank]]
+                if not posted[rank]:
+                    post(rank, step)
+                    posted[rank] = progress = True
+                if not ready(rank, step):
+                    break
+                complete(rank, step)
+                pos[rank] += 1
+                posted[rank] = False
+                progress = True
+    return pos
+
+
 # ----------------------------------------------------------------------------- dry run
 def dry_run(
     programs: Mapping[int, Sequence[Action]],
@@ -342,13 +374,10 @@ def dry_run(
     them has reached its own wait of that group.
     """
     step_lists = {r: steps(a) for r, a in programs.items()}
-    pos = dict.fromkeys(programs, 0)
-    posted = dict.fromkeys(programs, False)
     channels: dict[tuple[int, int, Kind], deque] = defaultdict(deque)
     started: dict[tuple[int, ...], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
     done: dict[int, set] = defaultdict(set)
     reached: dict[int, set[str]] = defaultdict(set)  # the waits a rank has arrived at
-    progress = True
 
     def post(rank: int, step: tuple[Action, ...]) -> None:
         for a in step:
@@ -395,24 +424,13 @@ def dry_run(
             return peers_there and all(len(started[group][m]) > slot for m in group)
         return True
 
-    while progress:
-        progress = False
-        for rank, program in step_lists.items():
-            while pos[rank] < len(program):
-                step = program[pos[rank]]
-                if not posted[rank]:
-                    post(rank, step)
-                    posted[rank] = True
-                    progress = True
-                if not all(ready(rank, a) for a in step):
-                    break
-                for a in step:
-                    if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                        channels[(a.peer, rank, a.kind)].popleft()
-                    done[rank].add((a.kind, (a.chunk, a.mb)))
-                pos[rank] += 1
-                posted[rank] = False
-                progress = True
+    def complete(rank: int, step: tuple[Action, ...]) -> None:
+        for a in step:
+            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                channels[(a.peer, rank, a.kind)].popleft()
+            done[rank].add((a.kind, (a.chunk, a.mb)))
+
+    pos = replay(step_lists, post, lambda rank, step: all(ready(rank, a) for a in step), complete)
     stuck = {r: step_lists[r][pos[r]] for r in programs if pos[r] < len(step_lists[r])}
     if stuck:
         detail = "; ".join(

@@ -1,7 +1,8 @@
 """Pipeline time and bubble of one pipeline under each schedule, from per-micro-batch stage times.
 
 ``pipeline_time(forward, backward, pp=.., schedule=..)`` replays the schedule's action lists
-(``hgraph.schedule.actions``: the same lowerings the runtime executes) with the given durations: every physical
+(``hgraph.schedule.actions``: the same lowerings the runtime executes, run by the same event loop as
+the dry run, ``actions.replay``) with the given durations: every physical
 stage runs its actions in order; a receive waits for the matching send (plus ``p2p`` ms); sends never
 wait. ``forward[v][m]`` / ``backward[v][m]`` are the ms of micro-batch ``m`` on virtual stage ``v``
 (``pp * vpp`` rows; ``v = chunk * pp + stage``; ``vpp = 1``: one row per stage). Under ``"zb1p"`` a
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hgraph.core.errors import PlanError
-from hgraph.schedule.actions import Kind, ScheduleError, pipeline_actions, steps, wrapped_chunk
+from hgraph.schedule.actions import Action, Kind, ScheduleError, pipeline_actions, replay, steps, wrapped_chunk
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved")
 
@@ -75,31 +76,28 @@ def pipeline_time(
         share = {Kind.BACKWARD: 1.0, Kind.BACKWARD_INPUT: 1.0 - weight_share, Kind.BACKWARD_WEIGHT: weight_share}
         return backward[v][mb] * share[kind]
 
-    clock, busy, pos, posted = [0.0] * pp, [0.0] * pp, [0] * pp, [False] * pp
+    clock, busy = [0.0] * pp, [0.0] * pp
     arrival: dict[tuple[Kind, int, int, int], float] = {}  # (receive kind, receiver, chunk, mb) -> ms
     receive = {Kind.SEND_ACT: Kind.RECV_ACT, Kind.SEND_GRAD: Kind.RECV_GRAD}
-    progress = True
-    while progress:
-        progress = False
-        for s in range(pp):
-            while pos[s] < len(programs[s]):
-                step = programs[s][pos[s]]
-                if not posted[s]:  # sends leave at once
-                    for a in step:
-                        if a.kind in receive:
-                            arrival[(receive[a.kind], a.peer, wrapped_chunk(pp, s, a), a.mb)] = clock[s] + p2p
-                    posted[s] = progress = True
-                recvs = [(a.kind, s, a.chunk, a.mb) for a in step if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
-                if any(key not in arrival for key in recvs):
-                    break
-                clock[s] = max([clock[s], *(arrival[key] for key in recvs)])
-                head = step[0]
-                if head.kind not in receive and head.kind not in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                    t = duration(s, head.kind, head.chunk, head.mb)
-                    clock[s] += t
-                    busy[s] += t
-                pos[s] += 1
-                posted[s] = False
-    if any(p < len(prog) for p, prog in zip(pos, programs)):
+
+    def receives(s: int, step: tuple[Action, ...]) -> list[tuple[Kind, int, int, int]]:
+        return [(a.kind, s, a.chunk, a.mb) for a in step if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+
+    def post(s: int, step: tuple[Action, ...]) -> None:  # sends leave at once
+        for a in step:
+            if a.kind in receive:
+                arrival[(receive[a.kind], a.peer, wrapped_chunk(pp, s, a), a.mb)] = clock[s] + p2p
+
+    def complete(s: int, step: tuple[Action, ...]) -> None:
+        clock[s] = max([clock[s], *(arrival[key] for key in receives(s, step))])
+        head = step[0]
+        if head.kind not in receive and head.kind not in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            t = duration(s, head.kind, head.chunk, head.mb)
+            clock[s] += t
+            busy[s] += t
+
+    pos = replay(dict(enumerate(programs)), post,
+                 lambda s, step: all(key in arrival for key in receives(s, step)), complete)
+    if any(pos[s] < len(prog) for s, prog in enumerate(programs)):
         raise PlanError(f"schedule {schedule!r} does not complete for pp={pp}, vpp={vpp}, {m} micro-batches")
     return PipelineTime(max(clock), tuple(busy))
