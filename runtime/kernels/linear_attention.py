@@ -16,11 +16,12 @@ recomputes the forward under autograd, like ``packed_attention``). Heads (the de
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+
+from hgraph.runtime.kernels.custom_op_autograd import autograd_inside_op
 
 Tensor = torch.Tensor
 
@@ -59,16 +60,6 @@ def _per_document(fn: Any, tensors: list[Tensor], position_ids: Optional[Tensor]
     return out
 
 
-@contextlib.contextmanager
-def _autograd_inside_op() -> Iterator[None]:
-    """Let autograd record again inside a custom op's kernel (the dispatcher excludes it there)."""
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded - autograd):
-        with torch.enable_grad():
-            yield
-
-
 # ----------------------------------------------------------------------------- causal convolution
 def _causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """Depthwise causal convolution of ``x [b, c, s]`` with ``weight [c, 1, k]``, as HF's
@@ -99,7 +90,7 @@ def _conv_backward_op(
 ) -> list[Tensor]:
     leaves = [t.detach().requires_grad_(True) for t in (x, weight)]
     b = bias.detach().requires_grad_(True) if bias is not None else None
-    with _autograd_inside_op():
+    with autograd_inside_op():
         out = conv_per_document(leaves[0], leaves[1], b, position_ids)
         grads = torch.autograd.grad(out, [*leaves, *([b] if b is not None else [])], grad)
     return [g.contiguous() for g in grads]
@@ -209,7 +200,7 @@ def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, position_ids: Op
 def _rule_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                       position_ids: Optional[Tensor], chunk_size: int, l2norm: bool) -> list[Tensor]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-    with _autograd_inside_op():
+    with autograd_inside_op():
         out = rule_per_document(*leaves, position_ids, chunk_size, l2norm)
         grads = torch.autograd.grad(out, leaves, grad)
     return [t.contiguous() for t in grads]

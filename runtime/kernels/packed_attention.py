@@ -10,9 +10,8 @@ the kv heads.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -23,6 +22,7 @@ from hgraph.runtime.kernels import attention_kernels
 from hgraph.runtime.kernels.attention_kernels import VARIANT_SCHEMA, AttentionVariant
 from hgraph.runtime.kernels.collectives import active_context, all_gather, entered
 from hgraph.runtime.kernels.context import current
+from hgraph.runtime.kernels.custom_op_autograd import autograd_inside_op
 
 Tensor = torch.Tensor
 
@@ -60,16 +60,6 @@ def _packed_attention_local(
     return attention_kernels.attend(kernel, q, k, v, stream_positions, local_stream, scale, enable_gqa, variant)
 
 
-@contextlib.contextmanager
-def _autograd_inside_op() -> Iterator[None]:
-    """Let autograd record again inside a custom op's kernel (the dispatcher excludes it there)."""
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    autograd = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded - autograd):
-        with torch.enable_grad():
-            yield
-
-
 # The ops take the variant's fields as trailing arguments (their schema comes from AttentionVariant,
 # so a new variant field needs no change here).
 _HEAD = "Tensor q, Tensor k, Tensor v, Tensor position_ids, float? scale, bool cp, bool enable_gqa"
@@ -98,7 +88,7 @@ def _packed_attention_backward(
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     learned = {name: getattr(AttentionVariant(*variant), name).detach().requires_grad_(True)
                for name in AttentionVariant(*variant).tensors()}
-    with _autograd_inside_op():
+    with autograd_inside_op():
         chosen = dataclasses.replace(AttentionVariant(*variant), **learned)
         out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, chosen)
         dq, dk, dv, *rest = torch.autograd.grad(out, [*leaves, *learned.values()], grad, allow_unused=True)
