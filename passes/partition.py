@@ -18,29 +18,20 @@ Communicate Activation step, always between neighbouring stages as the 1F1B sche
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from hgraph.core.errors import StrategyError
+from hgraph.core.layer_names import layer_index
 from hgraph.program.products import Boundary, StageGraph
-
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?:\.|$)")
-
-
-def layer_of_path(path: str) -> Optional[int]:
-    """Layer index named in a module path or parameter name, e.g. ``model.layers.3.mlp`` -> 3."""
-    m = _LAYER_RE.search(path)
-    return int(m.group(1)) if m else None
-
 
 def node_layer(node: fx.Node) -> Optional[int]:
     """Layer of a node from the innermost module that recorded one."""
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in reversed(list(stack.values())):
-        layer = layer_of_path(path)
+        layer = layer_index(path)
         if layer is not None:
             return layer
     return None

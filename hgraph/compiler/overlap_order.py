@@ -30,7 +30,8 @@ import torch
 
 from hgraph.program.options import OverlapConfig
 from hgraph.program.products import Op, ParameterComm, RankSchedule
-from hgraph.program.rank_program import RankProgram, layer_of
+from hgraph.core.layer_names import layer_runs
+from hgraph.program.rank_program import RankProgram
 
 
 def first_use_order(program: RankProgram) -> list[str]:
@@ -62,7 +63,7 @@ def rank_schedule(program: RankProgram, config: OverlapConfig) -> RankSchedule:
     pulls = program.pulls
     names = [pc.name for pc in pulls]
     index = {n: i for i, n in enumerate(names)}
-    layers = layer_of(names)
+    layers = layer_runs(names)
     held = [holds(program, pc) for pc in pulls]
     used = [n for n in first_use_order(program) if n in index and held[index[n]]]
     nbytes = [_dst_bytes(pc, program.rank) if h else 0 for pc, h in zip(pulls, held)]

@@ -38,7 +38,6 @@ import inspect
 import io
 import logging
 import os
-import re
 import threading
 import traceback
 from collections import Counter
@@ -49,12 +48,12 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from hgraph.core.errors import InputError, TraceError
+from hgraph.core.layer_names import layer_index
 from hgraph.frontend.canonicalize import canonicalize
 from hgraph.frontend.linear_attention import hf_kernels, refuse_unsupported_mixers
 from hgraph.frontend.meta import fake_parameters, materialize_buffers
 
 INPUT_NAMES = ("input_ids", "position_ids", "targets")
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
 # simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
@@ -163,8 +162,7 @@ class TracedModel:
 
     def layer_of(self, fqn: str) -> int | None:
         """Layer index in a name like ``layers.3.attn...`` or ``h.3.mlp...``; None outside layers."""
-        match = _LAYER_RE.search(self.tied.get(fqn, fqn))
-        return int(match.group(1)) if match else None
+        return layer_index(self.tied.get(fqn, fqn))
 
     def flat_args(
         self,

@@ -3,12 +3,12 @@ the action IR (``RankProgram.actions``); the ``CompiledPrograms`` protocol the r
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
+from hgraph.core.layer_names import layer_runs
 from hgraph.core.layout import Layout, Partial
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.program.options import CompileOptions
@@ -123,27 +123,13 @@ class RankProgram:
                 f"{'interleaved' if self.vpp > 1 else self.pipeline_schedule})")
 
 
-def layer_of(names: Sequence[str]) -> list[int]:
-    """Layer index of each parameter (in order): consecutive parameters sharing the prefix up to the
-    first numeric path component (``layers.3.``) are one layer; others are a layer each."""
-    out, key_prev, layer = [], None, -1
-    for name in names:
-        m = re.match(r"^(.*?\.\d+)\.", name)
-        key = m.group(1) if m else name
-        if key != key_prev:
-            layer += 1
-            key_prev = key
-        out.append(layer)
-    return out
-
-
 def layer_buckets(comms: Sequence[ParameterComm], coalesce: bool) -> list[list[ParameterComm]]:
     """``comms`` cut into runs of one layer each when ``coalesce``, else singletons."""
     if not coalesce:
         return [[pc] for pc in comms]
     buckets: list[list[ParameterComm]] = []
     previous = None
-    for pc, layer in zip(comms, layer_of([pc.name for pc in comms])):
+    for pc, layer in zip(comms, layer_runs([pc.name for pc in comms])):
         if buckets and layer == previous:
             buckets[-1].append(pc)
         else:

@@ -6,7 +6,8 @@ import torch
 from hgraph.core.errors import StrategyError
 from hgraph.frontend import trace
 from hgraph.models import Llama, LlamaConfig
-from hgraph.passes.partition import balance_layers, layer_of_path, partition
+from hgraph.core.layer_names import layer_index
+from hgraph.passes.partition import balance_layers, partition
 
 
 def test_balance_layers_minimises_the_largest_stage():
@@ -17,10 +18,10 @@ def test_balance_layers_minimises_the_largest_stage():
         balance_layers([1, 1], 5)
 
 
-def test_layer_of_path():
-    assert layer_of_path("model.layers.12.mlp.up_proj") == 12
-    assert layer_of_path("transformer.h.3.attn") == 3
-    assert layer_of_path("lm_head") is None
+def test_layer_index():
+    assert layer_index("model.layers.12.mlp.up_proj") == 12
+    assert layer_index("transformer.h.3.attn") == 3
+    assert layer_index("lm_head") is None
 
 
 @pytest.fixture(scope="module")
