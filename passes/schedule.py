@@ -13,8 +13,6 @@ from typing import Any, Sequence
 
 from torch import fx
 
-PULL_TAG, PUSH_TAG = 1, 2  # point-to-point tags of pull and push plans (activations: 0)
-
 
 def overlap_graph(gm: fx.GraphModule, params: Sequence[str], use_param: Any) -> fx.GraphModule:
     """A copy of a stage graph where each parameter placeholder's first use goes through

@@ -18,15 +18,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hgraph.program.rank_program import RankProgram, layer_buckets
-from hgraph.runtime.kernels.comm import Handle
+from hgraph.runtime.kernels.comm import CommTag, Handle
 from hgraph.runtime.kernels.context import current
 from hgraph.runtime.kernels.failures import comm_step
-from hgraph.passes.schedule import PULL_TAG, PUSH_TAG, overlap_graph
+from hgraph.passes.schedule import overlap_graph
 from hgraph.runtime.kernels.reshard import execute, start
 from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
 from hgraph.schedule.actions import COMPUTE, P2P, Action, Kind, steps
 
-_ACT_TAG, _HEADER_TAG, _GRAD_TAG = 0, 3, 4  # pull and push plans of the overlap schedule use 1 and 2
 
 
 def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
@@ -152,7 +151,7 @@ class Executor:
         plans = [pc.pull.plan for pc in bucket]
         t0 = time.time()
         if self.overlap:  # no coalescing under the overlap schedule: one plan per name
-            self.handles[(Kind.PULL_START, a.group)] = (start(plans[0], sources[0], self.comm, tag=PULL_TAG), t0)
+            self.handles[(Kind.PULL_START, a.group)] = (start(plans[0], sources[0], self.comm, tag=CommTag.PULL), t0)
             return
         with comm_step(program.rank, _label("pull_parameter", bucket, plans)):
             self.results[(Kind.PULL_START, a.group)] = _run_bucket(plans, sources, self.comm)
@@ -207,7 +206,7 @@ class Executor:
         t0 = time.time()
         if self.overlap:
             self.handles[(Kind.PUSH_START, a.group)] = (start(
-                plans[0], grads[0], self.comm, dtype=program.push_dtype, device=self.device, tag=PUSH_TAG), t0)
+                plans[0], grads[0], self.comm, dtype=program.push_dtype, device=self.device, tag=CommTag.PUSH), t0)
             return
         with comm_step(program.rank, _label("push_gradient", bucket, plans)):
             self.results[(Kind.PUSH_START, a.group)] = _run_bucket(
@@ -303,10 +302,11 @@ class Executor:
                 grad_recvs += [(a.peer, b) for b in state.grads_in[a.mb]]
         header_recvs = [(a.peer, torch.zeros(HEADER, dtype=torch.int64, device=self.device))
                         for a in step if a.kind is Kind.RECV_ACT for _ in states[a.chunk].stage_graph.recv]
-        self.sends += [comm.start_exchange(headers, [], tag=_HEADER_TAG), comm.start_exchange(acts, [], tag=_ACT_TAG),
-                       comm.start_exchange(grads, [], tag=_GRAD_TAG)]
-        handles = [comm.start_exchange([], grad_recvs, tag=_GRAD_TAG)]
-        comm.start_exchange([], header_recvs, tag=_HEADER_TAG).wait()
+        self.sends += [comm.start_exchange(headers, [], tag=CommTag.HEADER),
+                       comm.start_exchange(acts, [], tag=CommTag.ACTIVATION),
+                       comm.start_exchange(grads, [], tag=CommTag.GRADIENT)]
+        handles = [comm.start_exchange([], grad_recvs, tag=CommTag.GRADIENT)]
+        comm.start_exchange([], header_recvs, tag=CommTag.HEADER).wait()
         shapes = iter(header_recvs)
         act_recvs = []
         for a in step:
@@ -314,7 +314,7 @@ class Executor:
                 state = states[a.chunk]
                 state.received[a.mb] = [from_header(next(shapes)[1]) for _ in state.stage_graph.recv]
                 act_recvs += [(a.peer, b) for b in state.received[a.mb]]
-        handles.append(comm.start_exchange([], act_recvs, tag=_ACT_TAG))
+        handles.append(comm.start_exchange([], act_recvs, tag=CommTag.ACTIVATION))
         for handle in handles:
             handle.wait()
         for a in step:

@@ -18,6 +18,7 @@ deposits, the wait collects); the blocking forms are start + wait.
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 from collections import defaultdict
@@ -29,6 +30,17 @@ from hgraph.core.errors import CommunicationError
 from hgraph.runtime.kernels.failures import comm_timeout
 
 Group = tuple[int, ...]
+
+
+class CommTag(enum.IntEnum):
+    """Point-to-point tags, one per kind of message, so that exchanges in flight at the same time
+    between the same two ranks never match each other's messages."""
+
+    ACTIVATION = 0  # pipeline activations between stages
+    PULL = 1  # Pull Parameter plans of the overlap schedule
+    PUSH = 2  # Push Gradient plans of the overlap schedule
+    HEADER = 3  # the activation headers (shapes, dtypes) sent ahead of activations
+    GRADIENT = 4  # pipeline gradients between stages
 
 
 class Handle:
