@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 from hgraph.core.errors import StrategyError
 
@@ -207,15 +207,9 @@ class Strategy:
             m = re.match(r"^(\d+)\s*[x×*]\s*(.*)$", part)
             if m:
                 count, part = int(m.group(1)), m.group(2)
-            part = part.strip().strip("()")
-            degrees = {"tp": 1, "pp": 1, "cp": 1, "vpp": 1, "ep": 1}
-            for token in filter(None, (t.strip() for t in part.split(","))):
-                m2 = re.fullmatch(r"(tp|vpp|pp|cp|ep)(\d+)", token)
-                if not m2:
-                    raise StrategyError(
-                        f"cannot parse {token!r} in strategy {text!r}; use e.g. 'tp2,pp2 + 2x tp1'"
-                    )
-                degrees[m2.group(1)] = int(m2.group(2))
+            degrees = parse_degrees(part)
+            if isinstance(degrees, str):
+                raise StrategyError(f"cannot parse {degrees!r} in strategy {text!r}; use e.g. 'tp2,pp2 + 2x tp1'")
             pipelines.extend(Pipeline(**degrees) for _ in range(count))
         return cls(tuple(pipelines), gpus_per_node=gpus_per_node)
 
@@ -228,6 +222,23 @@ class Strategy:
             else:
                 groups.append((s, 1))
         return " + ".join(s if n == 1 else f"{n}x {s}" for s, n in groups)
+
+
+DEGREES = ("tp", "pp", "cp", "vpp", "ep")
+
+
+def parse_degrees(text: str, names: Sequence[str] = DEGREES) -> Union[dict[str, int], str]:
+    """The one parser of a pipeline's degrees, written ``tp2,pp2`` (``(tp2,pp2)`` is read too): every
+    name of ``names`` -> its degree (omitted: 1), or the token it cannot read (callers name it in their
+    own error)."""
+    degrees = dict.fromkeys(names, 1)
+    pattern = re.compile(rf"({'|'.join(sorted(names, key=len, reverse=True))})(\d+)")
+    for token in filter(None, (t.strip() for t in text.strip().strip("()").split(","))):
+        m = pattern.fullmatch(token)
+        if not m:
+            return token
+        degrees[m.group(1)] = int(m.group(2))
+    return degrees
 
 
 def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:

@@ -22,7 +22,6 @@ and the routed rows are costed at balanced routing.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hgraph.core.errors import CostModelError
+from hgraph.core.strategy import parse_degrees
 from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
 
 PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")
@@ -64,12 +64,9 @@ class Scheme:
     @classmethod
     def parse(cls, text: str) -> Scheme:
         """Read ``"tp2,pp4"`` / ``"tp4,cp2"`` / ``"tp4,ep4"`` / ``"(tp8)"``; omitted degrees are 1."""
-        degrees = {"tp": 1, "pp": 1, "cp": 1, "ep": 1}
-        for token in filter(None, (t.strip() for t in text.strip().strip("()").split(","))):
-            m = re.fullmatch(r"(tp|pp|cp|ep)([1-9]\d*)", token)
-            if not m:
-                raise CostModelError(f"cannot parse scheme {text!r}; write e.g. 'tp2,pp4', 'tp4,cp2' or 'tp4,ep4'")
-            degrees[m.group(1)] = int(m.group(2))
+        degrees = parse_degrees(text, ("tp", "pp", "cp", "ep"))
+        if isinstance(degrees, str):
+            raise CostModelError(f"cannot parse scheme {text!r}; write e.g. 'tp2,pp4', 'tp4,cp2' or 'tp4,ep4'")
         return cls(**degrees)
 
     @classmethod
