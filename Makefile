@@ -25,10 +25,10 @@ demo: $(STAMP)
 
 # `make test` deselects tests marked slow (pyproject addopts); `make test-all` runs them too.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(TEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q --durations=15 $(TEST_ARGS)
 
 test-slow: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m slow $(TEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m slow --durations=15 $(TEST_ARGS)
 
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "slow or not slow" $(TEST_ARGS)

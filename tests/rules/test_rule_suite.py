@@ -23,8 +23,17 @@ def registered_name(target) -> str:
     return op_name(target)
 
 
+# Rules checked end to end instead of op by op: expert parallelism's token movement exists only inside a
+# MoE layer rewritten by hgraph.passes.experts on an expert mesh (ep, etp), which a one-op case on the
+# (cp, tp) mesh cannot build. tests/compiler/test_expert_parallel.py checks them: simulate equals the
+# unmodified model, loss and every gradient, under every ep strategy.
+CHECKED_END_TO_END = {
+    f"hgraph.runtime.kernels.expert_dispatch.{op}" for op in ("permute_tokens", "dispatch", "combine", "unpermute_tokens")
+}
+
+
 def test_every_registered_rule_has_a_case():
-    missing = sorted(set(registered_ops()) - set(CASES))
+    missing = sorted(set(registered_ops()) - set(CASES) - CHECKED_END_TO_END)
     assert not missing, f"sharding rules with no case in tests/rules/rule_cases.py: {missing}"
     assert not sorted(set(CASES) - set(registered_ops())), "cases for ops that have no rule"
 
