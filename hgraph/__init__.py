@@ -25,10 +25,14 @@ from hgraph.core.strategy import Pipeline, Strategy
 
 def __getattr__(name: str):
     # Heavy parts (torch.export, the runtime) load on first use, so `import hgraph` stays light.
-    if name in ("compile", "CompiledModel"):
-        from hgraph.compiler import compiled_model as compiler
+    if name == "compile":
+        from hgraph.compiler.entry import compile
 
-        return getattr(compiler, name)
+        return compile
+    if name == "CompiledModel":
+        from hgraph.compiler.compiled_model import CompiledModel
+
+        return CompiledModel
     if name == "Pass":
         from hgraph.passes.pipeline import Pass
 

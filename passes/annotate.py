@@ -42,7 +42,7 @@ from hgraph.rules.base import (
 from hgraph.rules.registry import lookup
 
 if TYPE_CHECKING:
-    from hgraph.program.products import CompileContext
+    from hgraph.program.context import CompileContext
 
 
 def annotate(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:

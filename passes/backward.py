@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hgraph.core.batch import local_micro_batches
 from hgraph.core.errors import CommunicationError, TraceError
-from hgraph.program.products import CompiledPrograms
+from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.kernels.context import RankContext, rank_context
 
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "split", "all_to_all", "all_reduce_max")

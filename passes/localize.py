@@ -58,7 +58,7 @@ from hgraph.runtime.kernels.collectives import (
 )
 
 if TYPE_CHECKING:
-    from hgraph.program.products import CompileContext
+    from hgraph.program.context import CompileContext
 
 aten = torch.ops.aten
 _DROPPED_META = ("val", "tensor_meta", "hgraph_decision", "hgraph_grad_reduce")

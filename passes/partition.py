@@ -25,8 +25,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import StrategyError
-from hgraph.program.products import Boundary as Boundary
-from hgraph.program.products import StageGraph as StageGraph
+from hgraph.program.products import Boundary, StageGraph
 
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|decoder_layers)\.(\d+)(?:\.|$)")
 

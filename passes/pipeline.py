@@ -37,7 +37,7 @@ import torch.fx as fx
 from hgraph.core.errors import HGraphError, InputError
 
 if TYPE_CHECKING:
-    from hgraph.program.products import CompileContext
+    from hgraph.program.context import CompileContext
 
 log = logging.getLogger("hgraph.passes")
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.program.products import CompileContext
+from hgraph.program.context import CompileContext
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy
 

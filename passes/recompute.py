@@ -23,8 +23,8 @@ from typing import Optional
 import torch.fx as fx
 
 from hgraph.passes.partition import node_layer
-from hgraph.program.products import CompileContext
-from hgraph.program.products import RecomputeConfig as RecomputeConfig
+from hgraph.program.context import CompileContext
+from hgraph.program.options import RecomputeConfig
 from hgraph.runtime.kernels.recompute import RecomputedRegion
 
 

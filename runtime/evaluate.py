@@ -14,7 +14,7 @@ import torch
 from hgraph.runtime.kernels.context import current
 from hgraph.schedule.actions import pipeline_peers
 from hgraph.core.errors import InputError
-from hgraph.program.products import RankProgram
+from hgraph.program.rank_program import RankProgram
 from hgraph.runtime.executor import pull_parameters
 from hgraph.runtime.stage import HEADER, from_header, send_header, shards_device
 from hgraph.runtime.kernels.failures import comm_step

@@ -17,8 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from hgraph.program.products import RankProgram as RankProgram
-from hgraph.program.products import layer_buckets as layer_buckets
+from hgraph.program.rank_program import RankProgram, layer_buckets
 from hgraph.runtime.kernels.comm import Handle
 from hgraph.runtime.kernels.context import current
 from hgraph.runtime.kernels.failures import comm_step

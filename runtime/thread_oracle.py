@@ -21,7 +21,7 @@ from hgraph.runtime.kernels.context import RankContext, rank_context
 
 from hgraph.core.batch import local_micro_batches, next_token_targets
 from hgraph.core.errors import InputError
-from hgraph.program.products import CompiledPrograms
+from hgraph.program.rank_program import CompiledPrograms
 
 
 def shard_parameters(compiled: CompiledPrograms, rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -186,7 +186,7 @@ def test_temporary_exceptions_are_still_needed():
 
 
 @pytest.mark.parametrize("source", [
-    "from hgraph.compiler.compiled_model import compile\n",
+    "from hgraph.compiler.entry import compile\n",
     "def f():\n    from hgraph.training.trainer import Trainer\n",
     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from hgraph.passes.partition import partition\n",
     "import hgraph.profiling.profile\n",

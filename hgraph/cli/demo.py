@@ -108,7 +108,7 @@ def corpus_batches(cfg: DemoConfig) -> list[list[int]]:
 
 def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     """Runs on every rank: compile all candidates, then train with the planner choosing."""
-    from hgraph.compiler import compiled_model
+    from hgraph.compiler import entry
     from hgraph.training.trainer import Trainer
     from hgraph.planner.assign import Planner
     from hgraph.planner.correction import OnlineCorrection
@@ -120,7 +120,7 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     model = model_factory(cfg.size)
     start = time.perf_counter()
-    compiled = compiled_model.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)),
+    compiled = entry.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)),
                                       schedule=cfg.schedule)
     compile_s = time.perf_counter() - start
     cost_model = CostModel.from_table(json.loads(cfg.cost_table))

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.compiler.compiled_model import compile as compile_model
+    from hgraph.compiler.entry import compile as compile_model
 
     model = load_factory(args.model)()
     if not isinstance(model, torch.nn.Module):

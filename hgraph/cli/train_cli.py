@@ -176,13 +176,13 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
 
 
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
-    from hgraph.compiler import compiled_model
+    from hgraph.compiler import entry
     from hgraph.training.trainer import Trainer
     from hgraph.runtime.checkpoint_manager import CheckpointManager
 
     model = ModelSpec(cfg.model, cfg.seed)()
     vocab = model_vocab(model) or 256
-    compiled = compiled_model.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)))
+    compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)))
     planner = None
     if cost_table or cfg.cost_table:
         from hgraph.planner.assign import Planner

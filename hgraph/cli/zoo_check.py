@@ -78,7 +78,7 @@ def check_family(
     The batch is longer than the example and than the zoo's sliding windows. Strategies without cp
     are compiled together (one trace), each cp strategy on its own, so one refusal names itself.
     """
-    from hgraph.compiler import compiled_model
+    from hgraph.compiler import entry
 
     model = zoo_model(name).eval()
     generator = torch.Generator().manual_seed(0)
@@ -90,7 +90,7 @@ def check_family(
     results = []
     for group in (g for g in groups if g):
         try:
-            compiled = compiled_model.compile(model, group, example_inputs=example_ids)
+            compiled = entry.compile(model, group, example_inputs=example_ids)
         except HGraphError as exc:
             results += [ZooResult(name, s, "error", f"{type(exc).__name__}: {exc}") for s in group]
             continue

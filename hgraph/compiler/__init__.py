@@ -1,2 +1,4 @@
-"""The compiler: ``compile`` and ``CompiledModel`` (``compiled_model.py``), the on-disk plan cache
-(``compile_cache.py``) and printing (``show.py``). ``hgraph.compile`` is the public entry point."""
+"""The compiler: ``compile`` (``entry.py``) builds a ``CompiledModel`` (``compiled_model.py``), which
+runs the passes and the compile steps: parameter planning (``parameter_plans.py``), the overlap order
+(``overlap_order.py``), the dry run of every rank's actions (``verify.py``); the on-disk plan cache
+(``compile_cache.py``) and inspection (``show.py``). ``hgraph.compile`` is the public entry point."""

@@ -1,4 +1,5 @@
-"""``hgraph.compile``: one explicit, inspectable program per strategy and rank.
+"""``CompiledModel``: one explicit, inspectable program per strategy and rank (``hgraph.compile``,
+in ``entry.py``, checks the options, traces the model and builds one).
 
 Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes transform graphs,
 steps compute products with the typed functions named; results cached; see docs/architecture.md)::
@@ -9,7 +10,7 @@ steps compute products with the typed functions named; results cached; see docs/
                                                                                  = stage programs
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
-                                RankProgram (hgraph.program.products) = stage program + pulls + pushes
+                                RankProgram (hgraph.program.rank_program) = stage program + pulls + pushes
                                 + pipeline schedule; schedule step (``rank_schedule``): its overlap order
 
 Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
@@ -29,49 +30,44 @@ import time
 import warnings
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.compiler.overlap_order import rank_schedule
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
-from hgraph.schedule.actions import PIPELINE_SCHEDULES, Kind, dry_run, wrapped_chunk
-from hgraph.core.errors import HGraphError, StrategyError, TraceError
-from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel, trace
-from hgraph.frontend.router_loss import loss_for
-from hgraph.core.layout import InterleavedShard, Layout
-from hgraph.core.model_info import model_dims as model_dims
-from hgraph.core.model_info import validate_strategies as validate_strategies
-from hgraph.passes.insert_comm import activation_record, activation_subgraphs, parameter_layouts, plan_parameters
-from hgraph.passes.partition import partition
+from hgraph.compiler.overlap_order import rank_schedule
+from hgraph.compiler.parameter_plans import (
+    PlanInputs,
+    itemsizes,
+    optimizer_layouts,
+    parameter_layouts,
+    parameter_specs,
+    plan_inputs,
+    plan_parameters,
+)
+from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
+from hgraph.compiler.verify import check_actions, typical_dispatches
+from hgraph.core.errors import StrategyError
+from hgraph.core.layout import Layout
+from hgraph.core.strategy import Pipeline, Strategy
+from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
 from hgraph.passes.annotate import annotate
+from hgraph.passes.backward import JointGraphs, rank_joint
 from hgraph.passes.localize import localize
+from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import autocast
 from hgraph.passes.recompute import recompute
-from hgraph.runtime.kernels.reshard import late_peers
-from hgraph.lnk.topology import Topology
-from hgraph.program.products import (
-    CommSubgraph,
-    CompileContext,
-    CompileOptions,
-    OverlapConfig,
-    ParameterComm,
-    ParameterLayouts,
-    RankProgram,
-    RecomputeConfig,
-    StageGraph,
-)
-from hgraph.core.strategy import Pipeline, Strategy, as_strategies
-from hgraph.core.zero import optimizer_layout
-
-if TYPE_CHECKING:
-    from hgraph.passes.backward import JointGraphs
+from hgraph.program.options import CompileOptions
+from hgraph.program.context import CompileContext
+from hgraph.program.products import CommSubgraph, ParameterComm, ParameterLayouts, StageGraph
+from hgraph.program.rank_program import RankProgram
+from hgraph.runtime.thread_oracle import simulate_strategy
 
 StrategyLike = Union[int, Strategy]
-_COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
+COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
 VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to this world size
 
 
@@ -119,13 +115,16 @@ class CompiledModel:
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int], fx.GraphModule] = {}
         self._stages: dict[tuple[int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp)
-        self._plan_inputs: dict[int, tuple[dict, dict, dict]] = {}
+        self._plan_inputs: dict[int, PlanInputs] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
         self._programs: dict[tuple[int, int], RankProgram] = {}
         self._joints: dict[tuple[int, int, int], JointGraphs] = {}
         start = time.perf_counter()
-        self.optimizer_layouts: dict[str, Layout] = self._optimizer_layouts()
+        meshes = list(dict.fromkeys(p.stage_mesh for s in strategies for p in s.pipelines))
+        with gc_paused():  # builds every stage mesh's local program
+            mesh_specs = [self._specs(mesh, "hgraph_param_spec") for mesh in meshes]
+        self.optimizer_layouts: dict[str, Layout] = optimizer_layouts(self.param_shapes, self.world_size, mesh_specs)
         own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
         cache = self._cache(cache_directory(cache_dir), own)
         self.cache_hit = False
@@ -146,30 +145,16 @@ class CompiledModel:
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
         if options.schedule == "overlap" and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
-                n = len(strategies[i].pipelines)
-                for counts in ([1] * n, [2] * n, [3] * n, [2] * (n - 1) + [0]):
+                for counts in typical_dispatches(len(strategies[i].pipelines)):
                     self.check_overlap(i, counts)
         self.compile_seconds = time.perf_counter() - start
 
+    # ------------------------------------------------------------------ verification (verify.py)
     def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the action lists (``RankProgram.actions``) of every rank of ``strategy`` with
         ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.schedule.actions.dry_run``); raises
         ``ScheduleError`` naming rank, action and peer on a deadlock or a mismatched order."""
-        index = self.strategy_index(strategy)
-        programs = {r: self.program(index, r) for r in range(self.world_size)}
-        bucket_ranks = {(r, pc.name): pc.pull.plan.ranks for r, p in programs.items() for pc in p.pulls}
-        bucket_ranks.update({(r, pc.name): pc.push.plan.ranks for r, p in programs.items() for pc in p.pushes})
-        late = {(r, kind, pc.name): late_peers(plan, r) for r, p in programs.items()
-                for kind, pcs in ((Kind.PULL_WAIT, p.pulls), (Kind.PUSH_WAIT, p.pushes))
-                for pc in pcs for plan in [pc.pull.plan if kind is Kind.PULL_WAIT else pc.push.plan]}
-        dry_run(
-            {r: p.actions(micro_batches[p.pipeline]) for r, p in programs.items()},
-            members=lambda r, group: bucket_ranks[(r, group)],
-            first=lambda r, c: programs[r].stage == 0 and c == 0,
-            last=lambda r, c: programs[r].is_last_stage and c == programs[r].vpp - 1,
-            route=lambda r, a: wrapped_chunk(programs[r].pp, programs[r].stage, a),
-            late=lambda r, a: late[(r, a.kind, a.group)],
-        )
+        check_actions(self, self.strategy_index(strategy), micro_batches)
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
@@ -204,12 +189,13 @@ class CompiledModel:
         """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
         key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
         if key not in self._stages:
-            with _gc_paused():
+            with gc_paused():
                 self._stages[key] = self._stage_graphs(pipeline, key)
         return self._stages[key]
 
     def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int]) -> list[StageGraph]:
-        """``stage_graphs`` built: the pipeline passes, then the stage passes on each stage."""
+        """``stage_graphs`` built: the partition step (with the pipeline-level passes), then the stage
+        passes on each stage."""
         gm = self.local_program(pipeline.cp, pipeline.tp)
         scope = f"cp{pipeline.cp},tp{pipeline.tp},pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else "")
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp,
@@ -227,29 +213,8 @@ class CompiledModel:
         self.pass_history += records
         return stages
 
-    def _optimizer_layouts(self) -> dict[str, Layout]:
-        """The fixed ZeRO layouts; a fused projection cut by blocks on some stage mesh keeps its blocks."""
-        blocks: dict[str, InterleavedShard] = {}
-        meshes = list(dict.fromkeys(p.stage_mesh for s in self.strategies for p in s.pipelines))
-        with _gc_paused():  # builds every stage mesh's local program
-            specs = [self._specs(*mesh, "hgraph_param_spec") for mesh in meshes]
-        for mesh_specs in specs:
-            for fqn, spec in mesh_specs.items():
-                for p in spec:
-                    if isinstance(p, InterleavedShard):
-                        blocks.setdefault(fqn, p)
-        return {fqn: optimizer_layout(shape, self.world_size, blocks.get(fqn)) for fqn, shape in self.param_shapes.items()}
-
-    def _specs(self, cp: int, tp: int, key: str) -> dict[str, tuple]:
-        gm = self.local_program(cp, tp)
-        out = {}
-        for n in gm.graph.nodes:
-            if n.op == "placeholder" and n.name in self.traced.param_names:
-                spec = n.meta.get(key)
-                if spec is None:
-                    raise HGraphError(f"localize left parameter {n.name} without {key}")
-                out[self.traced.param_names[n.name]] = tuple(spec)
-        return out
+    def _specs(self, mesh: tuple[int, int], key: str) -> dict[str, tuple]:
+        return parameter_specs(self.local_program(*mesh), self.traced.param_names, key)
 
     def _cache(self, directory: Optional[str], own: list[tuple[int, int]]) -> Optional[CompileCache]:
         """The cache entry of this compile's own plans, keyed by everything they are built from."""
@@ -264,45 +229,21 @@ class CompiledModel:
         )
         return CompileCache(directory, plan_key(inputs))
 
-    def _comm_inputs(self, index: int) -> tuple[dict, dict, dict]:
-        """Strategy ``index``'s parameter users ``name -> [(pipeline, stage)]`` and per-mesh compute and
-        gradient placements ``mesh -> {name: spec}``: what its Pull / Push layouts are built from."""
-        if index in self._plan_inputs:
-            return self._plan_inputs[index]
-        strategy = self.strategies[index]
-        stages_of: dict[tuple[int, int, int, int], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
-        specs, grad_specs = {}, {}
-        for pipeline in strategy.pipelines:
-            mesh, scheme = pipeline.stage_mesh, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
-            if mesh not in specs:
-                specs[mesh] = self._specs(*mesh, "hgraph_param_spec")
-                grad_specs[mesh] = self._specs(*mesh, "hgraph_grad_spec")
-            if scheme not in stages_of:  # data-parallel pipelines of one scheme share their stage programs
-                held: dict[str, dict[int, None]] = {}
-                for sg in self.stage_graphs(pipeline):
-                    for ph in sg.params:  # the physical stage running this chunk
-                        held.setdefault(self.traced.param_names[ph], {})[sg.stage % pipeline.pp] = None
-                stages_of[scheme] = {name: tuple(st) for name, st in held.items()}
-        schemes = [(p.cp, p.tp, p.pp, p.vpp) for p in strategy.pipelines]
-        shared: dict[tuple, list[tuple[int, int]]] = {}  # parameters held alike share one holder list
-        users: dict[str, list[tuple[int, int]]] = {}
-        for name in dict.fromkeys(n for held in stages_of.values() for n in held):  # first use, as the stages hold them
-            pattern = tuple(held.get(name, ()) for held in stages_of.values())
-            if pattern not in shared:
-                at = dict(zip(stages_of, pattern))
-                shared[pattern] = [(i, st) for i, scheme in enumerate(schemes) for st in at[scheme]]
-            users[name] = shared[pattern]
-        self._plan_inputs[index] = (users, specs, grad_specs)
+    def _comm_inputs(self, index: int) -> PlanInputs:
+        """Strategy ``index``'s ``plan_inputs`` (built once)."""
+        if index not in self._plan_inputs:
+            self._plan_inputs[index] = plan_inputs(self.strategies[index], self.stage_graphs, self._specs,
+                                                   self.traced.param_names)
         return self._plan_inputs[index]
 
     def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
         """Every parameter's optimizer, compute and gradient layouts in strategy ``index`` (shared by
-        its ranks): the ``insert_comm`` pass and the user passes at its level."""
+        its ranks): the insert_comm step, with the user passes at its level."""
         if index not in self._param_layouts:
             strategy = self.strategies[index]
             ctx = self._context(strategy=strategy)
             gm = self.local_program(*strategy.pipelines[0].stage_mesh)
-            with _gc_paused():
+            with gc_paused():
                 layouts, records = self._passes["strategy"].around(
                     gm, ctx, f"strategy {strategy}",
                     lambda: parameter_layouts(strategy, *self._comm_inputs(index), self.param_shapes, self.optimizer_layouts),
@@ -319,10 +260,8 @@ class CompiledModel:
         if key not in self._param_comm:
             layouts = self._parameter_layouts(index)
             start = time.perf_counter()
-            compute = self.options.compute_dtype or torch.float32
-            itemsize = torch.finfo(compute).bits // 8
-            push_itemsize = torch.finfo(self.options.reduce_dtype or compute).bits // 8
-            with _gc_paused():  # the plans' cached rules are long-lived: no full collection of the graphs meanwhile
+            itemsize, push_itemsize = itemsizes(self.options)
+            with gc_paused():  # the plans' cached rules are long-lived: no full collection of the graphs meanwhile
                 self._param_comm[key] = plan_parameters(layouts, itemsize, self.options.topology, push_itemsize, rank)
             self.pass_history.append(
                 PassRecord("plan", time.perf_counter() - start, 0, 0, f"strategy {self.strategies[index]} rank {rank}")
@@ -334,7 +273,6 @@ class CompiledModel:
         named = dict(self.model.named_parameters())
         return {fqn: named[fqn] for fqn in self.traced.param_names.values()}
 
-    # ------------------------------------------------------------------ inspection
     def strategy_index(self, strategy: StrategyLike) -> int:
         """Index of ``strategy`` (an index or one of the compiled ``Strategy`` objects)."""
         if isinstance(strategy, int) and not isinstance(strategy, bool):
@@ -365,18 +303,16 @@ class CompiledModel:
         pi = s.pipeline_of(rank)
         pipeline = s.pipelines[pi]
         stage = pipeline.stage_of(rank)
-        groups = pipeline.groups_of(rank)
         stages = self.stage_graphs(pipeline)
         comm = self.parameter_comm(index, rank)
-        order = self._layer_order()
-        pulls = tuple(comm[name] for name in order if name in comm)
+        pulls = tuple(comm[name] for name in self.traced.param_names.values() if name in comm)  # forward order
         program = RankProgram(
             strategy_index=index,
             rank=rank,
             pipeline=pi,
             stage=stage,
             pp=pipeline.pp,
-            groups=groups,
+            groups=pipeline.groups_of(rank),
             stage_graph=stages[stage],
             chunk_graphs=tuple(stages[stage::pipeline.pp]),
             vpp=pipeline.vpp,
@@ -398,26 +334,15 @@ class CompiledModel:
 
     def _scheduled(self, program: RankProgram) -> RankProgram:
         """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order)."""
-        if self.options.schedule != "overlap":
+        if self.options.overlap is None:
             return program
-        return replace(program, overlap=rank_schedule(program, self.options.overlap or OverlapConfig()))
+        return replace(program, overlap=rank_schedule(program, self.options.overlap))
 
-    def _layer_order(self) -> list[str]:
-        """Parameters in the order the forward pass uses them (placeholder order of the trace)."""
-        return list(self.traced.param_names.values())
-
+    # ------------------------------------------------------------------ inspection (show.py)
     def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:
         """Communication subgraphs this rank takes part in: pulls, activations (in-stage and
         between stages), pushes, in execution order."""
-        prog = self.program(strategy, rank)
-        records: list[CommSubgraph] = [pc.pull for pc in prog.pulls if rank in pc.pull.plan.ranks]
-        for n in prog.stage_graph.gm.graph.nodes:
-            info = n.meta.get("hgraph_comm")
-            if info:
-                records.append(activation_record(n, info))
-        records += [a for a in prog.activations if f"stage{prog.stage}" in str(a.src) or f"stage{prog.stage}" in str(a.dst)]
-        records += [pc.push for pc in prog.pushes if rank in pc.push.plan.ranks]
-        return records
+        return subgraphs(self, strategy, rank)
 
     def backward_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> fx.GraphModule:
         """The rank's stage backward as an fx graph ``(*saved, *output grads) -> grads`` (parameters,
@@ -427,25 +352,19 @@ class CompiledModel:
 
     def joint_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> JointGraphs:
         """Forward and backward graphs of the rank's stage (``hgraph.passes.backward.JointGraphs``)."""
-        from hgraph.passes.backward import rank_joint
-
         key = (self.strategy_index(strategy), rank, seq_len)
         if key not in self._joints:
-            with _COMPILE_LOCK:  # make_fx keeps global tracing state
+            with COMPILE_LOCK:  # make_fx keeps global tracing state
                 self._joints[key] = rank_joint(self, key[0], rank, seq_len)
         return self._joints[key]
 
     def explain(self, strategy: StrategyLike, rank: int, backward: bool = True) -> str:
         """Readable summary of one rank's program: compute, the three subgraph kinds, layouts, bytes;
         with ``backward``, the collectives of its traced backward (``backward_program``). See ``hgraph.compiler.show``."""
-        from hgraph.compiler.show import explain
-
         return explain(self, strategy, rank, backward)
 
     def write_dot(self, strategy: StrategyLike, rank: int, path: str) -> str:
         """Write the rank's stage program as Graphviz dot (communication nodes highlighted)."""
-        from hgraph.compiler.show import write_dot
-
         return write_dot(self, strategy, rank, path)
 
     def __str__(self) -> str:
@@ -465,137 +384,11 @@ class CompiledModel:
         position_ids: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run every rank of ``strategy`` in one process; return the token-mean loss and full grads."""
-        from hgraph.runtime.thread_oracle import simulate_strategy
-
         return simulate_strategy(self, self.strategy_index(strategy), input_ids, targets, position_ids)
 
 
-def _recompute_by_scheme(recompute: Any) -> tuple:
-    """``compile``'s per-scheme recompute dict as ``((cp, tp, pp), RecomputeConfig)`` pairs."""
-    if not isinstance(recompute, dict):
-        return ()
-    out = []
-    for scheme, value in recompute.items():
-        p = Strategy.parse(scheme).pipelines[0] if isinstance(scheme, str) else scheme
-        if not all(hasattr(p, d) for d in ("cp", "tp", "pp")):
-            raise HGraphError(f"recompute key {scheme!r}; expected a scheme like 'tp2,pp2' or a Pipeline")
-        out.append(((p.cp, p.tp, p.pp), RecomputeConfig.of(value)))
-    return tuple(out)
-
-
-def compile(
-    model: nn.Module,
-    strategies: Sequence[Union[Strategy, Pipeline, str]],
-    *,
-    example_inputs: Any,
-    loss_fn: Any = None,
-    passes: Sequence[Any] = (),
-    disable: Iterable[str] = (),
-    compute_dtype: Optional[torch.dtype] = None,
-    sequence_parallel: bool = False,
-    vocab_parallel: bool = True,
-    schedule: Union[str, OverlapConfig] = "none",
-    layer_costs: Optional[Sequence[float]] = None,
-    topology: Optional[Topology] = None,
-    recompute: Union[str, RecomputeConfig, dict] = "none",
-    reduce_dtype: Optional[torch.dtype] = torch.float32,
-    coalesce: bool = False,
-    rank: Union[int, None, str] = "auto",
-    verify: Optional[bool] = None,
-    cache_dir: Optional[str] = None,
-    pipeline_schedule: str = "1f1b",
-) -> CompiledModel:
-    """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
-
-    ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
-    ``targets``). ``passes``: user ``hgraph.Pass`` objects placed at named points (``after="localize"``).
-    ``disable``: names of built-in passes to skip. ``compute_dtype``: mixed precision as ``torch.autocast``
-    computes it (e.g. ``torch.bfloat16``: parameters pulled in bf16, halving Pull bytes; matmuls and
-    attention in bf16; buffers, norms, softmax, rotary application and the loss in fp32; see
-    ``hgraph.passes.precision``). ``layer_costs``: per-layer cost for balancing stages.
-    ``schedule``: ``"none"`` (pull all, 1F1B, push all) or ``"overlap"`` / an
-    ``hgraph.program.products.OverlapConfig`` (prefetched pulls, early pushes; same results).
-    ``recompute``: ``"none"``, ``"selective"``, ``"full"`` or a ``RecomputeConfig`` choosing layers
-    (``RecomputeConfig("full", every=2)``); see ``hgraph.passes.recompute``; or a dict from pipeline
-    scheme (``"tp2,pp2"``) to one of those, e.g. the planner's ``choose_recompute`` per scheme. ``reduce_dtype``: dtype
-    gradients are reduced in by Push Gradient (fp32 by default, also under a bf16 ``compute_dtype``;
-    ``None`` reduces in the compute dtype). ``coalesce``: pull and push each layer's parameters
-    together, one merged call per group and kind (``hgraph.runtime.kernels.coalesce``), so an iteration issues
-    O(layers) collectives instead of O(parameters); ``schedule="none"`` only for now. ``rank``: the
-    rank whose plans and programs are built now (``"auto"``: the process's own rank in an initialised
-    process group of this world size, as under ``hgraph.launch`` / torchrun, else ``None``: every
-    rank); any other rank's are built on first use and equal a full compile's. ``verify``: run the
-    compile-time dry run of ``schedule="overlap"`` over every rank (default: world size <=
-    ``VERIFY_WORLD``; it builds every rank's program). ``cache_dir`` (or ``$HGRAPH_COMPILE_CACHE``):
-    keep the compiled rank's Pull / Push plans on disk, keyed by what they are built from
-    (``hgraph.compiler.compile_cache``); ``compiled.cache_hit`` says whether they came from there.
-    ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
-    input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
-    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``.
-    """
-    strategies = as_strategies(strategies)
-    if not strategies:
-        raise StrategyError("compile needs at least one strategy")
-    world = strategies[0].world_size
-    validate_strategies(strategies, world, model_dims(model))
-    if loss_fn is None:
-        loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
-    overlap = schedule if isinstance(schedule, OverlapConfig) else None
-    if overlap is not None:
-        schedule = "overlap"
-    elif schedule not in ("none", "overlap"):
-        raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
-    elif schedule == "overlap":
-        overlap = OverlapConfig()
-    if pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {sorted(PIPELINE_SCHEDULES)}")
-    if schedule == "overlap" and any(p.vpp > 1 for s in strategies for p in s.pipelines):
-        raise HGraphError("interleaved pipelines (vpp > 1) with schedule='overlap' are not supported yet; "
-                          "use schedule='none' or vpp=1")
-    if pipeline_schedule != "1f1b" and any(p.vpp > 1 for s in strategies for p in s.pipelines):
-        raise StrategyError(f"pipeline_schedule={pipeline_schedule!r} with an interleaved pipeline (vpp > 1): "
-                            "vpp > 1 always runs interleaved 1F1B; use pipeline_schedule='1f1b' or vpp=1")
-    if pipeline_schedule != "1f1b" and schedule == "overlap":
-        raise HGraphError(
-            f"pipeline_schedule={pipeline_schedule!r} with schedule='overlap' is not supported yet (the overlap "
-            "runtime runs whole backwards); use schedule='none', or pipeline_schedule='1f1b'"
-        )
-    if coalesce and schedule == "overlap":
-        raise HGraphError(
-            "coalesce=True with schedule='overlap' is not supported yet (the overlap schedule starts pulls "
-            "and pushes one parameter at a time); use schedule='none' with coalesce=True, or coalesce=False"
-        )
-    options = CompileOptions(
-        compute_dtype=compute_dtype,
-        sequence_parallel=sequence_parallel,
-        vocab_parallel=vocab_parallel,
-        schedule=schedule,
-        layer_costs=tuple(layer_costs) if layer_costs is not None else None,
-        topology=topology,
-        overlap=overlap,
-        recompute=RecomputeConfig.of("none" if isinstance(recompute, dict) else recompute),
-        recompute_by_scheme=_recompute_by_scheme(recompute),
-        reduce_dtype=reduce_dtype,
-        coalesce=coalesce,
-        pipeline_schedule=pipeline_schedule,
-    )
-    # The user's model is traced as it is (fp32); a reduced compute_dtype is applied by the precision
-    # pass as torch.autocast would apply it (hgraph.passes.precision).
-    with _COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
-        with _gc_paused():
-            traced = trace(model, example_inputs, loss_fn)
-        if not traced.dynamic:
-            raise TraceError(
-                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
-                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
-                "write that computation without Python control flow over sizes (or supply a layer that does)"
-            )
-        own = _own_rank(world) if rank == "auto" else rank
-        return CompiledModel(model, traced, strategies, options, passes, disable, own, verify, cache_dir)
-
-
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Cyclic garbage collection off for the block (restored after): tracing and planning allocate many
     objects that outlive them, which would otherwise set off full collections over every graph built
     so far (0.2-0.8 s each at 32 layers); what they leave is collected later as usual."""
@@ -606,12 +399,3 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-def _own_rank(world: int) -> Optional[int]:
-    """This process's rank in an initialised process group of ``world`` ranks (else ``None``)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world:
-        return dist.get_rank()
-    return None

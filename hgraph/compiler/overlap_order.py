@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from hgraph.program.products import Op, OverlapConfig, ParameterComm, RankProgram, RankSchedule, layer_of
+from hgraph.program.options import OverlapConfig
+from hgraph.program.products import Op, ParameterComm, RankSchedule
+from hgraph.program.rank_program import RankProgram, layer_of
 
 
 def first_use_order(program: RankProgram) -> list[str]:

@@ -1,22 +1,24 @@
-"""Printing a compiled model: ``explain`` (one rank's program as text) and ``write_dot`` (Graphviz).
+"""Inspecting a compiled model: the communication records of a rank (``subgraphs``), ``explain`` (one
+rank's program as text) and ``write_dot`` (Graphviz).
 
-``CompiledModel.explain`` and ``CompiledModel.write_dot`` call these; the ``hgraph show`` command is
-``hgraph.cli.show_cli``. Everything printed is read from the compile products (``hgraph.program.products``).
+``CompiledModel.subgraphs``, ``explain`` and ``write_dot`` call these; the ``hgraph show`` command is
+``hgraph.cli.show_cli``. Everything printed is read from the compile products (``hgraph.program``).
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
+import torch
 import torch.fx as fx
 
 from hgraph.core.strategy import Strategy
 from hgraph.passes.backward import comm_nodes
-from hgraph.passes.insert_comm import activation_record
 from hgraph.passes.recompute import regions
-from hgraph.program.products import CommSubgraph, CompiledPrograms
+from hgraph.program.products import ACTIVATION, CommSubgraph
+from hgraph.program.rank_program import CompiledPrograms
 from hgraph.schedule.actions import steps
 
 StrategyLike = Union[int, Strategy]
@@ -25,9 +27,21 @@ StrategyLike = Union[int, Strategy]
 class Inspectable(CompiledPrograms, Protocol):
     """What printing reads of a compiled model (``hgraph.compiler.compiled_model.CompiledModel`` is one)."""
 
-    def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]: ...
-
     def backward_program(self, strategy: StrategyLike, rank: int, seq_len: int = 16) -> fx.GraphModule: ...
+
+
+def subgraphs(compiled: CompiledPrograms, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:
+    """Communication subgraphs ``rank`` takes part in: pulls, activations (in-stage and between
+    stages), pushes, in execution order."""
+    prog = compiled.program(strategy, rank)
+    records: list[CommSubgraph] = [pc.pull for pc in prog.pulls if rank in pc.pull.plan.ranks]
+    for n in prog.stage_graph.gm.graph.nodes:
+        info = n.meta.get("hgraph_comm")
+        if info:
+            records.append(activation_record(n, info))
+    records += [a for a in prog.activations if f"stage{prog.stage}" in str(a.src) or f"stage{prog.stage}" in str(a.dst)]
+    records += [pc.push for pc in prog.pushes if rank in pc.push.plan.ranks]
+    return records
 
 
 def explain(compiled: Inspectable, strategy: StrategyLike, rank: int, backward: bool = True) -> str:
@@ -52,7 +66,7 @@ def explain(compiled: Inspectable, strategy: StrategyLike, rank: int, backward: 
     lines.append(f"recompute: {compiled.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
         f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
     totals: dict[str, int] = {}
-    for rec in compiled.subgraphs(strategy, rank):
+    for rec in subgraphs(compiled, strategy, rank):
         lines.append("  " + str(rec))
         totals[rec.kind] = totals.get(rec.kind, 0) + rec.bytes
     lines.append("bytes: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
@@ -82,3 +96,56 @@ def write_dot(compiled: Inspectable, strategy: StrategyLike, rank: int, path: st
     with open(path, "w") as fh:
         fh.write(text)
     return text
+
+
+def activation_subgraphs(stage_graphs: list, strategy: Strategy, pipeline_index: int) -> list[CommSubgraph]:
+    """Communicate Activation records for the stage boundaries of one pipeline (both directions)."""
+    pipeline = strategy.pipelines[pipeline_index]
+    records = []
+    for sg in stage_graphs:
+        for b in sg.send:
+            node = next(n for n in sg.gm.graph.nodes if n.name == b.name) if _has(sg.gm, b.name) else None
+            spec = node.meta.get("hgraph_spec") if node is not None else None
+            src = f"stage{b.src}{list(pipeline.stage_ranks(b.src % pipeline.pp))}"
+            dst = f"stage{b.dst}{list(pipeline.stage_ranks(b.dst % pipeline.pp))}"
+            if spec is not None:
+                src += " " + ",".join(map(str, spec))
+            nbytes = _bytes(node) if node is not None else 0
+            records.append(CommSubgraph(ACTIVATION, b.name, src, dst, nbytes))
+            records.append(CommSubgraph(ACTIVATION, b.name + ".grad", dst, src, nbytes, direction="backward"))
+    return records
+
+
+def _has(gm: fx.GraphModule, name: str) -> bool:
+    return any(n.name == name for n in gm.graph.nodes)
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    total = val.element_size()
+    for d in val.shape:
+        try:
+            total *= int(d)
+        except (TypeError, ValueError):
+            return 0
+    return total
+
+
+def activation_record(node: fx.Node, info: Any) -> CommSubgraph:
+    """The ``CommSubgraph`` of a communication node ``localize`` inserted (its ``meta["hgraph_comm"]``)."""
+    if isinstance(info, CommSubgraph):
+        return info
+    if isinstance(info, dict):
+        src = info.get("src")
+        dst = info.get("dst")
+        fmt = lambda spec: ",".join(map(str, spec)) if isinstance(spec, (tuple, list)) else str(spec)  # noqa: E731
+        return CommSubgraph(
+            info.get("kind", ACTIVATION),
+            f"{info.get('tensor', node.name)} ({info.get('op', node.target)}/{info.get('mesh_dim', '')})",
+            fmt(src),
+            fmt(dst),
+            int(info.get("bytes", 0) or 0),
+        )
+    return CommSubgraph(ACTIVATION, node.name, "?", "?", 0)

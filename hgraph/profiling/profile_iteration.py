@@ -87,7 +87,7 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
                table: dict) -> dict:
     import torch
 
-    from hgraph.compiler.compiled_model import compile as compile_model
+    from hgraph.compiler.entry import compile as compile_model
     from hgraph.planner.assign import Planner
     from hgraph.core.model_info import embedding_of
     from hgraph.runtime.kernels.reshard import default_comm

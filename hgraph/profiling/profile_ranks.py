@@ -156,7 +156,7 @@ def _rank_main(
 
     import torch
 
-    from hgraph.compiler.compiled_model import compile as compile_model
+    from hgraph.compiler.entry import compile as compile_model
     from hgraph.runtime.kernels.context import RankContext, rank_context
     from hgraph.runtime.kernels.reshard import default_comm
     from hgraph.core.strategy import homogeneous

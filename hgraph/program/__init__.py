@@ -1,2 +1,3 @@
-"""Compile products: options, the compile context, stage graphs, parameter layouts and plans, rank
-programs and the ``CompiledPrograms`` protocol (``products.py``). Read by the passes and the runtime."""
+"""Compile products, read by the passes and the runtime: the options of ``compile`` (``options.py``), the
+context a pass sees (``context.py``), stage graphs, communication subgraphs and the overlap order
+(``products.py``), and the rank program with the ``CompiledPrograms`` protocol (``rank_program.py``)."""

@@ -1,4 +1,5 @@
-"""Insert-communication pass: plan the three kinds of communication subgraphs of a strategy.
+"""Parameter planning: the fixed optimizer layouts, each strategy's Pull Parameter / Push Gradient
+layouts (the ``insert_comm`` step) and each rank's part of their LNK plans.
 
 * **Pull Parameter** (one per parameter): the fp32 shard of the fixed optimizer layout, cast to the
   compute dtype first (halving bytes for bf16), resharded into the compute layouts of every
@@ -9,10 +10,10 @@
   autograd leaves it in (Partial over cp/tp where the local backward produced partial sums), form a
   ``LayoutUnion("partial")`` (tied weights and data-parallel pipelines are summed) and are reduced
   and moved into the optimizer layout in one LNK plan.
-* **Communicate Activation**: stage boundaries of each pipeline (forward activations and backward
-  activation gradients, same placement on both stages, so rank ``(c, t)`` of stage ``s`` talks to
-  rank ``(c, t)`` of stage ``s+1``); reshards inside a stage were already inserted by ``localize``
-  as nodes calling the collectives of ``hgraph.runtime.kernels.collectives``.
+
+(Communicate Activation, the third kind, needs no plan: stage boundaries go to the same mesh
+position of the neighbouring stage, and reshards inside a stage are nodes ``localize`` inserted;
+their records are ``hgraph.compiler.show.activation_subgraphs``.)
 
 Plans come from ``hgraph.lnk.solve`` (or, compiling for one rank, ``hgraph.lnk.solve_rank``: that
 rank's part) and are cached there by layout pair, so strategies that share a layout pair share the plan.
@@ -21,20 +22,19 @@ rank's part) and are cached there by layout pair, so strategies that share a lay
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.core.errors import HGraphError
+from hgraph.core.layout import AnyLayout, InterleavedShard, Layout, LayoutUnion
+from hgraph.core.strategy import Pipeline, Strategy
+from hgraph.core.zero import optimizer_layout
 from hgraph.lnk import solve, solve_rank
-from hgraph.program.products import ACTIVATION as ACTIVATION
-from hgraph.program.products import PULL as PULL
-from hgraph.program.products import PUSH as PUSH
-from hgraph.program.products import CommSubgraph as CommSubgraph
-from hgraph.program.products import ParameterComm as ParameterComm
-from hgraph.program.products import ParameterLayouts as ParameterLayouts
-from hgraph.core.strategy import Strategy
+from hgraph.program.options import CompileOptions
+from hgraph.program.products import PULL, PUSH, CommSubgraph, ParameterComm, ParameterLayouts, StageGraph
+
 
 @functools.lru_cache(maxsize=65536)
 def _layout(shape: tuple[int, ...], ranks: tuple[int, ...], mesh: tuple[int, ...], spec: tuple) -> Layout:
@@ -116,54 +116,71 @@ def plan_parameters(
     return out
 
 
-def activation_subgraphs(stage_graphs: list, strategy: Strategy, pipeline_index: int) -> list[CommSubgraph]:
-    """Communicate Activation records for the stage boundaries of one pipeline (both directions)."""
-    pipeline = strategy.pipelines[pipeline_index]
-    records = []
-    for sg in stage_graphs:
-        for b in sg.send:
-            node = next(n for n in sg.gm.graph.nodes if n.name == b.name) if _has(sg.gm, b.name) else None
-            spec = node.meta.get("hgraph_spec") if node is not None else None
-            src = f"stage{b.src}{list(pipeline.stage_ranks(b.src % pipeline.pp))}"
-            dst = f"stage{b.dst}{list(pipeline.stage_ranks(b.dst % pipeline.pp))}"
-            if spec is not None:
-                src += " " + ",".join(map(str, spec))
-            nbytes = _bytes(node) if node is not None else 0
-            records.append(CommSubgraph(ACTIVATION, b.name, src, dst, nbytes))
-            records.append(CommSubgraph(ACTIVATION, b.name + ".grad", dst, src, nbytes, direction="backward"))
-    return records
+def parameter_specs(gm: fx.GraphModule, param_names: dict[str, str], key: str) -> dict[str, tuple]:
+    """Canonical parameter name -> its placement on the local program ``gm`` (``meta[key]``:
+    ``"hgraph_param_spec"`` for compute, ``"hgraph_grad_spec"`` for gradients)."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name in param_names:
+            spec = n.meta.get(key)
+            if spec is None:
+                raise HGraphError(f"localize left parameter {n.name} without {key}")
+            out[param_names[n.name]] = tuple(spec)
+    return out
 
 
-def _has(gm: fx.GraphModule, name: str) -> bool:
-    return any(n.name == name for n in gm.graph.nodes)
+def optimizer_layouts(shapes: dict[str, tuple[int, ...]], world: int,
+                      mesh_specs: Sequence[dict[str, tuple]]) -> dict[str, Layout]:
+    """The fixed ZeRO layouts of every parameter; a fused projection cut by blocks on some stage mesh
+    (``mesh_specs``: each stage mesh's compute placements) keeps its blocks."""
+    blocks: dict[str, InterleavedShard] = {}
+    for specs in mesh_specs:
+        for fqn, spec in specs.items():
+            for p in spec:
+                if isinstance(p, InterleavedShard):
+                    blocks.setdefault(fqn, p)
+    return {fqn: optimizer_layout(shape, world, blocks.get(fqn)) for fqn, shape in shapes.items()}
 
 
-def _bytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    total = val.element_size()
-    for d in val.shape:
-        try:
-            total *= int(d)
-        except (TypeError, ValueError):
-            return 0
-    return total
+PlanInputs = tuple[dict[str, list[tuple[int, int]]], dict[tuple[int, int], dict[str, tuple]],
+                   dict[tuple[int, int], dict[str, tuple]]]
 
 
-def activation_record(node: fx.Node, info: Any) -> CommSubgraph:
-    """The ``CommSubgraph`` of a communication node ``localize`` inserted (its ``meta["hgraph_comm"]``)."""
-    if isinstance(info, CommSubgraph):
-        return info
-    if isinstance(info, dict):
-        src = info.get("src")
-        dst = info.get("dst")
-        fmt = lambda spec: ",".join(map(str, spec)) if isinstance(spec, (tuple, list)) else str(spec)  # noqa: E731
-        return CommSubgraph(
-            info.get("kind", "communicate_activation"),
-            f"{info.get('tensor', node.name)} ({info.get('op', node.target)}/{info.get('mesh_dim', '')})",
-            fmt(src),
-            fmt(dst),
-            int(info.get("bytes", 0) or 0),
-        )
-    return CommSubgraph("communicate_activation", node.name, "?", "?", 0)
+def plan_inputs(
+    strategy: Strategy,
+    stage_graphs: Callable[[Pipeline], Sequence[StageGraph]],
+    specs: Callable[[tuple[int, int], str], dict[str, tuple]],
+    param_names: dict[str, str],
+) -> PlanInputs:
+    """What ``strategy``'s Pull / Push layouts are built from: parameter users ``name -> [(pipeline,
+    stage)]`` and per-mesh compute and gradient placements ``mesh -> {name: spec}``.
+    ``stage_graphs(pipeline)``: its stage programs; ``specs(mesh, key)``: ``parameter_specs`` there."""
+    stages_of: dict[tuple[int, int, int, int], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
+    compute, grads = {}, {}
+    for pipeline in strategy.pipelines:
+        mesh, scheme = pipeline.stage_mesh, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp)
+        if mesh not in compute:
+            compute[mesh] = specs(mesh, "hgraph_param_spec")
+            grads[mesh] = specs(mesh, "hgraph_grad_spec")
+        if scheme not in stages_of:  # data-parallel pipelines of one scheme share their stage programs
+            held: dict[str, dict[int, None]] = {}
+            for sg in stage_graphs(pipeline):
+                for ph in sg.params:  # the physical stage running this chunk
+                    held.setdefault(param_names[ph], {})[sg.stage % pipeline.pp] = None
+            stages_of[scheme] = {name: tuple(st) for name, st in held.items()}
+    schemes = [(p.cp, p.tp, p.pp, p.vpp) for p in strategy.pipelines]
+    shared: dict[tuple, list[tuple[int, int]]] = {}  # parameters held alike share one holder list
+    users: dict[str, list[tuple[int, int]]] = {}
+    for name in dict.fromkeys(n for held in stages_of.values() for n in held):  # first use, as the stages hold them
+        pattern = tuple(held.get(name, ()) for held in stages_of.values())
+        if pattern not in shared:
+            at = dict(zip(stages_of, pattern))
+            shared[pattern] = [(i, st) for i, scheme in enumerate(schemes) for st in at[scheme]]
+        users[name] = shared[pattern]
+    return users, compute, grads
+
+
+def itemsizes(options: CompileOptions) -> tuple[int, int]:
+    """Bytes per element pulled (the compute dtype's) and pushed (the reduce dtype's)."""
+    compute = options.compute_dtype or torch.float32
+    return torch.finfo(compute).bits // 8, torch.finfo(options.reduce_dtype or compute).bits // 8
