@@ -244,7 +244,7 @@ def _per_document_reference(model, documents, autocast):
     return total, grads, largest
 
 
-@pytest.mark.slow  # ~3 min on a quiet machine: four 16K-token passes per model
+@pytest.mark.slow  # 16K-token passes: ~3 min for both models on the shared machine
 @pytest.mark.parametrize("kind", list(LONG_MODELS))
 def test_bf16_at_16k_tokens_packed_on_cp2_is_as_close_to_fp32_as_autocast(kind):
     """Long documents, as users train them: one packed row of 16,384 tokens (documents of 11,000,
