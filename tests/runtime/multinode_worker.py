@@ -46,7 +46,7 @@ def main(out: Path) -> None:
         "env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")},
         "device_index": local_device_index(rank),  # the GPU this rank would take under NCCL
         "tp_groups": tp_groups, "cache_dir": cache, "cache_hit": compiled.cache_hit,
-        "cache_entries": sorted(p.name for p in Path(cache).glob("*.pkl")), "losses": losses,
+        "cache_entries": sorted(p.name for p in Path(cache).glob("*.json")), "losses": losses,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
