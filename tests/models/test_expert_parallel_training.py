@@ -12,22 +12,14 @@ import torch
 
 import hgraph
 from hgraph.models.zoo import zoo_model
-from hgraph.training.trainer import Trainer
-from test_zoo_training import GRAD_ATOL, GRAD_RTOL, OPT, PARAM_ATOL, batches, first_step_gradients, reference_run
+from test_zoo_training import GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, batches, reference_run, train_iterations
 
 STRATEGIES = ["tp4,ep4", "tp2 + 2x tp1", "tp2,ep2 + 2x tp1"]
 
 
 def hgraph_run(family: str):
     """Runs on every rank (module level so spawned processes can import it)."""
-    model = zoo_model(family).eval()
-    compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 256, (1, 8)))
-    trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
-    losses, params, grads = [], [], None
-    for i, batch in enumerate(batches(model.config.vocab_size)):
-        losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))
-        grads = grads or first_step_gradients(trainer)
-        params.append(trainer.full_parameters())
+    losses, params, grads, trainer = train_iterations(family, STRATEGIES)
     routing = [(h.get("expert_counts"), h.get("expert_imbalance")) for h in trainer.history]
     return losses, params, grads, routing
 

@@ -77,8 +77,9 @@ def first_step_gradients(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def hgraph_run(family: str, strategies: list[str]):
-    """Runs on every rank (module level so spawned processes can import it)."""
+def train_iterations(family: str, strategies: list[str]) -> tuple[list, list, dict, Trainer]:
+    """The Trainer's losses, parameters after every step and first-step gradients, switching strategy
+    every iteration; and the Trainer (for its history)."""
     model = zoo_model(family).eval()
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 256, (1, 8)))
     trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
@@ -87,7 +88,12 @@ def hgraph_run(family: str, strategies: list[str]):
         losses.append(trainer.step(batch, strategy=i % len(strategies)))
         grads = grads or first_step_gradients(trainer)
         params.append(trainer.full_parameters())
-    return losses, params, grads
+    return losses, params, grads, trainer
+
+
+def hgraph_run(family: str, strategies: list[str]):
+    """Runs on every rank (module level so spawned processes can import it)."""
+    return train_iterations(family, strategies)[:3]
 
 
 @pytest.mark.parametrize("family, strategies", [
