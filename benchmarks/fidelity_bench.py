@@ -200,7 +200,7 @@ def run_single(args: argparse.Namespace) -> dict[str, Any]:
     from hgraph.planner.correction import OnlineCorrection
     from hgraph.profiling.profile import build_table, measure
     from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
-    from hgraph.runtime.kernels.comm import run_threads
+    from hgraph.runtime.kernels.thread_comm import run_threads
     from hgraph.training.trainer import Trainer
 
     batches = wikipedia_batches(args.lengths, args.batches, args.tokens, args.context, args.seed)

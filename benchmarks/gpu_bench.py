@@ -45,7 +45,7 @@ from hgraph.planner.batches import read_lengths, sample_path
 from hgraph.planner.memory import MemoryRegression
 from hgraph.runtime.kernels import attention_kernels
 from hgraph.runtime.kernels.packed_attention import packed_attention
-from hgraph.runtime.kernels.comm import ThreadComm, ThreadWorld
+from hgraph.runtime.kernels.thread_comm import ThreadComm, ThreadWorld
 from hgraph.training.trainer import Trainer
 
 SHARED_LENGTHS = Path("/work/shared/data/wikipedia_lengths.txt")

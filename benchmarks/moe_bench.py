@@ -40,7 +40,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import hgraph
 from hgraph.runtime import executor
-from hgraph.runtime.kernels.comm import ProcessGroupComm
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 
 OPTIMIZER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 PHASES = ("pull", "pull_experts", "activation", "push", "push_experts")

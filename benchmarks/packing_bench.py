@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import hgraph
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 
 LENGTHS = Path(hgraph.__file__).parent / "data" / "wikipedia_lengths_sample.txt"

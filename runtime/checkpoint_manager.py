@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from hgraph.core.errors import CheckpointError, HGraphError
 from hgraph.runtime import checkpoint
-from hgraph.runtime.kernels.comm import ProcessGroupComm
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.failures import comm_timeout
 
 STEP = re.compile(r"^step-(\d+)$")

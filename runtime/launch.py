@@ -63,7 +63,7 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     failed = False
     try:
         if backend == "nccl":
-            from hgraph.runtime.kernels.comm import local_device_index
+            from hgraph.runtime.kernels.process_group_comm import local_device_index
 
             torch.cuda.set_device(local_device_index(rank))
         dist.init_process_group(
@@ -308,7 +308,7 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_COMM_TIMEOUT) 
         if backend == "nccl":
             import torch
 
-            from hgraph.runtime.kernels.comm import local_device_index
+            from hgraph.runtime.kernels.process_group_comm import local_device_index
 
             torch.cuda.set_device(local_device_index(int(os.environ["RANK"])))
         store = _attempt_store(timeout)

@@ -30,7 +30,8 @@ from hgraph.core.errors import InputError
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.executor import run_iteration
-from hgraph.runtime.kernels.comm import Communicator, run_threads
+from hgraph.runtime.kernels.comm import Communicator
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
 
 

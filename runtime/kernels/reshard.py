@@ -17,7 +17,8 @@ import torch
 from hgraph.core.errors import CommunicationError
 from hgraph.core.layout import Box, box_numel
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, LocalCopy, ReduceScatter, ReshardPlan, Transfer
-from hgraph.runtime.kernels.comm import Communicator, Handle, ProcessGroupComm
+from hgraph.runtime.kernels.comm import Communicator, Handle
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 
 _default_comm: Optional[ProcessGroupComm] = None
 

@@ -13,7 +13,7 @@ def simulate(
     plan: ReshardPlan, shards: Mapping[int, torch.Tensor], timeout: float = 60.0
 ) -> dict[int, torch.Tensor]:
     """Execute ``plan`` on ``shards`` (source rank -> local tensor); returns destination rank -> tensor."""
-    from hgraph.runtime.kernels.comm import run_threads
+    from hgraph.runtime.kernels.thread_comm import run_threads
     from hgraph.runtime.kernels.reshard import execute
 
     first = next(iter(shards.values()), None)

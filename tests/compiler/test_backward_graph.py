@@ -15,7 +15,7 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.backward import backward_graph, comm_counts, comm_nodes
 from hgraph.runtime.kernels.collectives import all_gather, all_to_all, grad_all_reduce, reduce_scatter, split
 from hgraph.runtime.kernels.packed_attention import packed_attention
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.executor import pull_parameters
 from hgraph.core.batch import next_token_targets

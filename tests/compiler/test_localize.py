@@ -23,7 +23,7 @@ from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.rules.base import ShardingOptions
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
 
 BATCH, SEQ, VOCAB = 2, 16, 256

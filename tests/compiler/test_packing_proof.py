@@ -22,7 +22,7 @@ import hgraph
 from hgraph.core.errors import PackingError
 from hgraph.frontend import trace
 from hgraph.compiler.packing_proof import PackingWarning, graph_proof, prove_packing
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 
 VOCAB, WIDTH = 32, 16

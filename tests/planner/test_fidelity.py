@@ -17,7 +17,7 @@ from hgraph.planner.memory import MemoryRegression
 from hgraph.profiling.profile_iteration import fit_activation, fit_terms
 from hgraph.planner.timing import IterationPrediction, predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms, terms_of, with_terms
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 from hgraph.core.strategy import Strategy
 

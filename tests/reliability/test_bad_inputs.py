@@ -13,7 +13,7 @@ from hgraph.lnk import solve
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner import Planner, load_cost_model, propose, read_lengths
 from hgraph.runtime.checkpoint import read_manifest
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 
 EXAMPLE = torch.randint(0, 256, (1, 8))

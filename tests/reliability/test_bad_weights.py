@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import hgraph
 from hgraph.core.errors import CheckpointError
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, tie_word_embeddings=False)

@@ -10,7 +10,7 @@ import torch
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import checkpoint
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 
 WORLD4 = ["2x tp2", "tp2,pp2", "tp2 + 2x tp1"]

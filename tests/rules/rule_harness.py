@@ -39,7 +39,7 @@ from hgraph.passes.localize import localize
 from hgraph.rules import lookup
 from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedShard, spec_str
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.core.batch import load_balance_indices
 

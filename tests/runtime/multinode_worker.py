@@ -14,7 +14,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.kernels.comm import local_device_index
+from hgraph.runtime.kernels.process_group_comm import local_device_index
 
 STRATEGIES = ["2x tp2", "tp2 + 2x tp1", "tp2,pp2"]
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)

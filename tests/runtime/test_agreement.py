@@ -6,7 +6,7 @@ import torch
 
 from hgraph.core.errors import TrainingError
 from hgraph.runtime.agreement import check_same_parameters
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 
 
 def tensors(rank, change=None):

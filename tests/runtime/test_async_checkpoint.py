@@ -16,7 +16,7 @@ import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import checkpoint
 from hgraph.runtime.checkpoint_manager import CheckpointManager, complete_steps, latest
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from test_metrics import SMALL, _planner
 
 STRATEGIES = ["2x tp1", "tp2"]

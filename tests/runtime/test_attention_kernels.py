@@ -18,7 +18,7 @@ from hgraph.frontend import trace
 from hgraph.runtime.kernels import attention_kernels as kernels
 from hgraph.core.batch import load_balance_indices
 from hgraph.runtime.kernels.packed_attention import packed_attention
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.models.zoo import zoo_model
 

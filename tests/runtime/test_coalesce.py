@@ -13,7 +13,7 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime import executor
 from hgraph.runtime.kernels.coalesce import execute_coalesced
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.launch import launch
 from hgraph.runtime.kernels.reshard import execute
 from hgraph.training.trainer import Trainer

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 import hgraph
 from hgraph.training.export import save_safetensors
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 
 SHARD = 150_000  # bytes: the 0.6 MB model below needs several shards
 

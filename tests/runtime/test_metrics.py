@@ -21,7 +21,7 @@ from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 from hgraph.runtime import preemption
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.metrics import MetricsConfig, read_jsonl
 from hgraph.core.strategy import Strategy
 

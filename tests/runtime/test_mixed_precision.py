@@ -16,7 +16,7 @@ from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.models.zoo import zoo_config
 from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime import executor
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 
 OPT = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8)

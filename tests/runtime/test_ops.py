@@ -20,7 +20,7 @@ from hgraph.runtime.kernels.collectives import (
 from hgraph.core.batch import load_balance_indices
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
 
 DT = torch.float64
@@ -327,7 +327,7 @@ def every_op(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def _gloo_every_op(world: int) -> dict[str, torch.Tensor]:
-    from hgraph.runtime.kernels.comm import ProcessGroupComm
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 
     comm = ProcessGroupComm()
     group = tuple(range(world))

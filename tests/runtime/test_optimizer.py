@@ -6,7 +6,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.training.trainer import Trainer
 

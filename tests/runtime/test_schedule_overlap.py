@@ -8,7 +8,7 @@ import hgraph
 from hgraph.core.errors import HGraphError, InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.options import OverlapConfig
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.schedule.actions import Action, Kind, ScheduleError, dry_run, format_actions, parse
 from hgraph.training.trainer import Trainer
 

@@ -19,7 +19,7 @@ from adamw_oracle import single_process_adamw
 import hgraph
 from hgraph.core.errors import CommunicationError, TrainingError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 from hgraph.models.zoo import zoo_model
 

@@ -8,7 +8,7 @@ import torch
 import hgraph
 from hgraph.core.errors import InputError
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.timeline import (
     Event,
     Timeline,

@@ -14,7 +14,7 @@ import torch
 from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.core.batch import pack_micro_batch
 from hgraph.training.trainer import Trainer, default_dispatch
 

@@ -9,7 +9,7 @@ import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 
 import hgraph
-from hgraph.runtime.kernels.comm import run_threads
+from hgraph.runtime.kernels.thread_comm import run_threads
 
 STRATEGIES = {2: ["tp2", "tp1,pp2", "cp2"], 4: ["tp4", "tp2,pp2", "tp2,cp2"]}
 
