@@ -25,7 +25,8 @@ import sys
 import torch
 
 import hgraph
-from hgraph.core.layout import Layout, Partial, Replicate, Shard
+from hgraph.core.layout import Layout
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.lnk import solve
 from hgraph.lnk.topology import Topology
 from hgraph.models import Llama, LlamaConfig

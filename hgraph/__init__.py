@@ -20,7 +20,8 @@ from hgraph.core.errors import (
     TraceError,
     TrainingError,
 )
-from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.layout import Layout, LayoutUnion
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.core.strategy import Pipeline, Strategy
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import Partial, Replicate, Shard
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
     EXPERT_MESH,

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
     TP,

@@ -31,7 +31,8 @@ from typing import Any, Optional, Union
 import torch
 
 from hgraph.core.errors import CheckpointError, HGraphError
-from hgraph.core.layout import Layout, Replicate, parse_placement
+from hgraph.core.layout import Layout
+from hgraph.core.placement import parse_placement, Replicate
 from hgraph.runtime.kernels.simulate import simulate
 from hgraph.lnk import solve
 from hgraph.runtime.kernels.reshard import execute

@@ -4,16 +4,8 @@ import pytest
 import torch
 
 from hgraph.core.errors import LayoutError
-from hgraph.core.layout import (
-    Layout,
-    LayoutUnion,
-    Partial,
-    Replicate,
-    Shard,
-    chunk_bounds,
-    parse_placement,
-    sharded,
-)
+from hgraph.core.layout import chunk_bounds, Layout, LayoutUnion, sharded
+from hgraph.core.placement import parse_placement, Partial, Replicate, Shard
 
 
 def test_chunk_bounds_follow_torch_chunk():

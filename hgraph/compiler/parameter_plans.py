@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import HGraphError
-from hgraph.core.layout import AnyLayout, InterleavedShard, Layout, LayoutUnion
+from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.core.placement import InterleavedShard
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.core.zero import optimizer_layout
 from hgraph.lnk import solve, solve_rank

@@ -1,4 +1,4 @@
-"""Placements, layouts and layout unions: where each piece of a tensor lives.
+"""Layouts and layout unions: where each piece of a tensor lives (placements: ``hgraph.core.placement``).
 
 A ``Layout`` places one global tensor on an ordered tuple of ranks arranged as a mesh (row-major:
 ``ranks[i]`` sits at mesh coordinate ``unravel(i, mesh)``). Each mesh dim carries one placement:
@@ -29,87 +29,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
 from hgraph.core.errors import LayoutError
+from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard, parse_placement
 
 Box = tuple[tuple[int, int], ...]
 """A hyper-rectangle of a global tensor: one ``(start, stop)`` per tensor dim."""
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Cut tensor dim ``dim`` across a mesh dim."""
-
-    dim: int
-
-    def __str__(self) -> str:
-        return f"S({self.dim})"
-
-    __repr__ = __str__
-
-
-@dataclass(frozen=True)
-class Replicate:
-    """Every coordinate of the mesh dim holds the same data."""
-
-    def __str__(self) -> str:
-        return "R"
-
-    __repr__ = __str__
-
-
-@dataclass(frozen=True)
-class Partial:
-    """The true value is the reduction (only ``"sum"``) over the coordinates of the mesh dim."""
-
-    reduce_op: str = "sum"
-
-    def __post_init__(self) -> None:
-        if self.reduce_op != "sum":
-            raise LayoutError(f"Partial({self.reduce_op!r}) is not supported; only Partial('sum') is")
-
-    def __str__(self) -> str:
-        return "P"
-
-    __repr__ = __str__
-
-
-@dataclass(frozen=True)
-class InterleavedShard(Shard):
-    """Cut each of the consecutive ``blocks`` of tensor dim ``dim`` across a mesh dim (``S(0:8+4+4)``:
-    rows 0-7, 8-11 and 12-15 each cut, a rank holding its chunk of all three)."""
-
-    blocks: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
-        if len(self.blocks) < 2 or any(b < 1 for b in self.blocks):
-            raise LayoutError(f"InterleavedShard needs two or more positive block sizes, got {self.blocks}")
-
-    def __str__(self) -> str:
-        return f"S({self.dim}:{'+'.join(map(str, self.blocks))})"
-
-    __repr__ = __str__
-
-
-Placement = Union[Shard, Replicate, Partial]
-
-
-def parse_placement(text: str) -> Placement:
-    """Parse the short form used in ``str``: ``S(0)``, ``S(0:8+4+4)``, ``R`` or ``P``."""
-    text = text.strip()
-    if text == "R":
-        return Replicate()
-    if text == "P":
-        return Partial()
-    if text.startswith("S(") and text.endswith(")"):
-        inner = text[2:-1]
-        try:
-            if ":" in inner:
-                dim, blocks = inner.split(":")
-                return InterleavedShard(int(dim), tuple(int(b) for b in blocks.split("+")))
-            return Shard(int(inner))
-        except ValueError:
-            pass
-    raise LayoutError(f"cannot parse placement {text!r}; expected 'S(<dim>)', 'S(<dim>:<block>+<block>...)', 'R' or 'P'")
 
 
 def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -299,14 +222,6 @@ class Layout:
         if d is not None:
             shape[d] = sum(box[d][1] - box[d][0] for box in boxes)
         return tuple(shape)
-
-    def with_shape(self, shape: tuple[int, ...]) -> "Layout":
-        """The same placement on a tensor of another shape."""
-        return Layout(tuple(shape), self.ranks, self.mesh, self.placements)
-
-    def with_ranks(self, ranks: tuple[int, ...]) -> "Layout":
-        """The same placement on other ranks (same mesh)."""
-        return Layout(self.shape, tuple(ranks), self.mesh, self.placements)
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) or "scalar"

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from hgraph.core.layout import InterleavedShard, Layout, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Replicate, Shard
+from hgraph.core.layout import Layout
 
 
 def shard_dim(shape: Sequence[int], world_size: int) -> int:

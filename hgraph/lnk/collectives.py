@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hgraph.core.layout import AnyLayout, Box, Layout, Partial, Replicate, Shard, unravel
+from hgraph.core.layout import AnyLayout, Box, Layout, unravel
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, ReduceScatter, Step
 
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Union
 
-from hgraph.core.layout import AnyLayout, Layout, LayoutUnion, parse_placement
+from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
+from hgraph.core.placement import parse_placement
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, LocalCopy, ReduceScatter, ReshardPlan, Step, Transfer
 from hgraph.lnk.rank_plan import RankPlan
 from hgraph.lnk.topology import Topology

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 import torch
 
 from hgraph.core.layer_names import layer_runs
-from hgraph.core.layout import Layout, Partial
+from hgraph.core.layout import Layout
+from hgraph.core.placement import Partial
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.program.options import CompileOptions
 from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, RankSchedule, StageGraph

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Shard
+from hgraph.core.placement import Shard
 from hgraph.rules.base import CP, TP, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
 from hgraph.runtime.kernels.packed_attention import own_kv_heads, packed_attention

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import InterleavedShard, Partial, Placement, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard
 
 MESH_DIMS = ("cp", "tp")
 CP, TP = 0, 1

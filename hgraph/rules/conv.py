@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Shard
+from hgraph.core.placement import Shard
 from hgraph.rules.base import CP, TP, R, Decision, RuleInput
 from hgraph.rules.registry import register
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Partial, Shard
+from hgraph.core.placement import Partial, Shard
 from hgraph.rules.base import CP, TP, P, R, Decision, RuleInput, Spec, interleave_aware
 from hgraph.rules.registry import register
 

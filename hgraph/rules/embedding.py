@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Shard
+from hgraph.core.placement import Shard
 from hgraph.rules.base import CP, TP, P, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
 from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_embedding

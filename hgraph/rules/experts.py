@@ -21,7 +21,7 @@ import math
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Partial, Replicate, Shard
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,
     TP,

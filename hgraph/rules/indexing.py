@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Partial, Placement, Shard
+from hgraph.core.placement import Partial, Placement, Shard
 from hgraph.rules.base import CP, MESH_DIMS, P, R, Decision, RuleInput, Spec
 from hgraph.rules.registry import register
 

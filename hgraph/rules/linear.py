@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import InterleavedShard, Partial, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Shard
 from hgraph.rules.base import CP, TP, P, R, Decision, LowerContext, RuleInput, Spec, with_placement
 from hgraph.rules.registry import register
 from hgraph.rules.shape import split_sizes

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from hgraph.core.layout import InterleavedShard, Partial, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Shard
 from hgraph.rules.base import CP, TP, R, Decision, RuleInput, interleave_aware
 from hgraph.rules.registry import register
 from hgraph.runtime.kernels.linear_attention import packed_causal_conv1d, packed_gated_delta_rule

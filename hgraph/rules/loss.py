@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Partial, Shard
+from hgraph.core.placement import Partial, Shard
 from hgraph.rules.base import TP, P, R, Decision, LowerContext, RuleInput
 from hgraph.rules.registry import register
 from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy

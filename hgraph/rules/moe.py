@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import InterleavedShard, Partial, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Shard
 from hgraph.rules.base import CP, REPLICATED, TP, P, R, Decision, RuleInput, Spec
 from hgraph.rules.elementwise import pointwise_decision
 from hgraph.rules.linear import fused_blocks

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Partial, Shard
+from hgraph.core.placement import Partial, Shard
 from hgraph.rules.base import CP, P, R, Decision, RuleInput, interleave_aware
 from hgraph.rules.elementwise import pointwise_rule
 from hgraph.rules.registry import register

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import Partial, Placement, Shard
+from hgraph.core.placement import Partial, Placement, Shard
 from hgraph.rules.base import CP, MESH_DIMS, P, R, Decision, RuleInput
 from hgraph.rules.registry import register
 

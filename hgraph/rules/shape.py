@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import InterleavedShard, Partial, Placement, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Placement, Shard
 from hgraph.rules.base import (
     CP,
     MESH_DIMS,

@@ -27,7 +27,8 @@ import torch
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS, longest_packed_row, rank_micro_batches
 from hgraph.core.errors import CheckpointError, InputError, TrainingError
 from hgraph.core.flops import ModelFlops
-from hgraph.core.layout import Layout, Replicate
+from hgraph.core.layout import Layout
+from hgraph.core.placement import Replicate
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.planner.experts import layer_imbalance

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import Partial, Replicate, Shard
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.rules import lookup
 from hgraph.rules.base import RuleInput, ShardingOptions
 

@@ -18,7 +18,7 @@ from torch import nn
 from hgraph import models
 from hgraph.core.errors import ShardingRuleError
 from hgraph.frontend import trace
-from hgraph.core.layout import Partial, Replicate, Shard
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.rules.base import ShardingOptions

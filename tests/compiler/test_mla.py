@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.layout import Replicate, Shard
+from hgraph.core.placement import Replicate, Shard
 from hgraph.models.zoo import zoo_model
 
 EXAMPLE = (2, 8)

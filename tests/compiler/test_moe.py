@@ -9,7 +9,7 @@ from torch import nn
 
 import hgraph
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import InterleavedShard, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Replicate, Shard
 from hgraph.rules.base import TP
 from hgraph.core.batch import next_token_targets
 

@@ -12,7 +12,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.layout import Layout, LayoutUnion
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.lnk import is_partial
 from lower_bound import holders
 

@@ -6,7 +6,8 @@ import torch
 from hgraph.runtime.kernels.simulate import simulate
 
 from hgraph.core.errors import LayoutError
-from hgraph.core.layout import InterleavedShard, Layout, LayoutUnion, parse_placement
+from hgraph.core.placement import InterleavedShard, parse_placement
+from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.lnk import solve
 from hgraph.lnk.pieces import assemble, local_shards
 

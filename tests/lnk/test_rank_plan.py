@@ -6,7 +6,8 @@ shapes, where the local rules (not the fallback to the full plan) must answer.""
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.layout import Layout, LayoutUnion
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.core.errors import LayoutError
 from hgraph.lnk import solve, solve_rank
 from hgraph.core.zero import optimizer_layout

@@ -5,7 +5,8 @@ simulated ranks; the plan's cached byte counts must equal those summed from its 
 
 import torch
 
-from hgraph.core.layout import Layout, LayoutUnion, Partial, Replicate, Shard
+from hgraph.core.layout import Layout, LayoutUnion
+from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.lnk import AllGather, Transfer, is_partial, solve
 from hgraph.runtime.kernels.simulate import simulate
 from hgraph.core.zero import optimizer_layout

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import hgraph
-from hgraph.core.layout import Layout, Replicate
+from hgraph.core.layout import Layout
+from hgraph.core.placement import Replicate
 from hgraph.lnk import solve
 from hgraph.runtime.kernels.reshard import execute
 from hgraph.training.trainer import Trainer

@@ -8,7 +8,8 @@ import torch
 
 import hgraph
 from hgraph.cli import command as cli
-from hgraph.core.layout import Layout, Shard
+from hgraph.core.layout import Layout
+from hgraph.core.placement import Shard
 from hgraph.lnk import solve
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner import Planner, load_cost_model, propose, read_lengths

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import HGraphError
-from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
