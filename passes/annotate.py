@@ -32,19 +32,8 @@ import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
 from hgraph.core.placement import Partial, Replicate, Shard
-from hgraph.rules.base import (
-    CP,
-    EXPERT_MESH,
-    MESH_DIMS,
-    MESH_KEY,
-    REPLICATED,
-    Decision,
-    RuleInput,
-    ShardingOptions,
-    Spec,
-    local_shape,
-    spec_str,
-)
+from hgraph.rules.base import CP, Decision, local_shape, REPLICATED, RuleInput, Spec, spec_str
+from hgraph.rules.mesh import EXPERT_MESH, MESH_DIMS, MESH_KEY, ShardingOptions
 from hgraph.rules.registry import lookup
 
 if TYPE_CHECKING:

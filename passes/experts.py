@@ -30,11 +30,12 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import StrategyError
-from hgraph.rules.base import EXPERT_MESH, MESH_KEY, module_of
+from hgraph.rules.mesh import EXPERT_MESH, MESH_KEY
+from hgraph.rules.base import module_of
 from hgraph.runtime.kernels.expert_dispatch import combine, dispatch, permute_tokens, unpermute_tokens
 
 if TYPE_CHECKING:
-    from hgraph.program.products import CompileContext
+    from hgraph.program.context import CompileContext
 
 aten = torch.ops.aten
 _GROUPED_MM = ("transformers::grouped_mm_fallback",)

@@ -36,21 +36,8 @@ import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
-from hgraph.rules.base import (
-    CP,
-    TP,
-    LowerContext,
-    ShardingOptions,
-    SizeArg,
-    Spec,
-    StridedShard,
-    example_size,
-    local_shape,
-    module_of,
-    op_name,
-    spec_str,
-    with_placement,
-)
+from hgraph.rules.base import CP, example_size, local_shape, LowerContext, module_of, op_name, SizeArg, Spec, spec_str, StridedShard, TP, with_placement
+from hgraph.rules.mesh import ShardingOptions
 from hgraph.runtime.kernels.collectives import (
     all_gather,
     all_reduce,

@@ -50,7 +50,7 @@ from hgraph.frontend.mask_probe import longest_traced
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.program.products import PackingProof
-from hgraph.rules.base import ShardingOptions
+from hgraph.rules.mesh import ShardingOptions
 
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel

@@ -16,7 +16,8 @@ or by hand::
         return Decision(output=spec, inputs={x: spec})
 """
 
-from hgraph.rules.base import MESH_DIMS, Decision, RuleInput, ShardingOptions, Spec, spec_str
+from hgraph.rules.mesh import MESH_DIMS, ShardingOptions
+from hgraph.rules.base import Decision, RuleInput, Spec, spec_str
 from hgraph.rules.registry import lookup, register, registered_ops, unregister
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -30,11 +30,9 @@ import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard
+from hgraph.rules.mesh import ShardingOptions
 
-MESH_DIMS = ("cp", "tp")
 CP, TP = 0, 1
-MESH_KEY = "hgraph_mesh"  # node.meta key: which mesh a node's specs are on (absent: the stage mesh)
-EXPERT_MESH = "expert"
 R = Replicate()
 P = Partial()
 
@@ -77,105 +75,6 @@ def with_placement(spec: Spec, mesh_dim: int, placement: Placement) -> Spec:
     out = list(spec)
     out[mesh_dim] = placement
     return (out[0], out[1])
-
-
-@dataclass(frozen=True)
-class ShardingOptions:
-    """The stage mesh and the knobs of the annotate/localize passes.
-
-    ``params``: names of the parameter placeholders (their spec is chosen by their consumers);
-    ``None`` means placeholders named ``p_*`` (the frontend's and torch.export's convention).
-    ``buffers``: names of buffer placeholders (replicated; ``None``: those named ``b_*``). Every other
-    placeholder is a data input, token-split on cp along ``seq_dim``.
-    ``position_ids``: the placeholder that packed attention reads sequence starts from.
-    ``seq_dim``: the token dim of ``[batch, seq, ...]`` inputs and activations (cp splits it; sequence
-    parallelism reduce-scatters 3-d activations along it).
-    ``ep``: expert-parallel degree (``experts()`` gives the options of the expert mesh);
-    ``mesh_names``: the group names of the two mesh dims (``("ep", "etp")`` on the expert mesh).
-    """
-
-    cp: int = 1
-    tp: int = 1
-    sequence_parallel: bool = False
-    vocab_parallel: bool = True
-    params: Optional[frozenset[str]] = None
-    buffers: Optional[frozenset[str]] = None
-    position_ids: str = "position_ids"
-    seq_dim: int = 1
-    ep: int = 1
-    mesh_names: tuple[str, str] = MESH_DIMS
-
-    def __post_init__(self) -> None:
-        for name in ("cp", "tp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ShardingRuleError(f"mesh degree {name}={value!r} is invalid; use an integer >= 1")
-        if not self.expert_parallel and (self.cp * self.tp) % self.ep:
-            raise ShardingRuleError(f"ep={self.ep} does not divide the stage mesh cp{self.cp} x tp{self.tp}")
-
-    @property
-    def degrees(self) -> tuple[int, int]:
-        return (self.cp, self.tp)
-
-    @property
-    def expert_parallel(self) -> bool:
-        """Whether these are the options of an expert mesh ``(ep, etp)``."""
-        return self.mesh_names == ("ep", "etp")
-
-    def experts(self) -> "ShardingOptions":
-        """The options of this stage's expert mesh: ``(ep, etp = cp·tp / ep)`` in the mesh-dim slots."""
-        if self.expert_parallel:
-            return self
-        return replace(self, cp=self.ep, tp=self.cp * self.tp // self.ep, sequence_parallel=False,
-                       mesh_names=("ep", "etp"))
-
-    def for_node(self, node: fx.Node) -> "ShardingOptions":
-        """The options of the mesh ``node``'s specs are on."""
-        return self.experts() if node.meta.get(MESH_KEY) == EXPERT_MESH else self
-
-    def __str__(self) -> str:
-        flags = [name for name, on in (("sequence-parallel", self.sequence_parallel), ("vocab-parallel", self.vocab_parallel)) if on]
-        mesh = f"{self.mesh_names[0]}{self.cp} x {self.mesh_names[1]}{self.tp}"
-        kind = "expert mesh" if self.expert_parallel else "stage mesh"
-        ep = f", ep{self.ep}" if self.ep > 1 and not self.expert_parallel else ""
-        return f"{kind} {mesh}{ep}" + (f" ({', '.join(flags)})" if flags else "")
-
-    @classmethod
-    def from_context(cls, ctx: Any) -> "ShardingOptions":
-        """Read the options from ``ctx``: a ``ShardingOptions``, a ``CompileContext`` or any object
-        with ``cp``/``tp`` (and optionally ``sequence_parallel``, ``vocab_parallel``, ``traced``)."""
-        if isinstance(ctx, cls):
-            return ctx
-        params = getattr(ctx, "params", None)
-        buffers = getattr(ctx, "buffers", None)
-        traced = getattr(ctx, "traced", None)
-        if params is None and traced is not None:
-            params = frozenset(getattr(traced, "param_names", {}) or ()) or None
-        if buffers is None and traced is not None:
-            buffers = frozenset(getattr(traced, "buffer_names", {}) or ())
-        return cls(
-            cp=getattr(ctx, "cp", 1),
-            tp=getattr(ctx, "tp", 1),
-            ep=getattr(ctx, "ep", 1),
-            sequence_parallel=bool(getattr(ctx, "sequence_parallel", False)),
-            vocab_parallel=bool(getattr(ctx, "vocab_parallel", True)),
-            params=frozenset(params) if params is not None else None,
-            buffers=frozenset(buffers) if buffers is not None else None,
-        )
-
-    def is_param(self, node: fx.Node) -> bool:
-        if node.op != "placeholder":
-            return False
-        if self.params is not None:
-            return node.name in self.params
-        return node.name.startswith("p_")
-
-    def is_buffer(self, node: fx.Node) -> bool:
-        if node.op != "placeholder":
-            return False
-        if self.buffers is not None:
-            return node.name in self.buffers
-        return node.name.startswith("b_")
 
 
 @dataclass(frozen=True)
@@ -310,10 +209,6 @@ class RuleInput:
 
     def ndim(self, node: fx.Node) -> int:
         return len(self.shape(node))
-
-    def is_floating(self, node: fx.Node) -> bool:
-        val = node.meta.get("val")
-        return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
     def tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
         """Tensor-valued input nodes in argument order, each once."""

@@ -22,19 +22,8 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.placement import Partial, Replicate, Shard
-from hgraph.rules.base import (
-    CP,
-    TP,
-    R,
-    Decision,
-    LowerContext,
-    RuleInput,
-    ShardingOptions,
-    Spec,
-    example_size,
-    local_shape,
-    spec_str,
-)
+from hgraph.rules.base import CP, Decision, example_size, local_shape, LowerContext, R, RuleInput, Spec, spec_str, TP
+from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.registry import register
 from hgraph.runtime.kernels.expert_dispatch import (
     combine,

@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.placement import Partial, Placement, Shard
-from hgraph.rules.base import CP, MESH_DIMS, P, R, Decision, RuleInput, Spec
+from hgraph.rules.base import CP, Decision, P, R, RuleInput, Spec
+from hgraph.rules.mesh import MESH_DIMS
 from hgraph.rules.registry import register
 
 aten = torch.ops.aten

@@ -21,18 +21,8 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Shard
-from hgraph.rules.base import (
-    CP,
-    MESH_DIMS,
-    P,
-    R,
-    TP,
-    Decision,
-    RuleInput,
-    StridedShard,
-    interleave_aware,
-    shard_degrees,
-)
+from hgraph.rules.base import CP, Decision, interleave_aware, P, R, RuleInput, shard_degrees, StridedShard, TP
+from hgraph.rules.mesh import MESH_DIMS
 from hgraph.rules.registry import register
 
 aten = torch.ops.aten

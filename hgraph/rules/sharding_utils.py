@@ -14,7 +14,8 @@ import torch
 
 from hgraph.core.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
-from hgraph.rules.base import CP, MESH_DIMS, TP, Spec, spec_str
+from hgraph.rules.base import CP, Spec, spec_str, TP
+from hgraph.rules.mesh import MESH_DIMS
 from hgraph.core.batch import load_balance_indices
 
 Coord = tuple[int, int]

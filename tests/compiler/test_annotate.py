@@ -15,7 +15,7 @@ from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.rules import Decision, register, unregister
-from hgraph.rules.base import ShardingOptions
+from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.elementwise import pointwise_rule
 
 R, P = Replicate(), Partial()

@@ -10,7 +10,8 @@ from torch import nn
 from hgraph.core.errors import ShardingRuleError
 from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.rules import lookup
-from hgraph.rules.base import RuleInput, ShardingOptions
+from hgraph.rules.base import RuleInput
+from hgraph.rules.mesh import ShardingOptions
 
 R = Replicate()
 aten = torch.ops.aten

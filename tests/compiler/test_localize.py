@@ -21,7 +21,7 @@ from hgraph.frontend import trace
 from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
-from hgraph.rules.base import ShardingOptions
+from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context

@@ -37,7 +37,8 @@ from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
-from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedShard, spec_str
+from hgraph.rules.base import CP, RuleInput, Spec, spec_str, StridedShard, TP
+from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
