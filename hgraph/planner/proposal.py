@@ -25,7 +25,8 @@ Two changes to the reference make the candidates cover what decides an iteration
 * With context parallelism (cp > 1 schemes next to cp = 1 ones) the proposal for the cp = 1 schemes
   alone joins as well (origin ``"cp1:..."``), so enabling cp never removes a candidate.
 
-Cost: buckets (geometric, ratio ``BUCKET_RATIO``, plus every MaxLen as a boundary) keep ``j`` small;
+Cost (``hgraph.planner.band_program``): buckets (geometric, ratio ``BUCKET_RATIO``, plus every MaxLen
+as a boundary) keep ``j`` small;
 GPUs are counted in units of ``q`` GPUs with ``gpus / q <= MAX_UNITS``; the DP is vectorised over
 ``n`` and ``i`` with numpy.
 """
@@ -43,13 +44,10 @@ from hgraph.core.errors import PlanError
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.batches import make_batches
 from hgraph.planner.context import with_context_parallel
+from hgraph.planner.band_program import MIN_BUCKET, BandProgram, bucketize
 from hgraph.planner.cost import CostModel, Scheme
 
-BUCKET_RATIO = 1.25
-MIN_BUCKET = 128
-MAX_UNITS = 64
 TAIL_REPLICAS = (1, 2, 3, 4)
-TIE_WEIGHT = 0.1
 SCENARIOS = 4
 SCENARIO_SEED = 12345
 
@@ -83,16 +81,6 @@ class _Found(NamedTuple):
     predicted_ms: float
     covers: int
     origin: str
-
-
-@dataclass(frozen=True)
-class _Buckets:
-    upper: np.ndarray  # upper length bound of each bucket
-    longest: np.ndarray  # longest sequence in each bucket
-    # prefix sums over buckets, index 0 = empty prefix
-    count: np.ndarray
-    tokens: np.ndarray
-    squares: np.ndarray
 
 
 def propose(
@@ -144,8 +132,8 @@ def propose_candidates(
             f"sequence length {int(values[-1])} exceeds the largest MaxLen {max(caps.values())} "
             f"({max(caps, key=caps.__getitem__)}) on {gpus} GPUs; pass max_len to truncate"
         )
-    buckets = _bucketize(values, counts, sorted(set(caps.values())))
-    dp = _Program(model, schemes, caps, gpus, buckets)
+    buckets = bucketize(values, counts, sorted(set(caps.values())))
+    dp = BandProgram(model, schemes, caps, gpus, buckets)
     dp.run()
 
     # Proposals are keyed by their multiset of pipelines; Strategy objects (rank placement, slow
@@ -190,8 +178,8 @@ def propose_candidates(
         values, counts = _histogram(batch, max_len, None)
         if values[-1] > max(caps.values()):
             continue
-        drawn = _bucketize(values, counts, sorted(set(caps.values())))
-        program = _Program(model, schemes, caps, gpus, drawn)
+        drawn = bucketize(values, counts, sorted(set(caps.values())))
+        program = BandProgram(model, schemes, caps, gpus, drawn)
         program.run()
         nb = len(drawn.upper)
         if np.isfinite(program.slowest[program.units, nb]):
@@ -270,153 +258,6 @@ def _histogram(
         counts = counts * (tokens_per_iteration / float(np.dot(values, counts)))
     keep = counts > 0
     return values[keep], counts[keep]
-
-
-def _bucketize(values: np.ndarray, counts: np.ndarray, caps: Sequence[int]) -> _Buckets:
-    """Group lengths into geometric buckets whose bounds also include every MaxLen."""
-    top = float(values[-1])
-    bounds = {float(MIN_BUCKET)}
-    b = float(MIN_BUCKET)
-    while b < top:
-        b = math.ceil(b * BUCKET_RATIO / 64) * 64
-        bounds.add(float(b))
-    bounds.update(float(c) for c in caps if c < top)
-    upper = np.array(sorted(x for x in bounds if x < top) + [top])
-    index = np.searchsorted(upper, values, side="left")
-    present = np.unique(index)
-    longest = np.zeros(len(upper))
-    np.maximum.at(longest, index, values)
-    cnt = np.bincount(index, weights=counts, minlength=len(upper))
-    tok = np.bincount(index, weights=counts * values, minlength=len(upper))
-    sq = np.bincount(index, weights=counts * values * values, minlength=len(upper))
-
-    def prefix(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([[0.0], np.cumsum(x[present])])
-
-    return _Buckets(upper[present], longest[present], prefix(cnt), prefix(tok), prefix(sq))
-
-
-class _Program:
-    """The DP tables (GPU units x buckets) with the choices needed to trace strategies back.
-
-    Each state keeps the slowest group's time ``M`` (the objective of A6) and the GPU-time of all
-    groups ``S``; states are compared by ``M + TIE_WEIGHT * S / gpus``, so among strategies with
-    the same slowest group (often the one holding the longest sequence) the DP keeps the one whose
-    other GPUs carry the least load instead of an arbitrary one.
-    """
-
-    def __init__(
-        self,
-        model: CostModel,
-        schemes: list[Scheme],
-        caps: Mapping[Scheme, int],
-        gpus: int,
-        buckets: _Buckets,
-    ) -> None:
-        self.model, self.schemes, self.caps, self.buckets = model, schemes, caps, buckets
-        unit = math.gcd(*(s.gpus for s in schemes), gpus)
-        while gpus // unit > MAX_UNITS and gpus % (2 * unit) == 0:
-            unit *= 2
-        self.unit = unit
-        self.units = gpus // unit
-        # replicas of scheme k are added in steps whose GPU count is a whole number of units
-        self.step = [unit // math.gcd(unit, s.gpus) for s in schemes]
-        nb = len(buckets.upper)
-        self.slowest = np.full((self.units + 1, nb + 1), np.inf)
-        self.load = np.full((self.units + 1, nb + 1), np.inf)  # sum of time x units over groups
-        self.slowest[0, 0] = self.load[0, 0] = 0.0
-        self.choice = np.full((self.units + 1, nb + 1, 3), -1, dtype=np.int64)  # (i, k, d)
-
-    def key(self, slowest: np.ndarray, load: np.ndarray) -> np.ndarray:
-        return slowest + TIE_WEIGHT * load / self.units
-
-    def band_time(self, k: int, i: np.ndarray, j: int, d: np.ndarray) -> np.ndarray:
-        """Predicted 1F1B time of one of ``d`` replicas of scheme k sharing buckets ``i+1..j``.
-
-        Broadcasts over ``i`` (column) and ``d`` (row). Infinite where a sequence exceeds MaxLen.
-        """
-        scheme = self.schemes[k]
-        bk = self.buckets
-        if bk.longest[j - 1] > self.caps[scheme]:
-            return np.full(np.broadcast(i, d).shape, np.inf)
-        cost = self.model.stage_cost(scheme)
-        count = bk.count[j] - bk.count[i]
-        tokens = bk.tokens[j] - bk.tokens[i]
-        work = cost.a * (bk.squares[j] - bk.squares[i]) + cost.b * tokens
-        longest = bk.longest[j - 1]
-        longest_work = cost.seq_time(longest)
-        w = np.maximum(work / d, longest_work)  # the replica holding the longest sequence
-        v_min = np.maximum(1.0, np.ceil(tokens / d / self.caps[scheme]))
-        v_max = np.maximum(v_min, np.ceil(count / d))
-        pp = scheme.pp
-        if pp == 1 or cost.c == 0:
-            v = v_min
-        else:
-            v = np.clip(np.round(np.sqrt(w * (pp - 1) / cost.c)), v_min, v_max)
-        micro = np.maximum(w / v, longest_work) + cost.c
-        return w + v * cost.c + (pp - 1) * micro
-
-    def run(self) -> None:
-        nb = len(self.buckets.upper)
-        n = np.arange(self.units + 1)
-        for j in range(1, nb + 1):
-            i = np.arange(j)
-            for k, scheme in enumerate(self.schemes):
-                if self.buckets.longest[j - 1] > self.caps[scheme]:
-                    continue
-                per = self.step[k] * scheme.gpus // self.unit  # units per replica step
-                steps = np.arange(1, self.units // per + 1)
-                if steps.size == 0:
-                    continue
-                d, u = steps * self.step[k], steps * per
-                times = self.band_time(k, i[None, :], j, d[:, None])  # (step, i)
-                # from state (n - u, i) give buckets i+1..j to d replicas: all steps, n and i at once
-                source = n[None, :] - u[:, None]  # (step, n)
-                valid = source >= 0
-                source = np.maximum(source, 0)
-                slowest = np.maximum(self.slowest[source, :j], times[:, None, :])  # (step, n, i)
-                load = self.load[source, :j] + (times * u[:, None])[:, None, :]
-                key = np.where(valid[:, :, None], self.key(slowest, load), np.inf)
-                flat = key.transpose(1, 0, 2).reshape(n.size, -1)  # (n, step * i)
-                arg = np.argmin(flat, axis=1)
-                better = flat[n, arg] < self.key(self.slowest[:, j], self.load[:, j])
-                if np.any(better):
-                    rows = n[better]
-                    step_index, start = np.divmod(arg[better], j)
-                    self.slowest[rows, j] = slowest[step_index, rows, start]
-                    self.load[rows, j] = load[step_index, rows, start]
-                    self.choice[rows, j] = np.stack([start, np.full(rows.size, k), d[step_index]], axis=1)
-
-    def trace(self, n: int, j: int) -> list[tuple[Scheme, int]]:
-        """The (scheme, replicas) groups of the optimum at ``(n, j)``."""
-        groups = []
-        while j > 0:
-            i, k, d = (int(x) for x in self.choice[n, j])
-            groups.append((self.schemes[k], d))
-            n -= d * self.schemes[k].gpus // self.unit
-            j = i
-        assert n == 0, "DP traceback must use every GPU unit"
-        return groups
-
-    def best_tail(self, k: int, d: int) -> tuple[float, list[tuple[Scheme, int]]] | None:
-        """Best strategy giving the longest band to exactly ``d`` replicas of scheme ``k``."""
-        scheme = self.schemes[k]
-        if (d * scheme.gpus) % self.unit or d * scheme.gpus > self.units * self.unit:
-            return None
-        u = d * scheme.gpus // self.unit
-        nb = len(self.buckets.upper)
-        rest = self.units - u
-        times = self.band_time(k, np.arange(nb), nb, np.array(d, dtype=np.float64))
-        slowest = np.maximum(self.slowest[rest, :nb], times)
-        key = self.key(slowest, self.load[rest, :nb] + times * u)
-        start = int(np.argmin(key))
-        if not np.isfinite(key[start]):
-            return None
-        return float(slowest[start]), [(scheme, d)] + (self.trace(rest, start) if rest else [])
-
-    def evaluate(self, k: int, d: int, j: int) -> float:
-        """Predicted time of ``d`` replicas of scheme ``k`` holding buckets ``1..j`` together."""
-        return float(self.band_time(k, np.array(0), j, np.array(d, dtype=np.float64)))
 
 
 def _layout(groups: list[tuple[Scheme, int]]) -> _Layout:
