@@ -2,6 +2,7 @@
 ``TracedModel``), canonicalised (``canonicalize.py``), with hand-written attention recognised
 (``eager_attention.py``, ``mask_probe.py``)."""
 
-from hgraph.frontend.capture import TracedModel, default_loss, trace
+from hgraph.frontend.capture import TracedModel, trace
+from hgraph.frontend.loss_module import default_loss
 
 __all__ = ["TracedModel", "default_loss", "trace"]

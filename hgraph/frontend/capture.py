@@ -44,12 +44,13 @@ from collections import Counter
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from hgraph.core.errors import InputError, TraceError
 from hgraph.core.layer_names import layer_index
 from hgraph.frontend.canonicalize import canonicalize
+from hgraph.frontend.lift import lift_exported
+from hgraph.frontend.loss_module import LossModule, default_loss
 from hgraph.frontend.linear_attention import hf_kernels, refuse_unsupported_mixers
 from hgraph.frontend.meta import fake_parameters, materialize_buffers
 
@@ -59,40 +60,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 # simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
 CAPTURE_LOCK = threading.RLock()
 STATIC_REASONS: dict[int, str] = {}  # id(model) -> why its last capture fell back to static shapes
-
-
-def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy over ``targets`` (-100 ignored); takes ``.logits`` of HF outputs."""
-    logits = outputs.logits if hasattr(outputs, "logits") else outputs
-    if isinstance(logits, (tuple, list)):
-        logits = logits[0]
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=-100)
-
-
-class _LossModule(nn.Module):
-    """``model`` followed by the loss: the function hgraph traces."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        parameters = inspect.signature(model.forward).parameters
-        self.takes_positions = "position_ids" in parameters
-        # Training never reads a KV cache: ask for none, or the cache's in-place updates are traced
-        # (also where ``use_cache`` only reaches the model through ``**kwargs``, as in GraniteMoE).
-        forwards_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        has_cache_option = isinstance(getattr(getattr(model, "config", None), "use_cache", None), bool)
-        wants = "use_cache" in parameters or (forwards_kwargs and has_cache_option)
-        self.call_options = {"use_cache": False} if wants else {}
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
-        if self.takes_positions:
-            outputs = self.model(input_ids=input_ids, position_ids=position_ids, **self.call_options)
-        else:
-            outputs = self.model(input_ids, **self.call_options)
-        return self.loss_fn(outputs, targets)
 
 
 class TracedModel:
@@ -147,7 +114,7 @@ class TracedModel:
                 graph = self._graphs.get(key)
                 if graph is None:
                     inputs = _example_tensors({"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
-                    graph, *_ = _capture(_LossModule(self.model, self.loss_fn), inputs, dynamic=False)
+                    graph, *_ = _capture(LossModule(self.model, self.loss_fn), inputs, dynamic=False)
                     self._graphs[key] = graph
         return graph
 
@@ -224,7 +191,7 @@ def trace(
     inputs = _example_tensors(_as_dict(example_inputs))
     refuse_unsupported_mixers(model)
     materialize_buffers(model)  # a meta model's construction-time buffers (rotary tables), by its own scheme
-    wrapper = _LossModule(model, loss_fn or default_loss)
+    wrapper = LossModule(model, loss_fn or default_loss)
     graph, param_names, buffer_names, tied, is_dynamic = _capture(wrapper, inputs, dynamic)
     shape = tuple(inputs[0].shape)
     traced = TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
@@ -303,7 +270,7 @@ def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, .
 
 # ----------------------------------------------------------------------------- capture
 def _capture(
-    wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
+    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
     """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes. Meta parameters
     are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's."""
@@ -312,7 +279,7 @@ def _capture(
 
 
 def _capture_model(
-    wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
+    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
     if dynamic:
         program = None
@@ -331,7 +298,7 @@ def _capture_model(
         dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
-    graph, param_names, buffer_names, tied = _lift(wrapper, program)
+    graph, param_names, buffer_names, tied = lift_exported(wrapper.model, program)
     params = dict(wrapper.model.named_parameters())
     buffers = dict(wrapper.model.named_buffers(remove_duplicate=False))
     example_args = [params[f] for f in param_names.values()] + [buffers[f] for f in buffer_names.values()]
@@ -363,7 +330,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _export(
-    wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], spec: Any
+    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], spec: Any
 ) -> torch.export.ExportedProgram:
     try:
         with _quiet(), hf_kernels(wrapper.model):
@@ -372,7 +339,7 @@ def _export(
         raise _trace_error(exc, wrapper) from exc
 
 
-def _trace_error(exc: BaseException, wrapper: _LossModule) -> TraceError:
+def _trace_error(exc: BaseException, wrapper: LossModule) -> TraceError:
     """A TraceError naming what failed, where in the user's code, and in which module."""
     model = wrapper.model
     text = str(exc).strip()
@@ -404,81 +371,6 @@ def _trace_error(exc: BaseException, wrapper: _LossModule) -> TraceError:
     error = TraceError(f"cannot trace {type(model).__name__}: {what}{where}")
     error.shape_specialised = what.startswith("the model specialises")  # type: ignore[attr-defined]
     return error
-
-
-def _lift(
-    wrapper: _LossModule, program: torch.export.ExportedProgram
-) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str]]:
-    """Rebuild the exported graph as ``(*params, *buffers, *inputs) -> loss`` with readable names.
-
-    Placeholders are named after FQNs (``p_layers_0_attn_q_proj_weight``); tied parameters collapse
-    onto the canonical name (the one ``model.named_parameters()`` reports); lifted tensor constants
-    become attributes of the GraphModule.
-    """
-    from torch.export.graph_signature import InputKind, OutputKind
-
-    model = wrapper.model
-    canonical = {id(p): name for name, p in model.named_parameters()}
-    all_params = dict(model.named_parameters(remove_duplicate=False))
-    tied = {name: canonical[id(p)] for name, p in all_params.items() if canonical[id(p)] != name}
-    for spec in program.graph_signature.output_specs:
-        if spec.kind != OutputKind.USER_OUTPUT:
-            raise TraceError(
-                f"cannot trace {type(model).__name__}: it updates '{spec.target}' in place during forward "
-                f"({spec.kind.name}); hgraph needs a pure forward"
-            )
-
-    old = program.graph_module
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    param_names: dict[str, str] = {}
-    buffer_names: dict[str, str] = {}
-    by_fqn: dict[str, fx.Node] = {}
-    constants: dict[str, torch.Tensor] = {}
-    placeholders = [n for n in old.graph.nodes if n.op == "placeholder"]
-    user_inputs, constant_inputs = [], []
-    for node, spec in zip(placeholders, program.graph_signature.input_specs):
-        target = spec.target.removeprefix("model.") if spec.target else None
-        if spec.kind == InputKind.PARAMETER:
-            fqn = tied.get(target, target)
-            if fqn not in by_fqn:
-                by_fqn[fqn] = graph.placeholder("p_" + fqn.replace(".", "_"))
-                by_fqn[fqn].meta = dict(node.meta)
-                param_names[by_fqn[fqn].name] = fqn
-            env[node] = by_fqn[fqn]
-        elif spec.kind == InputKind.BUFFER:
-            env[node] = graph.placeholder("b_" + target.replace(".", "_"))
-            env[node].meta = dict(node.meta)
-            buffer_names[env[node].name] = target
-        elif spec.kind == InputKind.USER_INPUT:
-            user_inputs.append(node)
-        else:
-            constant_inputs.append((node, spec))
-    for node in user_inputs:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = dict(node.meta)
-    for node, spec in constant_inputs:
-        attr = f"_const_{len(constants)}"
-        constants[attr] = program.constants[spec.target]
-        env[node] = graph.get_attr(attr)
-        env[node].meta = dict(node.meta)
-    for node in old.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            (result,) = node.args[0]
-            graph.output(env[result])
-            continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    for attr, value in constants.items():
-        if value.is_meta:
-            raise TraceError(
-                f"cannot trace {type(model).__name__}: a tensor attribute (constant {attr}, {tuple(value.shape)}) is on the "
-                "meta device and no scheme recomputes it; register it as a buffer that reset_parameters() recomputes"
-            )
-        old.register_buffer(attr, value)
-    gm = fx.GraphModule(old, graph, class_name=type(model).__name__ + "Loss")
-    return gm, param_names, buffer_names, tied
 
 
 def _op_name(target: Any) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hgraph.core.errors import InputError
-from hgraph.frontend.capture import default_loss
+from hgraph.frontend.loss_module import default_loss
 
 
 @dataclass(frozen=True)
