@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from hgraph.core.errors import HGraphError
+from hgraph.schedule.lowerings import PLACEMENTS
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),
@@ -233,7 +234,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="also train the same batches on the best single homogeneous strategy and print the "
                              "measured ratio (default: on; --no-compare skips it)")
-    parser.add_argument("--schedule", choices=("overlap", "none"), default="overlap",
+    parser.add_argument("--schedule", choices=PLACEMENTS, default="overlap",
                         help="overlap Pull/Push/activation communication with compute (default) or not")
     parser.add_argument("--fresh-profile", action="store_true", help="measure the cost model again")
     parser.add_argument("--seed", type=int, default=0)

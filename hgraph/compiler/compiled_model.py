@@ -11,7 +11,7 @@ steps compute products with the typed functions named; results cached; see docs/
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
                                 RankProgram (hgraph.program.rank_program) = stage program + pulls + pushes
-                                + pipeline schedule; schedule step (``rank_schedule``): its overlap order
+                                + pipeline schedule; schedule step (``overlap_order``): its overlap order
 
 Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
 per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch import nn
 
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
-from hgraph.compiler.overlap_order import rank_schedule
+from hgraph.compiler.overlap_order import overlap_order
 from hgraph.compiler.packing_proof import check_rows, prove_packing
 from hgraph.compiler.parameter_plans import (
     PlanInputs,
@@ -176,7 +176,7 @@ class CompiledModel:
     # ------------------------------------------------------------------ verification (verify.py)
     def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the action lists (``RankProgram.actions``) of every rank of ``strategy`` with
-        ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.schedule.actions.dry_run``); raises
+        ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.schedule.replay.dry_run``); raises
         ``ScheduleError`` naming rank, action and peer on a deadlock or a mismatched order."""
         check_actions(self, self.strategy_index(strategy), micro_batches)
 
@@ -421,7 +421,7 @@ class CompiledModel:
         """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order)."""
         if self.options.overlap is None:
             return program
-        return replace(program, overlap=rank_schedule(program, self.options.overlap))
+        return replace(program, overlap=overlap_order(program, self.options.overlap))
 
     # ------------------------------------------------------------------ inspection (show.py)
     def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:

@@ -74,7 +74,7 @@ def compile(
     ``trust_shared_cache=True`` (everyone who can write it is trusted; docs/reliability.md, "Trust").
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
-    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``. ``packing``: ``"auto"``
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.lowerings``. ``packing``: ``"auto"``
     (several documents per micro-batch once packing is proved exact for this model, from the graph
     or by probing; else one document per micro-batch with a ``PackingWarning``), ``"require"``
     (an unproved model is a ``PackingError``) or ``"off"`` (one document per micro-batch);

@@ -15,7 +15,7 @@ from hgraph.core.errors import HGraphError, InputError, StrategyError
 from hgraph.core.strategy import Strategy
 from hgraph.lnk.topology import Topology
 from hgraph.runtime.kernels.recompute import MODES
-from hgraph.schedule.actions import PIPELINE_SCHEDULES
+from hgraph.schedule.lowerings import PIPELINE_SCHEDULES, PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class CompileOptions:
     recompute_by_scheme: tuple[tuple[tuple[int, int, int], RecomputeConfig], ...] = ()  # (cp, tp, pp)
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False
-    pipeline_schedule: str = "1f1b"  # hgraph.schedule.actions.PIPELINE_SCHEDULES
+    pipeline_schedule: str = "1f1b"  # hgraph.schedule.lowerings.PIPELINE_SCHEDULES
 
     def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
         """The recompute config of pipelines with these degrees."""
@@ -137,12 +137,12 @@ def compile_options(
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"
-    elif schedule not in ("none", "overlap"):
-        raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
+    elif schedule not in PLACEMENTS:
+        raise HGraphError(f"schedule={schedule!r}; expected {', '.join(map(repr, PLACEMENTS))} or an OverlapConfig")
     elif schedule == "overlap":
         overlap = OverlapConfig()
     if pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {sorted(PIPELINE_SCHEDULES)}")
+        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {list(PIPELINE_SCHEDULES)}")
     interleaved = any(p.vpp > 1 for s in strategies for p in s.pipelines)
     if schedule == "overlap" and interleaved:
         raise HGraphError("interleaved pipelines (vpp > 1) with schedule='overlap' are not supported yet; "
