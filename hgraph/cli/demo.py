@@ -35,7 +35,9 @@ from typing import Any, Optional
 
 import torch
 
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError
+from hgraph.core.strategy import fits
 from hgraph.schedule.lowerings import PLACEMENTS
 
 SIZES: dict[str, dict[str, int]] = {
@@ -209,16 +211,9 @@ class _SizedFactory:
 
 
 def _fits(scheme: str, cfg: DemoConfig) -> bool:
-    from hgraph.planner.cost import Scheme
-
-    s = Scheme.parse(scheme)
+    """Whether ``scheme`` fills the world and fits the model (``Strategy.check``)."""
     dims = SIZES[cfg.size]
-    return (
-        cfg.world_size % s.gpus == 0
-        and dims["heads"] % s.tp == 0
-        and dims["kv_heads"] % s.tp == 0
-        and dims["layers"] >= s.pp
-    )
+    return fits(Degrees.parse(scheme), cfg.world_size, dict(dims, vocab=dims["vocab_size"]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -51,6 +51,7 @@ from hgraph.compiler.parameter_plans import (
 from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
@@ -127,7 +128,7 @@ class CompiledModel:
                         for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int, int], fx.GraphModule] = {}  # (cp, tp, ep)
-        self._stages: dict[tuple[int, int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp, ep)
+        self._stages: dict[Degrees, list[StageGraph]] = {}  # Pipeline.degrees
         self._plan_inputs: dict[int, PlanInputs] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
@@ -231,20 +232,20 @@ class CompiledModel:
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
-        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
+        key = pipeline.degrees
         if key not in self._stages:
             with gc_paused():
-                self._stages[key] = self._stage_graphs(pipeline, key)
+                self._stages[key] = self._stage_graphs(pipeline)
         return self._stages[key]
 
-    def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int, int]) -> list[StageGraph]:
+    def _stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         """``stage_graphs`` built: the partition step (with the pipeline-level passes), then the stage
         passes on each stage."""
         gm = self.local_program(*pipeline.program_key)
         scope = (f"cp{pipeline.cp},tp{pipeline.tp}" + (f",ep{pipeline.ep}" if pipeline.ep > 1 else "")
                  + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,
-                            recompute=self.options.recompute_for(*key[:3]))
+                            recompute=self.options.recompute_for(pipeline))
         params = set(self.traced.param_names)
         cut, records = self._passes["pipeline"].around(
             gm, ctx, scope,

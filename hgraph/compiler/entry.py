@@ -14,7 +14,7 @@ from torch import nn
 
 from hgraph.compiler.compiled_model import COMPILE_LOCK, CompiledModel, gc_paused
 from hgraph.core.errors import StrategyError, TraceError
-from hgraph.core.model_info import model_dims, validate_strategies
+from hgraph.core.model_info import model_dims
 from hgraph.core.strategy import Pipeline, Strategy, as_strategies
 from hgraph.frontend.capture import trace
 from hgraph.frontend.router_loss import loss_for
@@ -83,8 +83,9 @@ def compile(
     strategies = as_strategies(strategies)
     if not strategies:
         raise StrategyError("compile needs at least one strategy")
-    world = strategies[0].world_size
-    validate_strategies(strategies, world, model_dims(model))
+    world, dims = strategies[0].world_size, model_dims(model)
+    for strategy in strategies:
+        strategy.check(world, dims)
     if loss_fn is None:
         loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     options = compile_options(

@@ -43,7 +43,8 @@ from hgraph.core.errors import PlanError
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.batches import make_batches
 from hgraph.planner.context import with_context_parallel
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 
 BUCKET_RATIO = 1.25
 MIN_BUCKET = 128
@@ -75,7 +76,7 @@ class Candidate:
         return f"{self.strategy}  ~{self.predicted_ms:.1f} ms for lengths <= {self.covers}  [{self.origin}]"
 
 
-_Layout = tuple[tuple[Scheme, int], ...]
+_Layout = tuple[tuple[Degrees, int], ...]
 
 
 class _Found(NamedTuple):
@@ -134,7 +135,7 @@ def propose_candidates(
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 0:
         raise PlanError(f"max_candidates={max_candidates!r}; it must be an integer >= 0")
     model = cost_model.with_world_size(gpus)
-    schemes = [s for s in model.schemes if s.gpus <= gpus and model.max_len(s) >= MIN_BUCKET]
+    schemes = [s for s in model.schemes if s.size <= gpus and model.max_len(s) >= MIN_BUCKET]
     if not schemes:
         raise PlanError(f"no scheme of cost model {model.name!r} fits on {gpus} GPUs with a usable MaxLen")
     caps = {s: model.max_len(s) for s in schemes}
@@ -152,7 +153,7 @@ def propose_candidates(
     # for 1024 GPUs) are built only for the ones kept.
     found: dict[_Layout, _Found] = {}
 
-    def add(groups: list[tuple[Scheme, int]], predicted: float, j: int, origin: str) -> None:
+    def add(groups: list[tuple[Degrees, int]], predicted: float, j: int, origin: str) -> None:
         layout = _layout(groups)
         covers = int(buckets.longest[j - 1])
         old = found.get(layout)
@@ -176,14 +177,14 @@ def propose_candidates(
     ranked = sorted(_pareto(found.values()), key=lambda f: (-f.covers, f.predicted_ms))[:max_candidates]
     kept = {f.layout: f for f in ranked}
     for k, scheme in enumerate(schemes):
-        if gpus % scheme.gpus == 0:
-            layout = _layout([(scheme, gpus // scheme.gpus)])
+        if gpus % scheme.size == 0:
+            layout = _layout([(scheme, gpus // scheme.size)])
             if layout in kept:
                 kept[layout] = kept[layout]._replace(origin="homogeneous")
             else:
                 # it covers the buckets up to its MaxLen (possibly none: then it has no prediction)
                 j = int(np.searchsorted(buckets.longest, caps[scheme], side="right"))
-                predicted = dp.evaluate(k, gpus // scheme.gpus, j) if j else math.inf
+                predicted = dp.evaluate(k, gpus // scheme.size, j) if j else math.inf
                 covers = int(buckets.longest[j - 1]) if j else 0
                 kept[layout] = _Found(layout, predicted, covers, "homogeneous")
     for k, batch in enumerate(_scenario_batches(lengths, max_len, tokens_per_iteration, scenarios)):
@@ -203,7 +204,7 @@ def propose_candidates(
         # context parallelism widens the choice, it must not narrow it: the proposal without cp joins
         plain = with_context_parallel(cost_model, (1,))
         for c in propose_candidates(plain, gpus, lengths, max_len, tokens_per_iteration, max_candidates, scenarios):
-            layout = _layout([(Scheme.of(p), 1) for p in c.strategy.pipelines])
+            layout = _layout([(p.stage_key, 1) for p in c.strategy.pipelines])
             if layout not in kept:
                 kept[layout] = _Found(layout, c.predicted_ms, c.covers, f"cp1:{c.origin}")
     result = [
@@ -308,19 +309,19 @@ class _Program:
     def __init__(
         self,
         model: CostModel,
-        schemes: list[Scheme],
-        caps: Mapping[Scheme, int],
+        schemes: list[Degrees],
+        caps: Mapping[Degrees, int],
         gpus: int,
         buckets: _Buckets,
     ) -> None:
         self.model, self.schemes, self.caps, self.buckets = model, schemes, caps, buckets
-        unit = math.gcd(*(s.gpus for s in schemes), gpus)
+        unit = math.gcd(*(s.size for s in schemes), gpus)
         while gpus // unit > MAX_UNITS and gpus % (2 * unit) == 0:
             unit *= 2
         self.unit = unit
         self.units = gpus // unit
         # replicas of scheme k are added in steps whose GPU count is a whole number of units
-        self.step = [unit // math.gcd(unit, s.gpus) for s in schemes]
+        self.step = [unit // math.gcd(unit, s.size) for s in schemes]
         nb = len(buckets.upper)
         self.slowest = np.full((self.units + 1, nb + 1), np.inf)
         self.load = np.full((self.units + 1, nb + 1), np.inf)  # sum of time x units over groups
@@ -364,7 +365,7 @@ class _Program:
             for k, scheme in enumerate(self.schemes):
                 if self.buckets.longest[j - 1] > self.caps[scheme]:
                     continue
-                per = self.step[k] * scheme.gpus // self.unit  # units per replica step
+                per = self.step[k] * scheme.size // self.unit  # units per replica step
                 steps = np.arange(1, self.units // per + 1)
                 if steps.size == 0:
                     continue
@@ -387,23 +388,23 @@ class _Program:
                     self.load[rows, j] = load[step_index, rows, start]
                     self.choice[rows, j] = np.stack([start, np.full(rows.size, k), d[step_index]], axis=1)
 
-    def trace(self, n: int, j: int) -> list[tuple[Scheme, int]]:
+    def trace(self, n: int, j: int) -> list[tuple[Degrees, int]]:
         """The (scheme, replicas) groups of the optimum at ``(n, j)``."""
         groups = []
         while j > 0:
             i, k, d = (int(x) for x in self.choice[n, j])
             groups.append((self.schemes[k], d))
-            n -= d * self.schemes[k].gpus // self.unit
+            n -= d * self.schemes[k].size // self.unit
             j = i
         assert n == 0, "DP traceback must use every GPU unit"
         return groups
 
-    def best_tail(self, k: int, d: int) -> tuple[float, list[tuple[Scheme, int]]] | None:
+    def best_tail(self, k: int, d: int) -> tuple[float, list[tuple[Degrees, int]]] | None:
         """Best strategy giving the longest band to exactly ``d`` replicas of scheme ``k``."""
         scheme = self.schemes[k]
-        if (d * scheme.gpus) % self.unit or d * scheme.gpus > self.units * self.unit:
+        if (d * scheme.size) % self.unit or d * scheme.size > self.units * self.unit:
             return None
-        u = d * scheme.gpus // self.unit
+        u = d * scheme.size // self.unit
         nb = len(self.buckets.upper)
         rest = self.units - u
         times = self.band_time(k, np.arange(nb), nb, np.array(d, dtype=np.float64))
@@ -419,13 +420,13 @@ class _Program:
         return float(self.band_time(k, np.array(0), j, np.array(d, dtype=np.float64)))
 
 
-def _layout(groups: list[tuple[Scheme, int]]) -> _Layout:
+def _layout(groups: list[tuple[Degrees, int]]) -> _Layout:
     """Canonical multiset of pipelines: (scheme, count) pairs, largest stage mesh (tp·cp) first, then
     largest TP: with power-of-two meshes every stage then starts at a multiple of its size (node-aligned)."""
-    counts: dict[Scheme, int] = {}
+    counts: dict[Degrees, int] = {}
     for scheme, d in groups:
         counts[scheme] = counts.get(scheme, 0) + d
-    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp * sc[0].cp, -sc[0].tp, -sc[0].gpus, -sc[0].pp)))
+    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp * sc[0].cp, -sc[0].tp, -sc[0].size, -sc[0].pp)))
 
 
 def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
@@ -437,6 +438,6 @@ def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
     pipelines, start = [], 0
     for s, d in layout:
         for _ in range(d):
-            pipelines.append(Pipeline(tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, ranks=tuple(range(start, start + s.gpus))))
-            start += s.gpus
+            pipelines.append(Pipeline(tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, ranks=tuple(range(start, start + s.size))))
+            start += s.size
     return Strategy(tuple(pipelines), gpus_per_node=gpus_per_node)

@@ -230,14 +230,12 @@ def predict_iteration(
     sequence lengths) under ``schedule``, from the profiled ``T(l)`` of ``cost_model`` and the
     measured ``terms``. Overlap-aware: under ``schedule="overlap"`` only the exposed part of
     Pull/Push counts (``StrategyTerms.exposed_comm_ms``), not their sum."""
-    from hgraph.planner.cost import Scheme
-
     if len(micro_batch_lengths) != len(strategy.pipelines):
         raise PlanError(f"{len(micro_batch_lengths)} pipelines of micro-batches for strategy {strategy} "
                         f"with {len(strategy.pipelines)} pipelines")
     compute = []
     for p, mbs in zip(strategy.pipelines, micro_batch_lengths):
-        stage = terms.stage_cost(cost_model.stage_cost(Scheme.of(p)), p.pp)
+        stage = terms.stage_cost(cost_model.stage_cost(p.stage_key), p.pp)
         times = [stage.micro_batch_time(mb) for mb in mbs if len(mb)]
         compute.append(pipeline_time(times, p.pp, pipeline_schedule, p.vpp))
     return iteration_from_compute(strategy, compute, terms, schedule)
