@@ -86,11 +86,6 @@ class PassRecord:
                 f"{self.nodes_before} -> {self.nodes_after} nodes")
 
 
-def level_of(name: str) -> str:
-    """The level of a built-in pass."""
-    return next(level for level, names in LEVELS if name in names)
-
-
 def checked_user_passes(passes: Sequence[object]) -> list[Pass]:
     """User passes as ``Pass`` objects anchored at a built-in pass (a bare callable or a ``Pass``
     without an anchor runs after ``localize``); ``InputError`` on anything else."""

@@ -4,7 +4,18 @@ and a mismatched order."""
 import pytest
 
 from hgraph.schedule.actions import Action, Kind, ScheduleError, format_actions, parse
-from hgraph.schedule.lowerings import LOWERINGS, interleaved_1f1b, lowering_name, one_f_one_b, zero_bubble_h1
+from hgraph.schedule.lowerings import (
+    LOWERINGS,
+    PIPELINE_SCHEDULES,
+    PLACEMENTS,
+    PullPushOrder,
+    blocking_order,
+    interleaved_1f1b,
+    lowering_name,
+    one_f_one_b,
+    place,
+    zero_bubble_h1,
+)
 from hgraph.schedule.replay import dry_run, dry_run_pipeline
 
 
@@ -126,3 +137,41 @@ def test_interleaved_takes_any_number_of_micro_batches():
     )
     with pytest.raises(ScheduleError, match="at least one micro-batch; got 0"):
         interleaved_1f1b(2, 2, 0, 0)
+
+
+def test_one_vocabulary_of_schedules():
+    """The config, the planner's terms and the bubble read the one registry's names."""
+    from hgraph.core.errors import CostModelError
+    from hgraph.planner.terms import StrategyTerms
+    from hgraph.training.train_config import CHOICES
+
+    assert CHOICES["pipeline_schedule"] == PIPELINE_SCHEDULES and CHOICES["schedule"] == PLACEMENTS
+    assert set(PIPELINE_SCHEDULES) < set(LOWERINGS) and lowering_name("1f1b", 2) == "interleaved"
+    assert [lowering_name(s, 1) for s in PIPELINE_SCHEDULES] == list(PIPELINE_SCHEDULES)
+    with pytest.raises(ScheduleError, match="pipeline_schedule='gpipe'; expected one of 1f1b, zb1p"):
+        lowering_name("gpipe", 1)
+    with pytest.raises(ScheduleError, match="vpp > 1 runs 'interleaved'"):
+        LOWERINGS["zb1p"](2, 2, 0, 4)
+    with pytest.raises(CostModelError, match="expected one of none, overlap"):
+        StrategyTerms("tp1", "fast", 1.0, 1.0, 1.0, 0.0, 0.0)
+
+
+def test_placing_the_blocking_order_is_pulls_pipeline_pushes_optimizer():
+    pipeline = one_f_one_b(2, 1, 0, 2)
+    out = place(pipeline, blocking_order(["a", "b"], ["g"]))
+    assert line(out) == "PULL_START:a PULL_WAIT:a PULL_START:b PULL_WAIT:b " + line(pipeline) + \
+        " PUSH_START:g PUSH_WAIT:g OPTIMIZER"
+
+
+def test_placing_an_overlap_order_attaches_to_the_first_forward_and_the_last_backward():
+    order = PullPushOrder(
+        prelude=(parse("PULL_START:a"),),
+        forward=(parse("PULL_START:b@a"), parse("PULL_WAIT:a@a"), parse("PULL_WAIT:b")),
+        backward=(parse("PUSH_START:g@g"),),
+        end=(parse("PUSH_WAIT:g"),),
+    )
+    out = place(one_f_one_b(1, 1, 0, 2), order)
+    assert line(out) == ("PULL_START:a 0.0F PULL_START:b@a PULL_WAIT:a@a PULL_WAIT:b 0.0B 0.1F 0.1B "
+                         "PUSH_START:g@g PUSH_WAIT:g OPTIMIZER")
+    # no forward or backward on this rank: those actions run detached after the pipeline
+    assert line(place([], order)) == "PULL_START:a PULL_START:b PULL_WAIT:a PULL_WAIT:b PUSH_START:g PUSH_WAIT:g OPTIMIZER"
