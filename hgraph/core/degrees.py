@@ -42,16 +42,17 @@ class Degrees:
     over a stage's ``cp x tp`` ranks (must divide ``cp·tp``)."""
 
     def __post_init__(self) -> None:
+        kind = type(self).__name__
         for name in DEGREES:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise StrategyError(f"{type(self).__name__} {name}={value!r}; every degree must be an integer >= 1")
+                raise StrategyError(f"{kind} {name}={value!r}; every degree must be an integer >= 1")
         if self.vpp > 1 and self.pp < 2:
-            raise StrategyError(f"{type(self).__name__} vpp={self.vpp} needs pp >= 2 (interleaving chunks over "
-                                f"stages); got pp={self.pp}")
+            raise StrategyError(f"{kind} vpp={self.vpp} needs pp >= 2 (interleaving chunks over stages); "
+                                f"got pp={self.pp}")
         if (self.cp * self.tp) % self.ep:
             raise StrategyError(
-                f"{type(self).__name__} ep={self.ep} does not divide the stage mesh cp*tp={self.cp * self.tp} "
+                f"{kind} ep={self.ep} does not divide the stage mesh cp*tp={self.cp * self.tp} "
                 f"(cp={self.cp}, tp={self.tp}); use an ep dividing {self.cp * self.tp}"
             )
 
@@ -60,8 +61,8 @@ class Degrees:
         """The degrees ``text`` writes (``parse_degrees``); raises ``StrategyError`` naming the token."""
         degrees = parse_degrees(text)
         if isinstance(degrees, str):
-            raise StrategyError(f"cannot parse degrees {degrees!r} in {text!r}; write e.g. 'tp2,pp4', 'tp4,cp2', "
-                                "'tp4,ep4' or 'tp1,pp2,vpp2'")
+            raise StrategyError(f"cannot parse degrees {degrees!r} in {text!r}; write e.g. 'tp2,pp4', "
+                                "'tp4,cp2', 'tp4,ep4' or 'tp1,pp2,vpp2'")
         return Degrees(degrees["tp"], degrees["pp"], degrees["cp"], vpp=degrees["vpp"], ep=degrees["ep"])
 
     @staticmethod

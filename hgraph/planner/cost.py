@@ -113,8 +113,8 @@ class CostModel:
             raise CostModelError(f"cost model {name!r} has no schemes")
         for scheme in stage_costs:
             if scheme.vpp != 1:
-                raise CostModelError(f"cost model {name!r}: scheme {scheme} has vpp={scheme.vpp}; a scheme is "
-                                     "one stage's degrees (Degrees.stage_key), with vpp=1")
+                raise CostModelError(f"cost model {name!r}: scheme {scheme} has vpp={scheme.vpp}; a scheme "
+                                     "is one stage's degrees (Degrees.stage_key), with vpp=1")
         self._name = name
         self._costs = dict(stage_costs)
         self._memory = memory

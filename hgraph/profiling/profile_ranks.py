@@ -194,7 +194,8 @@ def _rank_main(
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, vocab, (length,), generator=gen) for length in lengths]
     out: dict[str, Any] = {"saved_bytes": {}, "compute_ms": {}, "compile_s": time.perf_counter() - start}
-    programs = {str(Degrees(tp, pp, cp, ep=ep)): compiled.program(i, rank) for i, (tp, pp, cp, ep) in enumerate(schemes)}
+    programs = {str(Degrees(tp, pp, cp, ep=ep)): compiled.program(i, rank)
+                for i, (tp, pp, cp, ep) in enumerate(schemes)}
     inputs = {}
     for key, program in programs.items():  # this rank's micro-batches (its chunks under cp)
         inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]

@@ -3,8 +3,8 @@
 Stage programs (``StageGraph`` with its ``Boundary`` values) and communication subgraphs
 (``CommSubgraph``, ``ParameterLayouts``, ``ParameterComm``); the rank program that holds them (and a
 rank's overlap order, ``hgraph.schedule.lowerings.PullPushOrder``) is ``rank_program.RankProgram``.
-Everything here is data, frozen; the compiler (``hgraph.compiler``) builds it with the passes of ``hgraph.passes``, and the runtime
-(``hgraph.runtime``) interprets it.
+Everything here is data, frozen; the compiler (``hgraph.compiler``) builds it with the passes of
+``hgraph.passes``, and the runtime (``hgraph.runtime``) interprets it.
 """
 
 from __future__ import annotations

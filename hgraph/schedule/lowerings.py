@@ -169,7 +169,8 @@ def lowering_name(schedule: str, vpp: int) -> str:
     """The ``LOWERINGS`` entry a pipeline with ``vpp`` virtual stages per stage runs under the user's
     ``schedule``: ``"interleaved"`` when ``vpp > 1`` (the one place this rule lives), else ``schedule``."""
     if schedule not in PIPELINE_SCHEDULES:
-        raise ScheduleError(f"pipeline_schedule={schedule!r}; expected one of {', '.join(PIPELINE_SCHEDULES)}")
+        choices = ", ".join(PIPELINE_SCHEDULES)
+        raise ScheduleError(f"pipeline_schedule={schedule!r}; expected one of {choices}")
     return INTERLEAVED if vpp > 1 else schedule
 
 

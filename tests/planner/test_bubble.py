@@ -1,4 +1,5 @@
-"""Pipeline time under each schedule (the timed replay) against hand-computed timelines and the 1F1B formula."""
+"""Pipeline time under each schedule (the timed replay) against hand-computed timelines and the 1F1B
+formula."""
 
 import pytest
 

@@ -110,7 +110,8 @@ def test_golden_order_two_layers():
     assert started == names  # global order on every rank
     assert sorted(waited) == sorted(names)  # both ranks of 2x tp1 use every parameter
     pushes = [pc.name for pc in program.pushes]
-    assert order.backward == tuple(Action(Kind.PUSH_START, group=n, at=pushes[0]) for n in pushes)  # one bucket
+    # one bucket when bucket_bytes is huge: every push start attached at the first push
+    assert order.backward == tuple(Action(Kind.PUSH_START, group=n, at=pushes[0]) for n in pushes)
     assert compiled.program(0, 1).overlap.prelude == order.prelude
 
 
