@@ -42,10 +42,9 @@ PROFILE_LENGTHS = (64, 128, 256, 384, 512)
 
 
 def schemes_of(strategies: list[str]) -> list[str]:
-    from hgraph.planner.cost import Scheme
     from hgraph.core.strategy import Strategy
 
-    return sorted({str(Scheme.of(p)) for s in strategies for p in Strategy.parse(s).pipelines})
+    return sorted({str(p.stage_key) for s in strategies for p in Strategy.parse(s).pipelines})
 
 
 def wikipedia_batches(path: str, count: int, tokens: int, context: int, seed: int) -> list[list[int]]:

@@ -30,7 +30,8 @@ from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.lnk import solve
 from hgraph.lnk.topology import Topology
 from hgraph.models import Llama, LlamaConfig
-from hgraph.planner.cost import Scheme, load_cost_model
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import load_cost_model
 from hgraph.runtime.timeline import exposed_communication
 from hgraph.training.trainer import Trainer
 from hgraph.core.zero import optimizer_layout
@@ -97,7 +98,7 @@ def predicted_64_gpus(tokens_per_micro_batch: int = 16384, micro_batches: int = 
         zero = optimizer_layout(shape, 64)
         pull += solve(zero, compute, itemsize=2, topology=topo).predicted_time_s(topo)
         push += solve(grad, zero, itemsize=2, topology=topo).predicted_time_s(topo)
-    cost = load_cost_model("llama7b_a800").stage_cost(Scheme(tp=8, pp=1, cp=1))
+    cost = load_cost_model("llama7b_a800").stage_cost(Degrees(tp=8, pp=1, cp=1))
     t_mb = cost.seq_time(tokens_per_micro_batch) / 1e3  # forward + backward of one micro-batch, s
     fwd_layer, bwd_layer = t_mb / 3 / layers, 2 * t_mb / 3 / layers
     compute_total = micro_batches * t_mb

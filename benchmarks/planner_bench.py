@@ -124,7 +124,7 @@ def run_setting(name: str, iterations: int, ref_iterations: int, ref_time_limit:
             ),
         }
     out["comparison"] = comparison
-    out["heterogeneous_iterations"] = sum(len({p.scheme for p in plan.pipelines}) > 1 for plan in ours)
+    out["heterogeneous_iterations"] = sum(len({p.stage_key for p in plan.pipelines}) > 1 for plan in ours)
     out["cp_iterations"] = sum(any(p.pipeline.cp > 1 for p in plan.pipelines) for plan in ours)
     out["hgraph_predicted_ms_total"] = round(total, 1)
     # best plan per iteration over hgraph and every baseline run here (the no-CP reference of a _cp setting)

@@ -32,7 +32,7 @@ def main() -> None:
     program = compiled.program(0, 0)
     print("\nstage 0 program of rank 0 (first lines):")
     print("\n".join(program.stage_graph.gm.code.strip().splitlines()[:12]))
-    print("\n1F1B schedule of rank 0 with 4 micro-batches (hgraph.schedule.actions; program.actions(4) adds pulls and pushes):")
+    print("\n1F1B schedule of rank 0 with 4 micro-batches (hgraph.schedule.lowerings; program.actions(4) adds pulls and pushes):")
     print(format_actions(program.pipeline_actions(4)))
     print("pull plan of the embedding:\n" + str(program.pulls[0].pull.plan))
 

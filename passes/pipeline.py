@@ -12,7 +12,7 @@ The built-in points, in order, and the graph each pass (and every user pass anch
                           parameter (ctx.parameter_layouts after it), on the local program of its first
                           pipeline (each rank plans its part later)
     schedule              step: the rank's program lowered (ctx.program; ``schedule="overlap"``: its
-                          pull/push order, ``RankSchedule``), on the rank's stage program
+                          pull/push order, ``PullPushOrder``), on the rank's stage program
 
 A *pass* transforms the graph it is given. A *step* (partition, insert_comm, schedule) computes a
 product instead: the compiler calls a plain typed function there (``hgraph.compiler``) and hands
@@ -84,11 +84,6 @@ class PassRecord:
     def __str__(self) -> str:
         return (f"{self.name} [{self.scope}]: {self.seconds * 1e3:.1f} ms, "
                 f"{self.nodes_before} -> {self.nodes_after} nodes")
-
-
-def level_of(name: str) -> str:
-    """The level of a built-in pass."""
-    return next(level for level, names in LEVELS if name in names)
 
 
 def checked_user_passes(passes: Sequence[object]) -> list[Pass]:

@@ -1,5 +1,5 @@
 """One vocabulary on the command line: every strategy string hgraph prints (``str`` of a strategy,
-pipeline or scheme; ``hgraph plan``'s text and JSON; the profile's schemes) parses back to the same
+pipeline or degrees; ``hgraph plan``'s text and JSON; the profile's schemes) parses back to the same
 thing; ``hgraph --version`` prints the installed version; ``plan --max-len`` bounds every planned
 piece, also with ``--split-long``; help texts name the defaults and the cost-table presets."""
 
@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hgraph.cli.command import main
-from hgraph.planner.cost import PRESETS, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import PRESETS
 from hgraph.profiling.profile_ranks import parse_schemes
 from hgraph.core.strategy import Pipeline, Strategy
 
@@ -32,13 +33,19 @@ def test_every_printed_strategy_parses_back(pipes):
     assert Strategy.parse(text) == strategy, text
     assert "×" not in text and "(" not in text  # the syntax users write: "tp2,pp2 + 2x tp1"
     for p in strategy.pipelines:
-        assert Strategy.parse(str(p)).pipelines[0].scheme == p.scheme
-        scheme = Scheme.of(p)
-        assert Scheme.parse(str(scheme)) == scheme and Strategy.parse(str(scheme)).pipelines[0].scheme == p.scheme
+        assert Strategy.parse(str(p)).pipelines[0].degrees == p.degrees == Degrees.parse(str(p))
+        scheme = p.stage_key
+        assert Degrees.parse(str(scheme)) == scheme and Strategy.parse(str(scheme)).pipelines[0].stage_key == scheme
 
 
 def test_the_written_and_the_older_printed_forms_parse():
     assert str(Strategy.parse("tp2,pp2 + 2x tp1")) == "tp2,pp2 + 2x tp1"
+    # one string form for degrees, pipelines and cost-table schemes: tp always, then ep, pp, vpp, cp above 1
+    assert str(Degrees(2, 4, 2, vpp=2, ep=2)) == str(Pipeline(2, 4, 2, vpp=2, ep=2)) == "tp2,ep2,pp4,vpp2,cp2"
+    assert str(Degrees(4, ep=4)) == "tp4,ep4" and str(Degrees(1)) == "tp1"
+    # the form cost tables and profiles printed before (pp always, ep last) reads as the same degrees
+    assert Degrees.parse("tp1,pp1") == Degrees(1) and Degrees.parse("tp4,pp1,ep4") == Degrees(4, ep=4)
+    assert Degrees.parse("tp8,pp1,cp2") == Degrees(8, cp=2) == Pipeline(8, cp=2).stage_key
     assert str(Strategy.parse("(tp4) + 2×(tp2)")) == "tp4 + 2x tp2"
     assert parse_schemes("tp1; tp2; tp1,pp2") == parse_schemes("tp1,tp2,tp1pp2")
 

@@ -35,7 +35,10 @@ from typing import Any, Optional
 
 import torch
 
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError
+from hgraph.core.strategy import fits
+from hgraph.schedule.lowerings import PLACEMENTS
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),
@@ -208,16 +211,9 @@ class _SizedFactory:
 
 
 def _fits(scheme: str, cfg: DemoConfig) -> bool:
-    from hgraph.planner.cost import Scheme
-
-    s = Scheme.parse(scheme)
+    """Whether ``scheme`` fills the world and fits the model (``Strategy.check``)."""
     dims = SIZES[cfg.size]
-    return (
-        cfg.world_size % s.gpus == 0
-        and dims["heads"] % s.tp == 0
-        and dims["kv_heads"] % s.tp == 0
-        and dims["layers"] >= s.pp
-    )
+    return fits(Degrees.parse(scheme), cfg.world_size, dict(dims, vocab=dims["vocab_size"]))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +229,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                         help="also train the same batches on the best single homogeneous strategy and print the "
                              "measured ratio (default: on; --no-compare skips it)")
-    parser.add_argument("--schedule", choices=("overlap", "none"), default="overlap",
+    parser.add_argument("--schedule", choices=PLACEMENTS, default="overlap",
                         help="overlap Pull/Push/activation communication with compute (default) or not")
     parser.add_argument("--fresh-profile", action="store_true", help="measure the cost model again")
     parser.add_argument("--seed", type=int, default=0)

@@ -42,7 +42,9 @@ from typing import Any, Optional
 import torch
 
 from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import CommunicationError, HGraphError, InputError
+from hgraph.core.strategy import fits
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
 from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
@@ -168,17 +170,12 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
     from hgraph.core.model_info import model_dims
-    from hgraph.planner.cost import CostModel, Scheme
+    from hgraph.planner.cost import CostModel
     from hgraph.planner.proposal import propose
 
     assert cfg.data is not None
     dims = model_dims(ModelSpec(cfg.model, cfg.seed, meta=True)())
-    schemes = []
-    for text in SCHEMES:
-        s = Scheme.parse(text)
-        if cfg.world_size % s.gpus == 0 and all(dims.get(k, s.tp) % s.tp == 0 for k in ("heads", "kv_heads")) \
-                and dims.get("layers", s.pp) >= s.pp:
-            schemes.append(text)
+    schemes = [text for text in SCHEMES if fits(Degrees.parse(text), cfg.world_size, dims)]
     table = profiled_table(cfg, ModelSpec(cfg.model, cfg.seed), schemes)
     train, _ = loaders(cfg)
     sample = [len(s) for b in train.first_batches(8) for s in b]

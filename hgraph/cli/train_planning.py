@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from hgraph.core.errors import CostModelError, InputError
 from hgraph.planner.assign import Planner
-from hgraph.planner.cost import CostModel, Scheme, load_cost_model
+from hgraph.planner.cost import CostModel, load_cost_model
 from hgraph.profiling.profile import profile_cost_model
 from hgraph.profiling.profile_ranks import DEFAULT_MEMORY_GB
 from hgraph.core.strategy import as_strategies
@@ -37,7 +37,7 @@ def planner_table(cfg: TrainConfig, model_factory: Callable[[], Any], torchrun: 
     ``[planner] cost_table``, else this machine profiled (locally) or its cached profile (torchrun)."""
     if cfg.cost_table:
         return json.dumps(load_cost_model(cfg.cost_table).to_table()), f"cost table {cfg.cost_table}"
-    schemes = list(dict.fromkeys(str(Scheme.of(p)) for s in as_strategies(cfg.strategies) for p in s.pipelines))
+    schemes = list(dict.fromkeys(str(p.stage_key) for s in as_strategies(cfg.strategies) for p in s.pipelines))
     try:
         table = profiled_table(cfg, model_factory, schemes, measure=not torchrun)
     except CostModelError as exc:

@@ -11,7 +11,7 @@ steps compute products with the typed functions named; results cached; see docs/
       per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
       per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
                                 RankProgram (hgraph.program.rank_program) = stage program + pulls + pushes
-                                + pipeline schedule; schedule step (``rank_schedule``): its overlap order
+                                + pipeline schedule; schedule step (``overlap_order``): its overlap order
 
 Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
 per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch import nn
 
 from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
-from hgraph.compiler.overlap_order import rank_schedule
+from hgraph.compiler.overlap_order import overlap_order
 from hgraph.compiler.packing_proof import check_rows, prove_packing
 from hgraph.compiler.parameter_plans import (
     PlanInputs,
@@ -51,6 +51,7 @@ from hgraph.compiler.parameter_plans import (
 from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
@@ -127,7 +128,7 @@ class CompiledModel:
                         for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
         self._local: dict[tuple[int, int, int], fx.GraphModule] = {}  # (cp, tp, ep)
-        self._stages: dict[tuple[int, int, int, int, int], list[StageGraph]] = {}  # (cp, tp, pp, vpp, ep)
+        self._stages: dict[Degrees, list[StageGraph]] = {}  # Pipeline.degrees
         self._plan_inputs: dict[int, PlanInputs] = {}
         self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
         self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
@@ -176,7 +177,7 @@ class CompiledModel:
     # ------------------------------------------------------------------ verification (verify.py)
     def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the action lists (``RankProgram.actions``) of every rank of ``strategy`` with
-        ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.schedule.actions.dry_run``); raises
+        ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.schedule.replay.dry_run``); raises
         ``ScheduleError`` naming rank, action and peer on a deadlock or a mismatched order."""
         check_actions(self, self.strategy_index(strategy), micro_batches)
 
@@ -231,20 +232,20 @@ class CompiledModel:
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
-        key = (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
+        key = pipeline.degrees
         if key not in self._stages:
             with gc_paused():
-                self._stages[key] = self._stage_graphs(pipeline, key)
+                self._stages[key] = self._stage_graphs(pipeline)
         return self._stages[key]
 
-    def _stage_graphs(self, pipeline: Pipeline, key: tuple[int, int, int, int, int]) -> list[StageGraph]:
+    def _stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
         """``stage_graphs`` built: the partition step (with the pipeline-level passes), then the stage
         passes on each stage."""
         gm = self.local_program(*pipeline.program_key)
         scope = (f"cp{pipeline.cp},tp{pipeline.tp}" + (f",ep{pipeline.ep}" if pipeline.ep > 1 else "")
                  + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,
-                            recompute=self.options.recompute_for(*key[:3]))
+                            recompute=self.options.recompute_for(pipeline))
         params = set(self.traced.param_names)
         cut, records = self._passes["pipeline"].around(
             gm, ctx, scope,
@@ -421,7 +422,7 @@ class CompiledModel:
         """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order)."""
         if self.options.overlap is None:
             return program
-        return replace(program, overlap=rank_schedule(program, self.options.overlap))
+        return replace(program, overlap=overlap_order(program, self.options.overlap))
 
     # ------------------------------------------------------------------ inspection (show.py)
     def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:

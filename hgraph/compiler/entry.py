@@ -14,7 +14,7 @@ from torch import nn
 
 from hgraph.compiler.compiled_model import COMPILE_LOCK, CompiledModel, gc_paused
 from hgraph.core.errors import StrategyError, TraceError
-from hgraph.core.model_info import model_dims, validate_strategies
+from hgraph.core.model_info import model_dims
 from hgraph.core.strategy import Pipeline, Strategy, as_strategies
 from hgraph.frontend.capture import trace
 from hgraph.frontend.router_loss import loss_for
@@ -74,7 +74,7 @@ def compile(
     ``trust_shared_cache=True`` (everyone who can write it is trusted; docs/reliability.md, "Trust").
     ``pipeline_schedule``: ``"1f1b"`` or ``"zb1p"`` (zero-bubble ZB-H1: each backward split into an
     input-gradient and a weight-gradient step, ``schedule="none"`` only); a pipeline with ``vpp > 1``
-    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.actions``. ``packing``: ``"auto"``
+    (``"tp1,pp2,vpp2"``) runs interleaved 1F1B; see ``hgraph.schedule.lowerings``. ``packing``: ``"auto"``
     (several documents per micro-batch once packing is proved exact for this model, from the graph
     or by probing; else one document per micro-batch with a ``PackingWarning``), ``"require"``
     (an unproved model is a ``PackingError``) or ``"off"`` (one document per micro-batch);
@@ -83,8 +83,9 @@ def compile(
     strategies = as_strategies(strategies)
     if not strategies:
         raise StrategyError("compile needs at least one strategy")
-    world = strategies[0].world_size
-    validate_strategies(strategies, world, model_dims(model))
+    world, dims = strategies[0].world_size, model_dims(model)
+    for strategy in strategies:
+        strategy.check(world, dims)
     if loss_fn is None:
         loss_fn = loss_for(model)  # with the MoE router auxiliary loss when the config asks for it
     options = compile_options(

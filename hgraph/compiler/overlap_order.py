@@ -1,7 +1,8 @@
 """The overlap order: when each rank starts and waits its Pull Parameters and Push Gradients.
 
-With ``hgraph.compile(..., schedule="overlap")`` every rank runs a ``RankSchedule`` instead of
-"all pulls, then 1F1B, then all pushes":
+With ``hgraph.compile(..., schedule="overlap")`` every rank runs its pulls and pushes in the order
+``overlap_order`` emits (a ``PullPushOrder`` of actions) instead of "all pulls, then 1F1B, then all
+pushes":
 
 * **Pulls** start in the global layer order (the same on every rank, so collectives match) and are
   prefetched ``prefetch_layers`` layers ahead of the layer being computed. Each wait is sunk to just
@@ -18,9 +19,9 @@ With ``hgraph.compile(..., schedule="overlap")`` every rank runs a ``RankSchedul
   iteration (as under ``schedule="none"``).
 
 Everything here is decided from the program alone (no timing), so the order is deterministic: the
-compiler's ``schedule`` step computes it (``rank_schedule``) when it builds the ``RankProgram``, and
-``RankProgram.actions`` lowers it into the rank's action list (``hgraph.schedule.actions.overlap_actions``),
-which the one executor runs and the one dry run (``hgraph.schedule.actions.dry_run``, through
+compiler's ``schedule`` step computes it (``overlap_order``) when it builds the ``RankProgram``, and
+``RankProgram.actions`` places it around the rank's pipeline actions (``hgraph.schedule.lowerings.place``),
+which the one executor runs and the one dry run (``hgraph.schedule.replay.dry_run``, through
 ``CompiledModel.check_actions``) checks against every other rank before anything runs.
 """
 
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from hgraph.program.options import OverlapConfig
-from hgraph.program.products import Op, ParameterComm, RankSchedule
 from hgraph.core.layer_names import layer_runs
+from hgraph.program.options import OverlapConfig
+from hgraph.program.products import ParameterComm
 from hgraph.program.rank_program import RankProgram
+from hgraph.schedule.actions import Action, Kind
+from hgraph.schedule.lowerings import PullPushOrder
 
 
 def first_use_order(program: RankProgram) -> list[str]:
@@ -58,8 +61,10 @@ def _dst_bytes(pc: ParameterComm, rank: int) -> int:
     return int(torch.Size(plan.dst.local_shape(rank)).numel()) * plan.itemsize
 
 
-def rank_schedule(program: RankProgram, config: OverlapConfig) -> RankSchedule:
-    """The overlap order of one rank's program (see the module docstring for the rules)."""
+def overlap_order(program: RankProgram, config: OverlapConfig) -> PullPushOrder:
+    """The overlap order of one rank's program as actions (see the module docstring for the rules):
+    pull waits at a parameter's first use are attached to the first forward (``at`` the parameter),
+    push starts to the last backward (``at`` the first push of their bucket)."""
     pulls = program.pulls
     names = [pc.name for pc in pulls]
     index = {n: i for i, n in enumerate(names)}
@@ -70,16 +75,22 @@ def rank_schedule(program: RankProgram, config: OverlapConfig) -> RankSchedule:
     started, waited = 0, set()
     inflight: list[int] = []  # held pulls started, not waited, oldest first
 
-    def start_upto(last: int, ops: list[Op]) -> None:
+    def start(i: int, at: str | None = None) -> Action:
+        return Action(Kind.PULL_START, group=names[i], at=at)
+
+    def wait(i: int, at: str | None = None) -> Action:
+        return Action(Kind.PULL_WAIT, group=names[i], at=at)
+
+    def start_upto(last: int, ops: list[Action], at: str | None = None) -> None:
         nonlocal started
         while started <= min(last, len(pulls) - 1):
             i = started
             cap = config.max_inflight_bytes
             while cap is not None and inflight and sum(nbytes[j] for j in inflight) + nbytes[i] > cap:
                 j = inflight.pop(0)
-                ops.append(("wait", j))
+                ops.append(wait(j, at))
                 waited.add(j)
-            ops.append(("start", i))
+            ops.append(start(i, at))
             if held[i]:
                 inflight.append(i)
             started += 1
@@ -92,28 +103,28 @@ def rank_schedule(program: RankProgram, config: OverlapConfig) -> RankSchedule:
                 last = i
         return last
 
-    prelude: list[Op] = []
+    prelude: list[Action] = []
     first_layer = layers[index[used[0]]] if used else float("inf")
     start_upto(window_end(first_layer - 1) if used else len(pulls) - 1, prelude)
-    at_use = []
+    forward: list[Action] = []  # attached at each parameter's first use, then after the forward
     for name in used:
         i = index[name]
-        ops: list[Op] = []
-        start_upto(max(i, window_end(layers[i])), ops)
+        start_upto(max(i, window_end(layers[i])), forward, name)
         if i not in waited:
-            ops.append(("wait", i))
+            forward.append(wait(i, name))
             waited.add(i)
             inflight.remove(i)
-        at_use.append((name, tuple(ops)))
-    after: list[Op] = []
-    start_upto(len(pulls) - 1, after)
+    start_upto(len(pulls) - 1, forward)
     for i in range(len(pulls)):  # held but unused by the forward graph: needed before the backward
         if held[i] and i not in waited:
-            after.append(("wait", i))
+            forward.append(wait(i))
             waited.add(i)
-    at_end = tuple(("wait", i) for i in range(len(pulls)) if i not in waited)
-    return RankSchedule(program.rank, tuple(prelude), tuple(at_use), tuple(after), at_end,
-                        push_buckets(program, config), tuple(names))
+    end = [wait(i) for i in range(len(pulls)) if i not in waited]  # the pulls this rank only sends
+    pushes = [pc.name for pc in program.pushes]
+    buckets = push_buckets(program, config)
+    backward = [Action(Kind.PUSH_START, group=pushes[i], at=pushes[b[0]]) for b in buckets for i in b]
+    end += [Action(Kind.PUSH_WAIT, group=pushes[i]) for b in buckets for i in b]
+    return PullPushOrder(tuple(prelude), tuple(forward), tuple(backward), tuple(end))
 
 
 def push_buckets(program: RankProgram, config: OverlapConfig) -> tuple[tuple[int, ...], ...]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError
 from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
 from hgraph.core.placement import InterleavedShard
@@ -166,10 +167,10 @@ def plan_inputs(
     ``key -> {name: spec}`` and the expert meshes of its expert weights ``key -> {name: (ep, etp)}``.
     ``stage_graphs(pipeline)``: its stage programs; ``specs(key, meta)``: ``parameter_specs`` there;
     ``param_meshes(key)``: the expert weights' meshes there."""
-    stages_of: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}  # scheme -> name -> stages
+    stages_of: dict[Degrees, dict[str, tuple[int, ...]]] = {}  # degrees -> name -> stages
     compute, grads, meshes = {}, {}, {}
     for pipeline in strategy.pipelines:
-        key, scheme = pipeline.program_key, (pipeline.cp, pipeline.tp, pipeline.pp, pipeline.vpp, pipeline.ep)
+        key, scheme = pipeline.program_key, pipeline.degrees
         if key not in compute:
             compute[key] = specs(key, "hgraph_param_spec")
             grads[key] = specs(key, "hgraph_grad_spec")
@@ -180,7 +181,7 @@ def plan_inputs(
                 for ph in sg.params:  # the physical stage running this chunk
                     held.setdefault(param_names[ph], {})[sg.stage % pipeline.pp] = None
             stages_of[scheme] = {name: tuple(st) for name, st in held.items()}
-    schemes = [(p.cp, p.tp, p.pp, p.vpp, p.ep) for p in strategy.pipelines]
+    schemes = [p.degrees for p in strategy.pipelines]
     shared: dict[tuple, list[tuple[int, int]]] = {}  # parameters held alike share one holder list
     users: dict[str, list[tuple[int, int]]] = {}
     for name in dict.fromkeys(n for held in stages_of.values() for n in held):  # first use, as the stages hold them

@@ -63,7 +63,7 @@ def explain(compiled: Inspectable, strategy: StrategyLike, rank: int, backward: 
     lines.append(f"compute: {len(compute)} ops; {schedule} schedule (4 micro-batches): "
                  + " ".join(" + ".join(map(str, step)) for step in steps(prog.pipeline_actions(4))))
     pipeline = s.pipelines[prog.pipeline]
-    lines.append(f"recompute: {compiled.options.recompute_for(pipeline.cp, pipeline.tp, pipeline.pp)}" + "".join(
+    lines.append(f"recompute: {compiled.options.recompute_for(pipeline)}" + "".join(
         f"{': ' if i == 0 else '; '}layer {r.layer} ({r.summary()})" for i, r in enumerate(regions(sg.gm))))
     totals: dict[str, int] = {}
     for rec in subgraphs(compiled, strategy, rank):

@@ -1,7 +1,7 @@
 """Verification before anything runs: the action lists of every rank of a strategy dry-run together.
 
 ``check_actions`` builds every rank's program (``RankProgram.actions``: the blocking list, or the
-overlap lowering) and runs them against each other (``hgraph.schedule.actions.dry_run``); a deadlock
+overlap lowering) and runs them against each other (``hgraph.schedule.replay.dry_run``); a deadlock
 or a mismatched order raises ``ScheduleError`` naming the rank, the action and the peer. The
 compiler calls it at compile (with ``verify``) for the new lowerings and typical overlap dispatches;
 the Trainer for each real dispatch under ``schedule="overlap"``.
@@ -13,7 +13,8 @@ from typing import Sequence
 
 from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.kernels.reshard import late_peers
-from hgraph.schedule.actions import Kind, dry_run, wrapped_chunk
+from hgraph.schedule.actions import Kind, wrapped_chunk
+from hgraph.schedule.replay import dry_run
 
 
 def check_actions(compiled: CompiledPrograms, index: int, micro_batches: Sequence[int]) -> None:

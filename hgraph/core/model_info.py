@@ -1,12 +1,11 @@
-"""What hgraph reads from a user's model: its dimensions, decoder blocks and token embedding, and the
-checks of strategies against them (tp must divide the heads, pp at most the layers, ...)."""
+"""What hgraph reads from a user's model: its dimensions (which ``Strategy.check`` checks strategies
+against), decoder blocks and token embedding."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
-from hgraph.core.errors import CostModelError, StrategyError
-from hgraph.core.strategy import Strategy
+from hgraph.core.errors import CostModelError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -35,48 +34,6 @@ def model_dims(model: nn.Module) -> dict[str, int]:
     if "heads" in dims and "kv_heads" not in dims:
         dims["kv_heads"] = dims["heads"]
     return dims
-
-
-def validate_strategies(strategies: Sequence[Strategy], world_size: int, dims: dict[str, int]) -> None:
-    """Check every strategy against the world and the model; one clear error per problem."""
-    for s in strategies:
-        s.check_world_size(world_size)
-        for p in s.pipelines:
-            for key, label in (("heads", "attention heads"), ("kv_heads", "key/value heads"), ("hidden", "hidden size"), ("vocab", "vocabulary")):
-                if key == "kv_heads" and key in dims and p.tp % dims[key] == 0:
-                    continue  # fewer key/value heads than tp ranks: each is replicated (Megatron)
-                if key in dims and dims[key] % p.tp:
-                    raise StrategyError(
-                        f"strategy {s}: tp={p.tp} does not divide the {label} ({dims[key]}); "
-                        f"use a tp that divides {dims[key]}"
-                    )
-            if "layers" in dims and p.pp > dims["layers"]:
-                raise StrategyError(
-                    f"strategy {s}: pp={p.pp} exceeds the model's {dims['layers']} layers; use pp <= {dims['layers']}"
-                )
-            if "layers" in dims and p.pp * p.vpp > dims["layers"]:
-                raise StrategyError(
-                    f"strategy {s}: pp*vpp={p.pp * p.vpp} virtual stages exceed the model's {dims['layers']} layers; "
-                    f"use vpp <= {dims['layers'] // p.pp}"
-                )
-            if p.ep > 1:
-                _check_expert_degree(s, p.ep, dims)
-
-
-def _check_expert_degree(strategy: Strategy, ep: int, dims: dict[str, int]) -> None:
-    """``ep`` needs routed experts in the model, and a number of them it divides."""
-    experts = dims.get("experts")
-    if not experts:
-        raise StrategyError(
-            f"strategy {strategy}: ep={ep} but the model has no routed experts (its config names no "
-            "num_local_experts / num_experts / n_routed_experts); use ep=1 for a dense model"
-        )
-    if experts % ep:
-        raise StrategyError(
-            f"strategy {strategy}: ep={ep} does not divide the model's {experts} experts; "
-            f"use an ep dividing {experts}"
-        )
-
 
 
 def decoder_blocks(model: Any) -> Any:

@@ -1,10 +1,11 @@
 """Parallel strategies: a ``Strategy`` is a set of ``Pipeline`` replicas on disjoint ranks.
 
-Each pipeline is one model replica with its own tensor- (tp), pipeline- (pp) and context-parallel
-(cp) degree. Inside a pipeline, rank order is stage-major, then cp, then tp (tp innermost), so a TP
-group is a run of consecutive ranks and stays inside one node when pipelines are placed largest-TP
-first. Model-dependent checks (degrees that must divide heads, hidden size, ...) live in
-``hgraph.compile``; this module checks what the strategy alone can tell.
+Each pipeline is one model replica: its ``Degrees`` (``hgraph.core.degrees``: tensor- (tp),
+pipeline- (pp), context- (cp), virtual-stage (vpp) and expert-parallel (ep) degree) plus its ranks.
+Inside a pipeline, rank order is stage-major, then cp, then tp (tp innermost), so a TP group is a run
+of consecutive ranks and stays inside one node when pipelines are placed largest-TP first.
+``Strategy.check`` is the one check against the world size and the model's dimensions (compile,
+``hgraph train`` and the demo call it).
 
 Expert parallelism (``ep``) reuses a stage's ``cp x tp`` ranks as an expert mesh ``(ep, etp)`` with
 ``etp = cp·tp / ep``, row-major over the stage's ranks: rank ``i`` of the stage holds expert group
@@ -16,37 +17,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence
 
+from hgraph.core.degrees import Degrees, parse_degrees
 from hgraph.core.errors import StrategyError
 
 
 @dataclass(frozen=True)
-class Pipeline:
-    """One model replica: ``pp`` stages, each a ``cp x tp`` mesh of ranks. With ``vpp > 1`` (interleaved
-    1F1B) the layers are cut into ``pp * vpp`` virtual stages and stage ``s`` holds the non-adjacent
-    chunks ``s, s + pp, ...``. With ``ep > 1`` each mixture-of-experts layer splits its experts into
-    ``ep`` groups over the stage's ranks and moves tokens to them (see the module docstring)."""
+class Pipeline(Degrees):
+    """One model replica: its ``Degrees`` (``pp`` stages, each a ``cp x tp`` mesh of ranks; with
+    ``vpp > 1`` the chunks ``s, s + pp, ...`` of ``pp * vpp`` virtual stages on stage ``s``; with
+    ``ep > 1`` the experts split over the stage's ranks, see the module docstring) plus its ranks.
+    ``str`` is the degrees' (``"tp2,pp2"``)."""
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
     ranks: Optional[tuple[int, ...]] = None
-    vpp: int = 1
-    ep: int = 1
+    """The pipeline's ranks, stage-major (``None``: a ``Strategy`` assigns them)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "vpp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise StrategyError(f"Pipeline {name}={value!r}; every degree must be an integer >= 1")
-        if self.vpp > 1 and self.pp < 2:
-            raise StrategyError(f"Pipeline vpp={self.vpp} needs pp >= 2 (interleaving chunks over stages); got pp={self.pp}")
-        if (self.cp * self.tp) % self.ep:
-            raise StrategyError(
-                f"Pipeline ep={self.ep} does not divide the stage mesh cp*tp={self.cp * self.tp} "
-                f"(cp={self.cp}, tp={self.tp}); use an ep dividing {self.cp * self.tp}"
-            )
+        super().__post_init__()
         if self.ranks is not None:
             ranks = tuple(int(r) for r in self.ranks)
             object.__setattr__(self, "ranks", ranks)
@@ -59,31 +47,6 @@ class Pipeline:
                 raise StrategyError(f"Pipeline ranks {ranks} contain duplicates")
             if any(r < 0 for r in ranks):
                 raise StrategyError(f"Pipeline ranks {ranks} contain a negative rank")
-
-    @property
-    def size(self) -> int:
-        """Number of ranks (GPUs) the pipeline uses."""
-        return self.tp * self.pp * self.cp
-
-    @property
-    def scheme(self) -> tuple[int, int, int]:
-        """``(tp, pp, cp)``: what the cost model needs to know about this pipeline."""
-        return (self.tp, self.pp, self.cp)
-
-    @property
-    def stage_mesh(self) -> tuple[int, int]:
-        """Mesh shape of one stage: ``(cp, tp)``."""
-        return (self.cp, self.tp)
-
-    @property
-    def expert_mesh(self) -> tuple[int, int]:
-        """The stage's ranks as the experts see them: ``(ep, etp)``, ``etp = cp·tp / ep``."""
-        return (self.ep, self.cp * self.tp // self.ep)
-
-    @property
-    def program_key(self) -> tuple[int, int, int]:
-        """``(cp, tp, ep)``: pipelines with equal keys run the same local program."""
-        return (self.cp, self.tp, self.ep)
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Ranks of stage ``stage`` in row-major ``(cp, tp)`` order."""
@@ -119,19 +82,6 @@ class Pipeline:
             groups["ep"] = tuple(ranks[k * etp + e] for k in range(self.ep))
             groups["etp"] = tuple(ranks[g * etp + k] for k in range(etp))
         return groups
-
-    def __str__(self) -> str:
-        """The form ``Strategy.parse`` reads: ``tp2,pp2`` (degrees of 1 left out, tp always shown)."""
-        parts = [f"tp{self.tp}"]
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}")
-        if self.vpp > 1:
-            parts.append(f"vpp{self.vpp}")
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}")
-        return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -184,12 +134,52 @@ class Strategy:
                 return i
         raise StrategyError(f"rank {rank} is not used by strategy {self} (world size {self.world_size})")
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise unless the strategy uses exactly ``world_size`` ranks."""
+    def check(self, world_size: int, model_dims: Optional[Mapping[str, int]] = None) -> None:
+        """The one check of a strategy against the world and the model: raise ``StrategyError`` unless
+        it uses exactly ``world_size`` ranks and fits ``model_dims`` (``hgraph.core.model_info.
+        model_dims``: tp divides the heads, the hidden size and the vocabulary, and the key/value heads
+        unless tp is a multiple of them (each is then replicated, as Megatron does); ``pp * vpp`` at
+        most the layers; ep divides the routed experts)."""
         if self.world_size != world_size:
             raise StrategyError(
                 f"strategy {self} uses {self.world_size} ranks but the world has {world_size}; "
                 "every strategy must cover the whole world"
+            )
+        dims = model_dims or {}
+        for p in self.pipelines:
+            for key, label in (("heads", "attention heads"), ("kv_heads", "key/value heads"),
+                               ("hidden", "hidden size"), ("vocab", "vocabulary")):
+                if key == "kv_heads" and key in dims and p.tp % dims[key] == 0:
+                    continue  # fewer key/value heads than tp ranks: each is replicated (Megatron)
+                if key in dims and dims[key] % p.tp:
+                    raise StrategyError(
+                        f"strategy {self}: tp={p.tp} does not divide the {label} ({dims[key]}); "
+                        f"use a tp that divides {dims[key]}"
+                    )
+            if "layers" in dims and p.pp > dims["layers"]:
+                raise StrategyError(
+                    f"strategy {self}: pp={p.pp} exceeds the model's {dims['layers']} layers; use pp <= {dims['layers']}"
+                )
+            if "layers" in dims and p.pp * p.vpp > dims["layers"]:
+                raise StrategyError(
+                    f"strategy {self}: pp*vpp={p.pp * p.vpp} virtual stages exceed the model's {dims['layers']} "
+                    f"layers; use vpp <= {dims['layers'] // p.pp}"
+                )
+            if p.ep > 1:
+                self._check_experts(p.ep, dims)
+
+    def _check_experts(self, ep: int, dims: Mapping[str, int]) -> None:
+        """``ep`` needs routed experts in the model, and a number of them it divides."""
+        experts = dims.get("experts")
+        if not experts:
+            raise StrategyError(
+                f"strategy {self}: ep={ep} but the model has no routed experts (its config names no "
+                "num_local_experts / num_experts / n_routed_experts); use ep=1 for a dense model"
+            )
+        if experts % ep:
+            raise StrategyError(
+                f"strategy {self}: ep={ep} does not divide the model's {experts} experts; "
+                f"use an ep dividing {experts}"
             )
 
     @classmethod
@@ -224,23 +214,6 @@ class Strategy:
         return " + ".join(s if n == 1 else f"{n}x {s}" for s, n in groups)
 
 
-DEGREES = ("tp", "pp", "cp", "vpp", "ep")
-
-
-def parse_degrees(text: str, names: Sequence[str] = DEGREES) -> Union[dict[str, int], str]:
-    """The one parser of a pipeline's degrees, written ``tp2,pp2`` (``(tp2,pp2)`` is read too): every
-    name of ``names`` -> its degree (omitted: 1), or the token it cannot read (callers name it in their
-    own error)."""
-    degrees = dict.fromkeys(names, 1)
-    pattern = re.compile(rf"({'|'.join(sorted(names, key=len, reverse=True))})(\d+)")
-    for token in filter(None, (t.strip() for t in text.strip().strip("()").split(","))):
-        m = pattern.fullmatch(token)
-        if not m:
-            return token
-        degrees[m.group(1)] = int(m.group(2))
-    return degrees
-
-
 def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
     """Give ranks to pipelines without them, largest TP first, on the lowest free ranks."""
     taken = {r for p in pipelines if p.ranks is not None for r in p.ranks}
@@ -261,12 +234,23 @@ def _assign_ranks(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
     return tuple(sorted(out, key=lambda p: p.ranks[0] if p.ranks else 0))
 
 
-def homogeneous(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Strategy:
+def fits(degrees: Degrees, world_size: int, model_dims: Optional[Mapping[str, int]] = None) -> bool:
+    """Whether data-parallel copies of ``degrees`` fill ``world_size`` ranks and pass ``Strategy.check``
+    against ``model_dims``: the filter of the schemes ``hgraph train`` and the demo profile."""
+    try:
+        strategy = homogeneous(world_size, degrees.tp, degrees.pp, degrees.cp, degrees.ep, vpp=degrees.vpp)
+        strategy.check(world_size, model_dims)
+    except StrategyError:
+        return False
+    return True
+
+
+def homogeneous(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, *, vpp: int = 1) -> Strategy:
     """``world_size / (tp*pp*cp)`` identical pipelines (plain data parallelism over replicas)."""
     size = tp * pp * cp
     if world_size % size:
         raise StrategyError(f"tp*pp*cp={size} does not divide world size {world_size}")
-    return Strategy(tuple(Pipeline(tp=tp, pp=pp, cp=cp, ep=ep) for _ in range(world_size // size)))
+    return Strategy(tuple(Pipeline(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=ep) for _ in range(world_size // size)))
 
 
 def as_strategies(strategies: Iterable[Strategy | Pipeline | str]) -> list[Strategy]:

@@ -1,13 +1,13 @@
 """Planner: cost model, MaxLen, strategy proposal, per-iteration assignment, simulation."""
 
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model
-from hgraph.planner.cost import CostModel, Scheme, StageCost, load_cost_model
+from hgraph.planner.cost import CostModel, StageCost, load_cost_model
 from hgraph.planner.fit import Fit, fit_stage_cost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.planner.proposal import Candidate, propose, propose_candidates
 
 __all__ = [
-    "Candidate", "CostModel", "Fit", "HardwareSpec", "MemoryRegression", "ModelConfig", "Scheme", "StageCost",
+    "Candidate", "CostModel", "Fit", "HardwareSpec", "MemoryRegression", "ModelConfig", "StageCost",
     "analytic_cost_model", "fit_stage_cost", "load_cost_model", "propose", "propose_candidates",
 ]
 

@@ -43,7 +43,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hgraph.core.errors import CostModelError
-from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel, StageCost
 from hgraph.planner.experts import (
     EVEN_ROUTING,
     MoELayerShape,
@@ -179,7 +180,7 @@ HARDWARE_PRESETS = {
 
 def default_schemes(
     config: ModelConfig, hardware: HardwareSpec, max_gpus: int = 64, cp_degrees: Iterable[int] = (1,)
-) -> list[Scheme]:
+) -> list[Degrees]:
     """tp in powers of two up to a node (dividing heads and kv heads), pp in 1, 2, 4, 8 (<= layers);
     for an MoE model also every ep > 1 dividing both ``tp·cp`` and the experts."""
     kv = config.kv_heads or config.heads
@@ -193,12 +194,12 @@ def default_schemes(
     for cp in cp_degrees:
         for tp in tps:
             eps = [e for e in range(1, tp * cp + 1) if (tp * cp) % e == 0 and (e == 1 or (config.experts and config.experts % e == 0))]
-            out += [Scheme(tp, pp, cp, ep) for pp in pps for ep in eps if tp * pp * cp <= max_gpus]
+            out += [Degrees(tp, pp, cp, ep=ep) for pp in pps for ep in eps if tp * pp * cp <= max_gpus]
     return out
 
 
 def stage_cost(
-    config: ModelConfig, hardware: HardwareSpec, scheme: Scheme, imbalance: float = EVEN_ROUTING
+    config: ModelConfig, hardware: HardwareSpec, scheme: Degrees, imbalance: float = EVEN_ROUTING
 ) -> StageCost:
     """``T(l) = a*l^2 + b*l + c`` in ms of the slowest stage of ``scheme`` (see the module docstring);
     ``imbalance``: the expert load imbalance an ep scheme is costed with (``hgraph.planner.experts``)."""
@@ -258,7 +259,7 @@ def memory_regression(config: ModelConfig, hardware: HardwareSpec, tps: Iterable
 def analytic_cost_model(
     config: ModelConfig,
     hardware: HardwareSpec | str,
-    schemes: Iterable[Scheme] | None = None,
+    schemes: Iterable[Degrees] | None = None,
     name: str | None = None,
     expert_imbalance: float = EVEN_ROUTING,
 ) -> CostModel:

@@ -31,7 +31,7 @@ import numpy as np
 
 from hgraph.core.errors import PlanError
 from hgraph.planner.bound import BoundModel
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.planner.cost import CostModel
 from hgraph.planner.dispatch import Assigner
 from hgraph.planner.exact import solve_joint
 from hgraph.planner.plan import IterationPlan, PipelinePlan
@@ -59,13 +59,12 @@ def pipeline_costs(
         model = model.with_world_size(strategy.world_size)
     out, cache = [], {}
     for p in strategy.pipelines:
-        scheme = Scheme.of(p)
-        if (scheme, p.vpp) not in cache:
-            sc = model.stage_cost(scheme)
+        if p.degrees not in cache:
+            sc = model.stage_cost(p.stage_key)
             if terms is not None:
                 sc = terms.stage_cost(sc, p.pp)
-            cache[scheme, p.vpp] = PipelineCost(sc.a, sc.b, sc.c, p.pp, model.max_len(scheme), pipeline_schedule, p.vpp)
-        out.append(cache[scheme, p.vpp])
+            cache[p.degrees] = PipelineCost(sc.a, sc.b, sc.c, p.pp, model.max_len(p.stage_key), pipeline_schedule, p.vpp)
+        out.append(cache[p.degrees])
     return out
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 
 BUCKET_RATIO = 1.25
 MIN_BUCKET = 128
@@ -69,19 +70,19 @@ class BandProgram:
     def __init__(
         self,
         model: CostModel,
-        schemes: list[Scheme],
-        caps: Mapping[Scheme, int],
+        schemes: list[Degrees],
+        caps: Mapping[Degrees, int],
         gpus: int,
         buckets: Buckets,
     ) -> None:
         self.model, self.schemes, self.caps, self.buckets = model, schemes, caps, buckets
-        unit = math.gcd(*(s.gpus for s in schemes), gpus)
+        unit = math.gcd(*(s.size for s in schemes), gpus)
         while gpus // unit > MAX_UNITS and gpus % (2 * unit) == 0:
             unit *= 2
         self.unit = unit
         self.units = gpus // unit
         # replicas of scheme k are added in steps whose GPU count is a whole number of units
-        self.step = [unit // math.gcd(unit, s.gpus) for s in schemes]
+        self.step = [unit // math.gcd(unit, s.size) for s in schemes]
         nb = len(buckets.upper)
         self.slowest = np.full((self.units + 1, nb + 1), np.inf)
         self.load = np.full((self.units + 1, nb + 1), np.inf)  # sum of time x units over groups
@@ -125,7 +126,7 @@ class BandProgram:
             for k, scheme in enumerate(self.schemes):
                 if self.buckets.longest[j - 1] > self.caps[scheme]:
                     continue
-                per = self.step[k] * scheme.gpus // self.unit  # units per replica step
+                per = self.step[k] * scheme.size // self.unit  # units per replica step
                 steps = np.arange(1, self.units // per + 1)
                 if steps.size == 0:
                     continue
@@ -148,23 +149,23 @@ class BandProgram:
                     self.load[rows, j] = load[step_index, rows, start]
                     self.choice[rows, j] = np.stack([start, np.full(rows.size, k), d[step_index]], axis=1)
 
-    def trace(self, n: int, j: int) -> list[tuple[Scheme, int]]:
+    def trace(self, n: int, j: int) -> list[tuple[Degrees, int]]:
         """The (scheme, replicas) groups of the optimum at ``(n, j)``."""
         groups = []
         while j > 0:
             i, k, d = (int(x) for x in self.choice[n, j])
             groups.append((self.schemes[k], d))
-            n -= d * self.schemes[k].gpus // self.unit
+            n -= d * self.schemes[k].size // self.unit
             j = i
         assert n == 0, "DP traceback must use every GPU unit"
         return groups
 
-    def best_tail(self, k: int, d: int) -> tuple[float, list[tuple[Scheme, int]]] | None:
+    def best_tail(self, k: int, d: int) -> tuple[float, list[tuple[Degrees, int]]] | None:
         """Best strategy giving the longest band to exactly ``d`` replicas of scheme ``k``."""
         scheme = self.schemes[k]
-        if (d * scheme.gpus) % self.unit or d * scheme.gpus > self.units * self.unit:
+        if (d * scheme.size) % self.unit or d * scheme.size > self.units * self.unit:
             return None
-        u = d * scheme.gpus // self.unit
+        u = d * scheme.size // self.unit
         nb = len(self.buckets.upper)
         rest = self.units - u
         times = self.band_time(k, np.arange(nb), nb, np.array(d, dtype=np.float64))

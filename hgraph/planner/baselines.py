@@ -43,7 +43,7 @@ def homogeneous_strategies(cost_model: CostModel, gpus: int) -> list[Strategy]:
         raise PlanError(f"gpus={gpus!r}; the planner needs a positive number of GPUs")
     out = []
     for s in cost_model.schemes:
-        if gpus % s.gpus == 0 and cost_model.max_len(s, gpus) > 0:
+        if gpus % s.size == 0 and cost_model.max_len(s, gpus) > 0:
             out.append(Strategy(homogeneous(gpus, s.tp, s.pp, s.cp, s.ep).pipelines, gpus_per_node=cost_model.gpus_per_node))
     if not out:
         raise PlanError(f"no scheme of cost model {cost_model.name!r} divides {gpus} GPUs")

@@ -82,13 +82,13 @@ class BoundModel:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
             raise PlanError(f"gpus={gpus!r}; the lower bound needs a positive number of GPUs")
         model = cost_model.with_world_size(gpus)
-        schemes = [s for s in model.schemes if s.gpus <= gpus and model.max_len(s) > 0]
+        schemes = [s for s in model.schemes if s.size <= gpus and model.max_len(s) > 0]
         if not schemes:
             raise PlanError(f"no scheme of cost model {model.name!r} fits on {gpus} GPUs")
         rows = []
         for s in schemes:
             cost = model.stage_cost(s)
-            rows.append((cost.a, cost.b, cost.c, s.pp, s.gpus, model.max_len(s)))
+            rows.append((cost.a, cost.b, cost.c, s.pp, s.size, model.max_len(s)))
         return cls(rows, gpus)
 
     @classmethod

@@ -31,7 +31,8 @@ from collections.abc import Iterable
 
 from hgraph.core.errors import CostModelError
 from hgraph.lnk.topology import Topology
-from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel, StageCost
 
 ANALYTIC = "analytic-cp"
 BF16 = 2
@@ -87,8 +88,8 @@ def with_context_parallel(
     topo = topology or Topology(ranks_per_node=cost_model.gpus_per_node)
     config = cost_model.to_table()["model_config"]
     layers, width = int(config["L"]), int(kv_hidden or config["H"])
-    costs: dict[Scheme, StageCost] = {}
-    sources: dict[Scheme, str] = {}
+    costs: dict[Degrees, StageCost] = {}
+    sources: dict[Degrees, str] = {}
     for scheme in cost_model.schemes:
         if scheme.cp in wanted:
             costs[scheme] = cost_model.stage_cost(scheme)
@@ -98,7 +99,7 @@ def with_context_parallel(
         if scheme.cp != 1 or scheme.ep != 1:
             continue
         for cp in wanted:
-            derived = Scheme(scheme.tp, scheme.pp, cp)
+            derived = Degrees(scheme.tp, scheme.pp, cp)
             if cp > 1 and derived not in costs:
                 costs[derived] = cp_stage_cost(cost_model.stage_cost(scheme), scheme.tp, scheme.pp, cp, layers, width, topo)
                 sources[derived] = ANALYTIC

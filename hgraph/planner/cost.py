@@ -5,6 +5,10 @@ JSON format of the bundled presets, see ``from_table``), from ``hgraph.planner.a
 counts and alpha-beta communication) or from ``hgraph profile`` (measured and fitted). All three
 produce the same table format, so every model can be written out and read back.
 
+A scheme is one stage's degrees: a ``hgraph.core.degrees.Degrees`` with ``vpp = 1`` (a pipeline's
+``stage_key``), printed in the strategy syntax (``tp2,pp4``; ``tp1,pp1``, the form printed before,
+still parses).
+
 Context parallelism: a table lists the schemes it was measured for; an entry may carry ``"cp": n``
 (the analytic model writes such entries, with the ring-attention communication in ``b``). A cp > 1
 scheme that the table does not list is not guessed: ``stage_cost`` raises ``CostModelError``;
@@ -28,8 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hgraph.core.errors import CostModelError
-from hgraph.core.strategy import parse_degrees
+from hgraph.core.degrees import Degrees
+from hgraph.core.errors import CostModelError, StrategyError
 from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
 
 PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")
@@ -37,50 +41,6 @@ PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")
 _TOP_KEYS = {"strategies", "memory_regression", "model_config", "cluster_config", "comm_cost"}
 _ENTRY_KEYS = {"tp", "pp", "cp", "ep", "a", "b", "c", "source"}
 _CLUSTER_KEYS = {"gpus_per_node", "gpu_memory_bound", "utilization_seqlen", "world_size"}
-
-
-@dataclass(frozen=True, order=True)
-class Scheme:
-    """One pipeline's parallel degrees; ``str`` gives ``"tp2,pp4"`` (cp and ep shown only when > 1)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "ep"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CostModelError(f"Scheme {name}={value!r}; every degree must be an integer >= 1")
-        if (self.tp * self.cp) % self.ep:
-            raise CostModelError(f"Scheme ep={self.ep} does not divide the stage's cp*tp={self.cp * self.tp} ranks")
-
-    @property
-    def gpus(self) -> int:
-        """GPUs one pipeline of this scheme occupies."""
-        return self.tp * self.pp * self.cp
-
-    @classmethod
-    def parse(cls, text: str) -> Scheme:
-        """Read ``"tp2,pp4"`` / ``"tp4,cp2"`` / ``"tp4,ep4"`` / ``"(tp8)"``; omitted degrees are 1."""
-        degrees = parse_degrees(text, ("tp", "pp", "cp", "ep"))
-        if isinstance(degrees, str):
-            raise CostModelError(f"cannot parse scheme {text!r}; write e.g. 'tp2,pp4', 'tp4,cp2' or 'tp4,ep4'")
-        return cls(**degrees)
-
-    @classmethod
-    def of(cls, pipeline: Any) -> Scheme:
-        """The scheme of anything with ``tp``/``pp``/``cp`` (and ``ep``) attributes (e.g. ``hgraph.Pipeline``)."""
-        return cls(pipeline.tp, pipeline.pp, getattr(pipeline, "cp", 1), getattr(pipeline, "ep", 1))
-
-    def without_ep(self) -> Scheme:
-        """The same degrees with the experts tp-sharded (``ep=1``)."""
-        return Scheme(self.tp, self.pp, self.cp)
-
-    def __str__(self) -> str:
-        text = f"tp{self.tp},pp{self.pp}"
-        return text + (f",cp{self.cp}" if self.cp > 1 else "") + (f",ep{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -122,7 +82,7 @@ def recompute_cost(cost: StageCost, mode: str) -> StageCost:
     return StageCost(cost.a * (1 + extra_a), cost.b * (1 + extra_b), cost.c)
 
 
-def choose_recompute(model: CostModel, scheme: Scheme, tokens: int, world_size: int | None = None) -> str | None:
+def choose_recompute(model: CostModel, scheme: Degrees, tokens: int, world_size: int | None = None) -> str | None:
     """The fastest recompute mode under which ``scheme`` fits a ``tokens``-token micro-batch (None
     when no mode does): the planner's per-scheme choice."""
     for mode in RECOMPUTE_TIME:  # fastest first
@@ -141,16 +101,20 @@ class CostModel:
     def __init__(
         self,
         name: str,
-        stage_costs: Mapping[Scheme, StageCost],
+        stage_costs: Mapping[Degrees, StageCost],
         memory: MemoryRegression,
         gpus_per_node: int,
         world_size: int | None = None,
         extra: Mapping[str, Any] | None = None,
-        sources: Mapping[Scheme, str] | None = None,
-        recompute: str | Mapping[Scheme, str] = "none",
+        sources: Mapping[Degrees, str] | None = None,
+        recompute: str | Mapping[Degrees, str] = "none",
     ) -> None:
         if not stage_costs:
             raise CostModelError(f"cost model {name!r} has no schemes")
+        for scheme in stage_costs:
+            if scheme.vpp != 1:
+                raise CostModelError(f"cost model {name!r}: scheme {scheme} has vpp={scheme.vpp}; a scheme "
+                                     "is one stage's degrees (Degrees.stage_key), with vpp=1")
         self._name = name
         self._costs = dict(stage_costs)
         self._memory = memory
@@ -181,15 +145,15 @@ class CostModel:
         return self._memory
 
     @property
-    def schemes(self) -> tuple[Scheme, ...]:
+    def schemes(self) -> tuple[Degrees, ...]:
         """Known schemes, in table order."""
         return tuple(self._costs)
 
-    def recompute(self, scheme: Scheme) -> str:
+    def recompute(self, scheme: Degrees) -> str:
         """The recompute mode ``scheme`` is costed with (``with_recompute``)."""
         return self._recompute.get(scheme, "none")
 
-    def stage_cost(self, scheme: Scheme) -> StageCost:
+    def stage_cost(self, scheme: Degrees) -> StageCost:
         """Per-stage ``T(l)`` of ``scheme`` (with its recompute time); an unknown scheme raises
         ``CostModelError``."""
         try:
@@ -200,7 +164,7 @@ class CostModel:
                 f"cost model {self._name!r} has no scheme {scheme}; known: {known}"
             ) from None
 
-    def source(self, scheme: Scheme) -> str | None:
+    def source(self, scheme: Degrees) -> str | None:
         """Where the scheme's entry came from (``"analytic"``, ...), None when the table does not say."""
         self.stage_cost(scheme)
         return self._sources.get(scheme)
@@ -210,7 +174,7 @@ class CostModel:
         """A copy of the table's extra fields (comments, ``comm_cost``, ``utilization_seqlen``)."""
         return json.loads(json.dumps(self._extra))
 
-    def max_len(self, scheme: Scheme, world_size: int | None = None) -> int:
+    def max_len(self, scheme: Degrees, world_size: int | None = None) -> int:
         """MaxLen (tokens per micro-batch, aligned down to 128) of a known scheme, DESIGN.md A5."""
         self.stage_cost(scheme)
         world = world_size if world_size is not None else self._world_size
@@ -221,7 +185,7 @@ class CostModel:
         return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra,
                          sources=self._sources, recompute=self._recompute)
 
-    def with_recompute(self, recompute: str | Mapping[Scheme, str]) -> CostModel:
+    def with_recompute(self, recompute: str | Mapping[Degrees, str]) -> CostModel:
         """A copy costing every scheme (or each scheme of a mapping) with that recompute mode: its
         MaxLen grows and its ``T(l)`` gains the recompute time (``hgraph.planner.cost.recompute_cost``)."""
         return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, self._world_size,
@@ -272,8 +236,8 @@ class CostModel:
         entries = get_field(table, "strategies", "")
         if not isinstance(entries, list) or not entries:
             raise CostModelError("cost table field strategies: expected a non-empty list of schemes")
-        costs: dict[Scheme, StageCost] = {}
-        sources: dict[Scheme, str] = {}
+        costs: dict[Degrees, StageCost] = {}
+        sources: dict[Degrees, str] = {}
         for i, entry in enumerate(entries):
             scheme, cost = _read_entry(entry, f"strategies[{i}]")
             if scheme in costs:
@@ -340,7 +304,7 @@ class CostModel:
         Path(path).write_text(json.dumps(self.to_table(), indent=1) + "\n")
 
 
-def _read_entry(entry: Any, where: str) -> tuple[Scheme, StageCost]:
+def _read_entry(entry: Any, where: str) -> tuple[Degrees, StageCost]:
     if not isinstance(entry, Mapping):
         raise CostModelError(f"cost table field {where}: expected an object, got {entry!r}")
     only_keys(entry, where, _ENTRY_KEYS)
@@ -348,7 +312,10 @@ def _read_entry(entry: Any, where: str) -> tuple[Scheme, StageCost]:
     degrees["cp"] = integer(entry.get("cp", 1), f"{where}.cp")
     degrees["ep"] = integer(entry.get("ep", 1), f"{where}.ep")
     cost = StageCost(*(number(get_field(entry, k, where), f"{where}.{k}") for k in ("a", "b", "c")))
-    return Scheme(**degrees), cost
+    try:
+        return Degrees(degrees["tp"], degrees["pp"], degrees["cp"], ep=degrees["ep"]), cost
+    except StrategyError as exc:
+        raise CostModelError(f"cost table field {where}: {exc}") from None
 
 
 def load_cost_model(name_or_path: str | Path) -> CostModel:

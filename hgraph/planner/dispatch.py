@@ -252,7 +252,7 @@ def default_dispatch(
     at most ``micro_batch_tokens`` (a longer sequence gets a micro-batch of its own), at least ``pp``
     of them when there are enough sequences so the pipeline fills. An interleaved pipeline (``vpp >
     1``) gets whole rounds of ``pp`` where micro-batches of several sequences can be split (else its
-    schedule leaves the missing ones out, ``hgraph.schedule.actions.interleaved_1f1b``)."""
+    schedule leaves the missing ones out, ``hgraph.schedule.lowerings.interleaved_1f1b``)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     load = [0.0] * len(pipelines)
     assigned: list[list[int]] = [[] for _ in pipelines]

@@ -44,8 +44,9 @@ from hgraph.core.errors import PlanError
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.batches import make_batches
 from hgraph.planner.context import with_context_parallel
+from hgraph.core.degrees import Degrees
 from hgraph.planner.band_program import MIN_BUCKET, BandProgram, bucketize
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.planner.cost import CostModel
 
 TAIL_REPLICAS = (1, 2, 3, 4)
 SCENARIOS = 4
@@ -73,7 +74,7 @@ class Candidate:
         return f"{self.strategy}  ~{self.predicted_ms:.1f} ms for lengths <= {self.covers}  [{self.origin}]"
 
 
-_Layout = tuple[tuple[Scheme, int], ...]
+_Layout = tuple[tuple[Degrees, int], ...]
 
 
 class _Found(NamedTuple):
@@ -122,7 +123,7 @@ def propose_candidates(
     if isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 0:
         raise PlanError(f"max_candidates={max_candidates!r}; it must be an integer >= 0")
     model = cost_model.with_world_size(gpus)
-    schemes = [s for s in model.schemes if s.gpus <= gpus and model.max_len(s) >= MIN_BUCKET]
+    schemes = [s for s in model.schemes if s.size <= gpus and model.max_len(s) >= MIN_BUCKET]
     if not schemes:
         raise PlanError(f"no scheme of cost model {model.name!r} fits on {gpus} GPUs with a usable MaxLen")
     caps = {s: model.max_len(s) for s in schemes}
@@ -140,7 +141,7 @@ def propose_candidates(
     # for 1024 GPUs) are built only for the ones kept.
     found: dict[_Layout, _Found] = {}
 
-    def add(groups: list[tuple[Scheme, int]], predicted: float, j: int, origin: str) -> None:
+    def add(groups: list[tuple[Degrees, int]], predicted: float, j: int, origin: str) -> None:
         layout = _layout(groups)
         covers = int(buckets.longest[j - 1])
         old = found.get(layout)
@@ -164,14 +165,14 @@ def propose_candidates(
     ranked = sorted(_pareto(found.values()), key=lambda f: (-f.covers, f.predicted_ms))[:max_candidates]
     kept = {f.layout: f for f in ranked}
     for k, scheme in enumerate(schemes):
-        if gpus % scheme.gpus == 0:
-            layout = _layout([(scheme, gpus // scheme.gpus)])
+        if gpus % scheme.size == 0:
+            layout = _layout([(scheme, gpus // scheme.size)])
             if layout in kept:
                 kept[layout] = kept[layout]._replace(origin="homogeneous")
             else:
                 # it covers the buckets up to its MaxLen (possibly none: then it has no prediction)
                 j = int(np.searchsorted(buckets.longest, caps[scheme], side="right"))
-                predicted = dp.evaluate(k, gpus // scheme.gpus, j) if j else math.inf
+                predicted = dp.evaluate(k, gpus // scheme.size, j) if j else math.inf
                 covers = int(buckets.longest[j - 1]) if j else 0
                 kept[layout] = _Found(layout, predicted, covers, "homogeneous")
     for k, batch in enumerate(_scenario_batches(lengths, max_len, tokens_per_iteration, scenarios)):
@@ -191,7 +192,7 @@ def propose_candidates(
         # context parallelism widens the choice, it must not narrow it: the proposal without cp joins
         plain = with_context_parallel(cost_model, (1,))
         for c in propose_candidates(plain, gpus, lengths, max_len, tokens_per_iteration, max_candidates, scenarios):
-            layout = _layout([(Scheme.of(p), 1) for p in c.strategy.pipelines])
+            layout = _layout([(p.stage_key, 1) for p in c.strategy.pipelines])
             if layout not in kept:
                 kept[layout] = _Found(layout, c.predicted_ms, c.covers, f"cp1:{c.origin}")
     result = [
@@ -260,13 +261,13 @@ def _histogram(
     return values[keep], counts[keep]
 
 
-def _layout(groups: list[tuple[Scheme, int]]) -> _Layout:
+def _layout(groups: list[tuple[Degrees, int]]) -> _Layout:
     """Canonical multiset of pipelines: (scheme, count) pairs, largest stage mesh (tp·cp) first, then
     largest TP: with power-of-two meshes every stage then starts at a multiple of its size (node-aligned)."""
-    counts: dict[Scheme, int] = {}
+    counts: dict[Degrees, int] = {}
     for scheme, d in groups:
         counts[scheme] = counts.get(scheme, 0) + d
-    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp * sc[0].cp, -sc[0].tp, -sc[0].gpus, -sc[0].pp)))
+    return tuple(sorted(counts.items(), key=lambda sc: (-sc[0].tp * sc[0].cp, -sc[0].tp, -sc[0].size, -sc[0].pp)))
 
 
 def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
@@ -278,6 +279,6 @@ def _strategy(layout: _Layout, gpus_per_node: int) -> Strategy:
     pipelines, start = [], 0
     for s, d in layout:
         for _ in range(d):
-            pipelines.append(Pipeline(tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, ranks=tuple(range(start, start + s.gpus))))
-            start += s.gpus
+            pipelines.append(Pipeline(tp=s.tp, pp=s.pp, cp=s.cp, ep=s.ep, ranks=tuple(range(start, start + s.size))))
+            start += s.size
     return Strategy(tuple(pipelines), gpus_per_node=gpus_per_node)

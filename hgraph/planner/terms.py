@@ -27,9 +27,9 @@ from typing import Any, Optional
 
 from hgraph.core.errors import CostModelError
 from hgraph.planner.cost import CostModel, StageCost
+from hgraph.schedule.lowerings import PLACEMENTS
 
 TABLE_KEY = "_iteration_terms"
-SCHEDULES = ("none", "overlap")
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class StrategyTerms:
     samples: int = 0
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise CostModelError(f"schedule {self.schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        if self.schedule not in PLACEMENTS:
+            raise CostModelError(f"schedule {self.schedule!r}; expected one of {', '.join(PLACEMENTS)}")
 
     @property
     def pull_push_ms(self) -> float:

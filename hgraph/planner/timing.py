@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 from hgraph.core.errors import PlanError
-from hgraph.planner.terms import IterationTerms
 from hgraph.core.strategy import Strategy
+from hgraph.planner.terms import IterationTerms
+from hgraph.schedule.bubble import pipeline_time
 
 
 
@@ -53,25 +54,6 @@ class IterationPlan(Protocol):
     sources: tuple[tuple[int, int], ...]
 
 
-FORWARD_SHARE = 1.0 / 3.0  # forward's share of a micro-batch's stage time (backward ~ 2x forward)
-
-
-def pipeline_time(stage_times: Sequence[float], pp: int, schedule: str = "1f1b", vpp: int = 1) -> float:
-    """A pipeline's time from its micro-batches' per-stage times (0 when idle). The one place the
-    schedule's bubble enters a prediction: 1F1B in closed form, ``Σ T + (pp − 1)·max T``; ZB-H1
-    (``"zb1p"``) and interleaved 1F1B (``vpp > 1``) by replaying the runtime's action lists
-    (``hgraph.schedule.bubble``), forward a third of a stage time, each chunk ``1/vpp`` of it."""
-    if not stage_times:
-        return 0.0
-    if schedule == "1f1b" and vpp == 1:
-        return sum(stage_times) + (pp - 1) * max(stage_times)
-    from hgraph.schedule.bubble import pipeline_time as replay
-
-    forward = [[t * FORWARD_SHARE / vpp for t in stage_times]] * (pp * vpp)
-    backward = [[t * (1 - FORWARD_SHARE) / vpp for t in stage_times]] * (pp * vpp)
-    return replay(forward, backward, pp=pp, schedule="interleaved" if vpp > 1 else schedule).total
-
-
 @dataclass(frozen=True)
 class PipelineCost:
     """What the planner needs to know about one pipeline: per-stage ``T(l) = a·l² + b·l + c``
@@ -82,7 +64,7 @@ class PipelineCost:
     c: float
     pp: int
     max_len: int
-    schedule: str = "1f1b"  # the pipeline schedule (hgraph.schedule.actions.PIPELINE_SCHEDULES)
+    schedule: str = "1f1b"  # the pipeline schedule (hgraph.schedule.lowerings.PIPELINE_SCHEDULES)
     vpp: int = 1  # virtual stages per stage (interleaved 1F1B when > 1)
 
     def seq_time(self, length: int) -> float:
@@ -94,7 +76,8 @@ class PipelineCost:
         return sum(self.a * l * l + self.b * l for l in lengths) + self.c
 
     def time(self, micro_batches: Sequence[Sequence[int]]) -> float:
-        """Time of these micro-batches (lists of lengths) under the pipeline's schedule; 0 when idle."""
+        """Time of these micro-batches (lists of lengths) under the pipeline's schedule; 0 when idle
+        (``hgraph.schedule.bubble.pipeline_time``)."""
         times = [self.micro_batch_time(mb) for mb in micro_batches if len(mb)]
         return pipeline_time(times, self.pp, self.schedule, self.vpp)
 
@@ -247,14 +230,12 @@ def predict_iteration(
     sequence lengths) under ``schedule``, from the profiled ``T(l)`` of ``cost_model`` and the
     measured ``terms``. Overlap-aware: under ``schedule="overlap"`` only the exposed part of
     Pull/Push counts (``StrategyTerms.exposed_comm_ms``), not their sum."""
-    from hgraph.planner.cost import Scheme
-
     if len(micro_batch_lengths) != len(strategy.pipelines):
         raise PlanError(f"{len(micro_batch_lengths)} pipelines of micro-batches for strategy {strategy} "
                         f"with {len(strategy.pipelines)} pipelines")
     compute = []
     for p, mbs in zip(strategy.pipelines, micro_batch_lengths):
-        stage = terms.stage_cost(cost_model.stage_cost(Scheme.of(p)), p.pp)
+        stage = terms.stage_cost(cost_model.stage_cost(p.stage_key), p.pp)
         times = [stage.micro_batch_time(mb) for mb in mbs if len(mb)]
         compute.append(pipeline_time(times, p.pp, pipeline_schedule, p.vpp))
     return iteration_from_compute(strategy, compute, terms, schedule)

@@ -36,7 +36,8 @@ from typing import Any
 from hgraph.core.errors import CostModelError
 from hgraph.core.model_info import decoder_blocks, embedding_of
 from hgraph.models import load_factory
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 from hgraph.planner.fit import Fit as Fit
 from hgraph.planner.fit import fit_stage_cost as fit_stage_cost
 from hgraph.planner.machine import machine as machine
@@ -193,11 +194,11 @@ def measure(
     }
 
 
-def build_table(raw: dict[str, Any], pps: Sequence[int], name: str) -> tuple[CostModel, dict[Scheme, Fit]]:
+def build_table(raw: dict[str, Any], pps: Sequence[int], name: str) -> tuple[CostModel, dict[Degrees, Fit]]:
     """Fit every ``tp1,ppN`` scheme from raw measurements and assemble the cost model."""
     lengths = raw["lengths"]
     layers, hidden = raw["layers"], raw["hidden"]
-    fits: dict[Scheme, Fit] = {}
+    fits: dict[Degrees, Fit] = {}
     for pp in pps:
         if pp > layers:
             raise CostModelError(f"pp={pp} exceeds the model's {layers} layers")
@@ -209,7 +210,7 @@ def build_table(raw: dict[str, Any], pps: Sequence[int], name: str) -> tuple[Cos
             if pp > 1
             else list(raw["model_ms"])
         )
-        fits[Scheme(1, pp)] = fit_stage_cost(lengths, times)
+        fits[Degrees(1, pp)] = fit_stage_cost(lengths, times)
     memory = MemoryRegression(
         activation=((1, raw["block_saved_bytes_per_token"] / hidden),),
         bytes_per_layer_h2=16.0 * raw["block_params"] / hidden**2,
@@ -234,7 +235,7 @@ def build_table(raw: dict[str, Any], pps: Sequence[int], name: str) -> tuple[Cos
 def profile_cost_model(
     model_factory: str | Callable[[], Any],
     world_size: int,
-    schemes: Sequence[Scheme | str],
+    schemes: Sequence[Degrees | str],
     lengths: Sequence[int],
     **options: Any,
 ) -> CostModel:

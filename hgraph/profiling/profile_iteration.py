@@ -45,6 +45,7 @@ from hgraph.planner.machine import machine
 from hgraph.profiling.profile_ranks import ModelFactory, factory_name, model_facts, resolve_factory
 from hgraph.planner.timing import predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
+from hgraph.schedule.lowerings import PLACEMENTS
 
 _METHOD = "trainer steps packed by the planner, strategies and schedules interleaved per round, pair exchanges, v2"
 PAYLOAD_BYTES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)
@@ -102,7 +103,7 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     vocab = embedding_of(model).num_embeddings
     example = torch.randint(0, vocab, (1, 16))
     trainers = {sc: Trainer(compile_model(model, strategies, example_inputs=example, schedule=sc), lr=1e-4,
-                            timeline=True) for sc in ("none", "overlap")}
+                            timeline=True) for sc in PLACEMENTS}
     gen = torch.Generator().manual_seed(1)
     sequences = [[torch.randint(0, vocab, (n,), generator=gen) for n in b] for b in batches]
     out["strategies"] = [str(s) for s in trainers["none"].compiled.strategies]
@@ -245,10 +246,10 @@ def fit_terms(raw: dict[str, Any], cost_model: CostModel) -> IterationTerms:
     found: dict[tuple[str, str], StrategyTerms] = {}
     for k, name in enumerate(per_rank[0]["strategies"]):
         strategy = Strategy.parse(name)
-        keys = {sc: [key for key in steps[0] if key[:2] == (sc, k)] for sc in ("none", "overlap")}
+        keys = {sc: [key for key in steps[0] if key[:2] == (sc, k)] for sc in PLACEMENTS}
         pull = statistics.median(max(r[key]["pull_ms"] for r in steps) for key in keys["none"])
         push = statistics.median(min(r[key]["push_ms"] for r in steps) for key in keys["none"])
-        for sc in ("none", "overlap"):
+        for sc in PLACEMENTS:
             rows = [steps[0][key] for key in keys[sc]]
             exposed = 1.0
             if sc == "overlap" and pull + push > 0:

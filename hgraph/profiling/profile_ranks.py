@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from hgraph.core.errors import CostModelError
-from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.core.degrees import Degrees
+from hgraph.core.errors import CostModelError, StrategyError
+from hgraph.planner.cost import CostModel, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.models import load_factory
 from hgraph.core.model_info import decoder_blocks, embedding_of
@@ -69,8 +70,8 @@ class Profile:
     """A profiled cost model with its fits, the measured points and how long profiling took."""
 
     cost_model: CostModel
-    fits: dict[Scheme, Fit]
-    times_ms: dict[Scheme, tuple[float, ...]]  # T(l) per scheme, in the order of ``lengths``
+    fits: dict[Degrees, Fit]
+    times_ms: dict[Degrees, tuple[float, ...]]  # T(l) per scheme, in the order of ``lengths``
     lengths: tuple[int, ...]
     seconds: float
     cache_path: Path
@@ -82,34 +83,39 @@ class Profile:
         lines = [f"{self.cost_model.name}: {len(self.fits)} schemes, lengths {list(self.lengths)} ({source})"]
         noise = self.cost_model.extra.get("_fit", {})
         for scheme, fit in self.fits.items():
-            spread = noise.get(str(scheme), {}).get("noise")
+            spread = by_scheme(noise, scheme, {}).get("noise")
             extra = "" if spread is None else f", noise {spread:.1%}"
             lines.append(f"  {scheme!s:<10} {fit}  MaxLen {self.cost_model.max_len(scheme)}{extra}")
         return "\n".join(lines)
 
 
-def parse_schemes(text: str) -> list[Scheme]:
+def parse_schemes(text: str) -> list[Degrees]:
     """Schemes (pipeline shapes) in the strategy syntax, ``;``-separated: ``"tp1; tp2; tp1,pp2"``. The
     older forms ``"tp1,tp2,tp1pp2"`` (compact) and ``"tp1,pp1 tp2,pp2"`` (spaces) are read too."""
     if ";" in text:
-        schemes = [Scheme.parse(part) for part in text.split(";") if part.strip()]
+        schemes = [_scheme(part) for part in text.split(";") if part.strip()]
         if not schemes:
             raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
         return list(dict.fromkeys(schemes))
     tokens = text.split()
     if len(tokens) == 1 and all(p.strip().startswith("tp") for p in tokens[0].split(",") if p.strip()):
         tokens = [p.strip() for p in tokens[0].split(",") if p.strip()]
-    schemes = []
-    for token in tokens:
-        parts = [p for p in _split_degrees(token) if p]
-        schemes.append(Scheme.parse(",".join(parts)))
+    schemes = [_scheme(token) for token in tokens]
     if not schemes:
         raise CostModelError(f"--schemes {text!r} is empty; give e.g. 'tp1; tp2; tp1,pp2'")
     return list(dict.fromkeys(schemes))
 
 
+def _scheme(text: str) -> Degrees:
+    """One scheme to profile (``Degrees.parse``; the compact ``"tp2pp2"`` reads too)."""
+    try:
+        return Degrees.parse(",".join(p for p in _split_degrees(text) if p))
+    except StrategyError as exc:
+        raise CostModelError(f"cannot parse scheme {text!r}: {exc}") from None
+
+
 def _split_degrees(token: str) -> list[str]:
-    """``"tp2pp2"`` -> ``["tp2", "pp2"]``; other spellings pass through to ``Scheme.parse``."""
+    """``"tp2pp2"`` -> ``["tp2", "pp2"]``; other spellings pass through to ``Degrees.parse``."""
     out, current = [], ""
     for ch in token:
         if ch.isalpha() and current and current[-1].isdigit():
@@ -150,9 +156,10 @@ def resolve_factory(model_factory: ModelFactory) -> Callable[[], Any]:
 # -- on every rank ---------------------------------------------------------------------------------
 
 
-def _key(tp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
-    """The per-rank measurement key of a scheme: ``"tp2,pp1"``, ``"tp1,pp1,cp2"``, ``"tp2,pp1,ep2"``."""
-    return f"tp{tp},pp{pp}" + (f",cp{cp}" if cp > 1 else "") + (f",ep{ep}" if ep > 1 else "")
+def by_scheme(measured: dict[str, Any], scheme: Degrees, default: Any = None) -> Any:
+    """``measured``'s entry for ``scheme``: its keys are scheme strings (``str(Degrees)``; profiles
+    and tables saved before keep the older ``"tp2,pp1"``, which parses to the same degrees)."""
+    return next((v for k, v in measured.items() if Degrees.parse(k) == scheme), default)
 
 
 def _rank_main(
@@ -187,7 +194,8 @@ def _rank_main(
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, vocab, (length,), generator=gen) for length in lengths]
     out: dict[str, Any] = {"saved_bytes": {}, "compute_ms": {}, "compile_s": time.perf_counter() - start}
-    programs = {_key(*s): compiled.program(i, rank) for i, s in enumerate(schemes)}
+    programs = {str(Degrees(tp, pp, cp, ep=ep)): compiled.program(i, rank)
+                for i, (tp, pp, cp, ep) in enumerate(schemes)}
     inputs = {}
     for key, program in programs.items():  # this rank's micro-batches (its chunks under cp)
         inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]
@@ -280,9 +288,9 @@ def model_facts(model: Any) -> dict[str, int]:
 
 
 def _check(
-    world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int], repeats: int, model: Any
+    world_size: int, schemes: Sequence[Degrees], lengths: Sequence[int], repeats: int, model: Any
 ) -> None:
-    from hgraph.core.model_info import model_dims, validate_strategies
+    from hgraph.core.model_info import model_dims
     from hgraph.core.strategy import homogeneous
 
     if world_size < 1:
@@ -292,18 +300,20 @@ def _check(
     if repeats < 1:
         raise CostModelError(f"repeats={repeats}; need at least 1")
     for s in schemes:
-        if world_size % s.gpus:
+        if world_size % s.size:
             raise CostModelError(
-                f"scheme {s} needs {s.gpus} ranks per pipeline, which does not divide world size {world_size}"
+                f"scheme {s} needs {s.size} ranks per pipeline, which does not divide world size {world_size}"
             )
-    validate_strategies([homogeneous(world_size, s.tp, s.pp, s.cp, s.ep) for s in schemes], world_size, model_dims(model))
+    dims = model_dims(model)
+    for s in schemes:
+        homogeneous(world_size, s.tp, s.pp, s.cp, s.ep).check(world_size, dims)
     short = [l for l in lengths if any(l < 2 * s.cp for s in schemes)]
     if short:
         raise CostModelError(f"lengths {short}: a cp scheme splits each sequence into 2·cp chunks; use longer lengths")
 
 
 def measure_ranks(
-    model_factory: ModelFactory, world_size: int, schemes: Sequence[Scheme], lengths: Sequence[int],
+    model_factory: ModelFactory, world_size: int, schemes: Sequence[Degrees], lengths: Sequence[int],
     repeats: int = 3, use_cache: bool = True, timeout: float = 600.0, measure: bool = True,
 ) -> tuple[dict[str, Any], Path, bool]:
     """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
@@ -337,7 +347,7 @@ def measure_ranks(
     return raw, path, False
 
 
-def _stage_ranks(world_size: int, scheme: Scheme) -> list[list[int]]:
+def _stage_ranks(world_size: int, scheme: Degrees) -> list[list[int]]:
     """Ranks of each stage over all replicas of the homogeneous strategy of ``scheme``."""
     from hgraph.core.strategy import homogeneous
 
@@ -345,11 +355,10 @@ def _stage_ranks(world_size: int, scheme: Scheme) -> list[list[int]]:
     return [[r for p in pipelines for r in p.stage_ranks(s)] for s in range(scheme.pp)]
 
 
-def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
+def stage_times(raw: dict[str, Any], scheme: Degrees) -> list[float]:
     """``T(l)`` per length: the slowest stage's median forward+backward time of the ``l``-token
     micro-batch, the median taken over every sample of that stage (its ranks times the repeats)."""
-    key = _key(scheme.tp, scheme.pp, scheme.cp, scheme.ep)
-    ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]  # [rank][repeat][length]
+    ms = [by_scheme(rank["compute_ms"], scheme) for rank in raw["per_rank"]]  # [rank][repeat][length]
     stages = _stage_ranks(raw["world_size"], scheme)
     repeats = range(raw["repeats"])
     return [
@@ -358,11 +367,10 @@ def stage_times(raw: dict[str, Any], scheme: Scheme) -> list[float]:
     ]
 
 
-def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
+def stage_noise(raw: dict[str, Any], scheme: Degrees) -> float:
     """Measurement noise of ``T(l)``: per length, the median relative deviation of the slowest stage's
     samples from their median; the median over the lengths."""
-    key = _key(scheme.tp, scheme.pp, scheme.cp, scheme.ep)
-    ms = [rank["compute_ms"][key] for rank in raw["per_rank"]]
+    ms = [by_scheme(rank["compute_ms"], scheme) for rank in raw["per_rank"]]
     out = []
     for i in range(len(raw["lengths"])):
         stages = [[ms[r][rep][i] for r in ranks for rep in range(raw["repeats"])]
@@ -373,13 +381,13 @@ def stage_noise(raw: dict[str, Any], scheme: Scheme) -> float:
     return statistics.median(out)
 
 
-def activation_per_token(raw: dict[str, Any], scheme: Scheme) -> float:
+def activation_per_token(raw: dict[str, Any], scheme: Degrees) -> float:
     """Saved-for-backward bytes per token of the whole model on one TP rank (see module docstring);
     under cp, per token of the micro-batch's ``1/cp`` share on the rank."""
-    key = _key(scheme.tp, scheme.pp, scheme.cp, scheme.ep)
     hi, lo = len(raw["lengths"]) - 1, len(raw["lengths"]) - 2
     dl = raw["lengths"][hi] - raw["lengths"][lo]
-    slope = [(r["saved_bytes"][key][hi] - r["saved_bytes"][key][lo]) / dl * scheme.cp for r in raw["per_rank"]]
+    saved = [by_scheme(r["saved_bytes"], scheme) for r in raw["per_rank"]]
+    slope = [(s[hi] - s[lo]) / dl * scheme.cp for s in saved]
     return sum(max(slope[r] for r in ranks) for ranks in _stage_ranks(raw["world_size"], scheme))
 
 
@@ -393,11 +401,11 @@ def utilization_seqlen(cost: StageCost, longest: int) -> int:
 
 def build_ranks_table(
     raw: dict[str, Any], memory_gb: float, name: str = "profiled"
-) -> tuple[CostModel, dict[Scheme, Fit], dict[Scheme, list[float]]]:
+) -> tuple[CostModel, dict[Degrees, Fit], dict[Degrees, list[float]]]:
     """Fit every scheme of the raw measurements and assemble the cost model (MaxLen from ``memory_gb``)."""
     if not memory_gb > 0:
         raise CostModelError(f"memory budget {memory_gb} GB; give a positive number of GB")
-    schemes = [Scheme.parse(s) for s in raw["schemes"]]
+    schemes = [Degrees.parse(s) for s in raw["schemes"]]
     hidden, layers = raw["hidden"], raw["layers"]
     times = {s: stage_times(raw, s) for s in schemes}
     fits = {s: fit_stage_cost(raw["lengths"], times[s]) for s in schemes}
@@ -442,7 +450,7 @@ def build_ranks_table(
 def profile_ranks(
     model_factory: ModelFactory,
     world_size: int,
-    schemes: Sequence[Union[Scheme, str]],
+    schemes: Sequence[Union[Degrees, str]],
     lengths: Sequence[int],
     *,
     repeats: int = 3,
@@ -456,7 +464,7 @@ def profile_ranks(
 
     ``model_factory``: a module-level callable returning the model, or ``"package.module:factory"``.
     """
-    parsed = [s if isinstance(s, Scheme) else Scheme.parse(",".join(_split_degrees(s))) for s in schemes]
+    parsed = [s if isinstance(s, Degrees) else _scheme(s) for s in schemes]
     if not parsed:
         raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
     start = time.perf_counter()

@@ -11,11 +11,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError, InputError, StrategyError
 from hgraph.core.strategy import Strategy
 from hgraph.lnk.topology import Topology
 from hgraph.runtime.kernels.recompute import MODES
-from hgraph.schedule.actions import PIPELINE_SCHEDULES
+from hgraph.schedule.lowerings import PIPELINE_SCHEDULES, PLACEMENTS
 
 
 @dataclass(frozen=True)
@@ -101,14 +102,14 @@ class CompileOptions:
     topology: Optional[Topology] = None
     overlap: Optional[OverlapConfig] = None  # when schedule == "overlap"
     recompute: RecomputeConfig = RecomputeConfig()
-    recompute_by_scheme: tuple[tuple[tuple[int, int, int], RecomputeConfig], ...] = ()  # (cp, tp, pp)
+    recompute_by_scheme: tuple[tuple[Degrees, RecomputeConfig], ...] = ()  # keyed by recompute_key
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False
-    pipeline_schedule: str = "1f1b"  # hgraph.schedule.actions.PIPELINE_SCHEDULES
+    pipeline_schedule: str = "1f1b"  # hgraph.schedule.lowerings.PIPELINE_SCHEDULES
 
-    def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
+    def recompute_for(self, pipeline: Degrees) -> RecomputeConfig:
         """The recompute config of pipelines with these degrees."""
-        return dict(self.recompute_by_scheme).get((cp, tp, pp), self.recompute)
+        return dict(self.recompute_by_scheme).get(recompute_key(pipeline), self.recompute)
 
     def __str__(self) -> str:
         changed = [f"{k}={getattr(self, k)}" for k in self.__dataclass_fields__
@@ -137,12 +138,12 @@ def compile_options(
     overlap = schedule if isinstance(schedule, OverlapConfig) else None
     if overlap is not None:
         schedule = "overlap"
-    elif schedule not in ("none", "overlap"):
-        raise HGraphError(f"schedule={schedule!r}; expected 'none', 'overlap' or an OverlapConfig")
+    elif schedule not in PLACEMENTS:
+        raise HGraphError(f"schedule={schedule!r}; expected {', '.join(map(repr, PLACEMENTS))} or an OverlapConfig")
     elif schedule == "overlap":
         overlap = OverlapConfig()
     if pipeline_schedule not in PIPELINE_SCHEDULES:
-        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {sorted(PIPELINE_SCHEDULES)}")
+        raise HGraphError(f"pipeline_schedule={pipeline_schedule!r}; expected one of {list(PIPELINE_SCHEDULES)}")
     interleaved = any(p.vpp > 1 for s in strategies for p in s.pipelines)
     if schedule == "overlap" and interleaved:
         raise HGraphError("interleaved pipelines (vpp > 1) with schedule='overlap' are not supported yet; "
@@ -176,14 +177,20 @@ def compile_options(
     )
 
 
+def recompute_key(pipeline: Degrees) -> Degrees:
+    """What a per-scheme recompute config is keyed by: the degrees ``tp``, ``pp``, ``cp`` (one config
+    for every ``vpp`` and ``ep`` of them)."""
+    return Degrees(pipeline.tp, pipeline.pp, pipeline.cp)
+
+
 def _recompute_by_scheme(recompute: Any) -> tuple:
-    """``compile``'s per-scheme recompute dict as ``((cp, tp, pp), RecomputeConfig)`` pairs."""
+    """``compile``'s per-scheme recompute dict as ``(recompute_key, RecomputeConfig)`` pairs."""
     if not isinstance(recompute, dict):
         return ()
     out = []
     for scheme, value in recompute.items():
-        p = Strategy.parse(scheme).pipelines[0] if isinstance(scheme, str) else scheme
-        if not all(hasattr(p, d) for d in ("cp", "tp", "pp")):
+        p = Degrees.parse(scheme) if isinstance(scheme, str) else scheme
+        if not isinstance(p, Degrees):
             raise HGraphError(f"recompute key {scheme!r}; expected a scheme like 'tp2,pp2' or a Pipeline")
-        out.append(((p.cp, p.tp, p.pp), RecomputeConfig.of(value)))
+        out.append((recompute_key(p), RecomputeConfig.of(value)))
     return tuple(out)

@@ -1,10 +1,10 @@
 """Compile products: the typed values the compile steps build and hand to each other.
 
-Stage programs (``StageGraph`` with its ``Boundary`` values), communication subgraphs
-(``CommSubgraph``, ``ParameterLayouts``, ``ParameterComm``) and a rank's overlap order
-(``RankSchedule``); the rank program that holds them is ``rank_program.RankProgram``. Everything here is data, frozen; the
-compiler (``hgraph.compiler``) builds it with the passes of ``hgraph.passes``, and the runtime
-(``hgraph.runtime``) interprets it.
+Stage programs (``StageGraph`` with its ``Boundary`` values) and communication subgraphs
+(``CommSubgraph``, ``ParameterLayouts``, ``ParameterComm``); the rank program that holds them (and a
+rank's overlap order, ``hgraph.schedule.lowerings.PullPushOrder``) is ``rank_program.RankProgram``.
+Everything here is data, frozen; the compiler (``hgraph.compiler``) builds it with the passes of
+``hgraph.passes``, and the runtime (``hgraph.runtime``) interprets it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from hgraph.lnk.plan import ReshardPlan
 from hgraph.lnk.rank_plan import RankPlan
 
 PULL, PUSH, ACTIVATION = "pull_parameter", "push_gradient", "communicate_activation"
-Op = tuple[str, int]  # ("start" | "wait", pull index)
 
 
 @dataclass(frozen=True)
@@ -104,28 +103,6 @@ class ParameterComm:
 
     def __str__(self) -> str:
         return f"ParameterComm({self.name}, holders {list(self.holders)}, {self.pull.bytes} B pulled)"
-
-
-@dataclass(frozen=True)
-class RankSchedule:
-    """One rank's pull/push order. Pull ops index ``program.pulls``; buckets index ``program.pushes``."""
-
-    rank: int
-    prelude: tuple[Op, ...]
-    at_use: tuple[tuple[str, tuple[Op, ...]], ...]  # (parameter, ops run before its first use)
-    after_forward: tuple[Op, ...]
-    at_end: tuple[Op, ...]
-    buckets: tuple[tuple[int, ...], ...]
-    pull_names: tuple[str, ...] = field(default=())
-
-    def __str__(self) -> str:
-        label = lambda i: self.pull_names[i] if i < len(self.pull_names) else str(i)  # noqa: E731
-        fmt = lambda ops: " ".join(f"{k}:{label(i)}" for k, i in ops)  # noqa: E731
-        lines = [f"rank {self.rank}", f"  prelude: {fmt(self.prelude)}"]
-        lines += [f"  before {name}: {fmt(ops)}" for name, ops in self.at_use]
-        lines += [f"  after forward: {fmt(self.after_forward)}", f"  end: {fmt(self.at_end)}"]
-        lines.append("  push buckets: " + " | ".join(",".join(map(str, b)) for b in self.buckets))
-        return "\n".join(lines)
 
 
 @dataclass(frozen=True)

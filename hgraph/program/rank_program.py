@@ -13,15 +13,9 @@ from hgraph.core.layout import Layout
 from hgraph.core.placement import Partial
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.program.options import CompileOptions
-from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, RankSchedule, StageGraph
-from hgraph.schedule.actions import (
-    Action,
-    Kind,
-    overlap_actions,
-    pipeline_actions,
-    pipeline_peers,
-    with_peers,
-)
+from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, StageGraph
+from hgraph.schedule.actions import Action, pipeline_peers, with_peers
+from hgraph.schedule.lowerings import PullPushOrder, blocking_order, lowering_name, pipeline_actions, place
 
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel
@@ -50,10 +44,10 @@ class RankProgram:
     pushes: tuple[ParameterComm, ...]  # reverse layer order
     activations: tuple[CommSubgraph, ...] = ()
     compute_dtype: Optional[torch.dtype] = None
-    overlap: Optional[RankSchedule] = None  # under schedule="overlap"
+    overlap: Optional[PullPushOrder] = None  # under schedule="overlap" (hgraph.compiler.overlap_order)
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False  # pull/push one layer's parameters together (runtime/kernels/coalesce.py)
-    pipeline_schedule: str = "1f1b"  # hgraph.schedule.actions.PIPELINE_SCHEDULES
+    pipeline_schedule: str = "1f1b"  # hgraph.schedule.lowerings.PIPELINE_SCHEDULES
     chunk_graphs: tuple[StageGraph, ...] = ()  # per chunk (vpp > 1); chunk 0 is stage_graph
     vpp: int = 1
 
@@ -80,22 +74,18 @@ class RankProgram:
         return with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
 
     def actions(self, num_micro_batches: int) -> list[Action]:
-        """The rank's whole iteration: the ``schedule="overlap"`` lowering (``overlap_actions``) when
-        ``overlap`` is set, else ``blocking_actions``."""
+        """The rank's whole iteration: the pipeline actions with the ``overlap`` order placed around
+        them (``hgraph.schedule.lowerings.place``) when it is set, else ``blocking_actions``."""
         if self.overlap is None:
             return self.blocking_actions(num_micro_batches)
-        return overlap_actions(self.pipeline_actions(num_micro_batches), [pc.name for pc in self.pulls],
-                               self.overlap, [pc.name for pc in self.pushes])
+        return place(self.pipeline_actions(num_micro_batches), self.overlap)
 
     def blocking_actions(self, num_micro_batches: int) -> list[Action]:
         """The rank's whole iteration under ``schedule="none"``: every pull (one layer's together
         under ``coalesce``), the pipeline schedule, every push, the optimizer step."""
         pulls = [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]
         pushes = [b[0].name for b in layer_buckets(self.pushes, self.coalesce)]
-        out = [Action(k, group=g) for g in pulls for k in (Kind.PULL_START, Kind.PULL_WAIT)]
-        out += self.pipeline_actions(num_micro_batches)
-        out += [Action(k, group=g) for g in pushes for k in (Kind.PUSH_START, Kind.PUSH_WAIT)]
-        return out + [Action(Kind.OPTIMIZER)]
+        return place(self.pipeline_actions(num_micro_batches), blocking_order(pulls, pushes))
 
     @property
     def is_last_stage(self) -> bool:
@@ -121,7 +111,7 @@ class RankProgram:
         return (f"RankProgram(strategy {self.strategy_index}, rank {self.rank}: pipeline {self.pipeline}, "
                 f"stage {self.stage}/{self.pp}, {len(self.pulls)} pulls, {len(self.activations)} activations, "
                 f"schedule {'overlap' if self.overlap is not None else 'none'}, "
-                f"{'interleaved' if self.vpp > 1 else self.pipeline_schedule})")
+                f"{lowering_name(self.pipeline_schedule, self.vpp)})")
 
 
 def layer_buckets(comms: Sequence[ParameterComm], coalesce: bool) -> list[list[ParameterComm]]:

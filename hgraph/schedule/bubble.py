@@ -1,14 +1,19 @@
-"""Pipeline time and bubble of one pipeline under each schedule, from per-micro-batch stage times.
+"""Pipeline time and bubble of one pipeline under each schedule: the one ``pipeline_time`` and the
+timed replay under it.
 
-``pipeline_time(forward, backward, pp=.., schedule=..)`` replays the schedule's action lists
-(``hgraph.schedule.actions``: the same lowerings the runtime executes, run by the same event loop as
-the dry run, ``actions.replay``) with the given durations: every physical
+``replay_time(forward, backward, pp=.., schedule=..)`` replays a lowering's action lists
+(``hgraph.schedule.lowerings.LOWERINGS``: the same lowerings the runtime executes, run by the same
+event loop as the dry run, ``hgraph.schedule.replay.replay``) with the given durations: every physical
 stage runs its actions in order; a receive waits for the matching send (plus ``p2p`` ms); sends never
 wait. ``forward[v][m]`` / ``backward[v][m]`` are the ms of micro-batch ``m`` on virtual stage ``v``
 (``pp * vpp`` rows; ``v = chunk * pp + stage``; ``vpp = 1``: one row per stage). Under ``"zb1p"`` a
 backward is split into its input-gradient part (``1 - weight_share`` of it) and its weight-gradient
 part (``weight_share``). For ``pp`` stages of equal time and V equal micro-batches of cost C, 1F1B gives
 ``C * (pp - 1 + V)`` (DESIGN A5).
+
+``pipeline_time(stage_times, pp, schedule, vpp)`` is what the planner predicts with: 1F1B in closed
+form, ``Σ T + (pp − 1)·max T``; ZB-H1 and interleaved 1F1B (``vpp > 1``) by ``replay_time``, forward
+a third of a stage time, each chunk ``1/vpp`` of it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hgraph.core.errors import PlanError
-from hgraph.schedule.actions import Action, Kind, ScheduleError, pipeline_actions, replay, steps, wrapped_chunk
+from hgraph.schedule.actions import Action, Kind, ScheduleError, steps, wrapped_chunk
+from hgraph.schedule.lowerings import INTERLEAVED, LOWERINGS, lowering_name
+from hgraph.schedule.replay import replay
 
-SCHEDULES = ("1f1b", "zb1p", "interleaved")
+FORWARD_SHARE = 1.0 / 3.0  # forward's share of a micro-batch's stage time (backward ~ 2x forward)
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ class PipelineTime:
         return f"pipeline {self.total:.3f} ms, bubble {self.bubble:.1%}"
 
 
-def pipeline_time(
+def replay_time(
     forward: Sequence[Sequence[float]],
     backward: Sequence[Sequence[float]],
     *,
@@ -47,16 +54,16 @@ def pipeline_time(
     weight_share: float = 0.5,
     p2p: float = 0.0,
 ) -> PipelineTime:
-    """Time of one iteration of a pipeline under ``schedule`` (``"1f1b"``, ``"zb1p"``,
-    ``"interleaved"``); see the module docstring for the inputs."""
+    """Time of one iteration of a pipeline under the lowering ``schedule`` (a ``LOWERINGS`` name:
+    ``"1f1b"``, ``"zb1p"``, ``"interleaved"``); see the module docstring for the inputs."""
     pp = len(forward) if pp is None else pp
-    if schedule not in SCHEDULES:
-        raise PlanError(f"schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+    if schedule not in LOWERINGS:
+        raise PlanError(f"schedule {schedule!r}; expected one of {', '.join(LOWERINGS)}")
     if len(forward) != len(backward) or not forward or len(forward) % pp:
         raise PlanError(f"need pp * vpp rows of forward and backward times; got {len(forward)} and "
                         f"{len(backward)} rows for pp={pp}")
     vpp = len(forward) // pp
-    if (vpp > 1) != (schedule == "interleaved"):
+    if (vpp > 1) != (schedule == INTERLEAVED):
         raise PlanError(f"schedule {schedule!r} with {vpp} chunks per stage; 'interleaved' needs vpp > 1, others 1")
     m = len(forward[0])
     if any(len(row) != m for row in [*forward, *backward]):
@@ -64,8 +71,7 @@ def pipeline_time(
     if not 0.0 <= weight_share <= 1.0:
         raise PlanError(f"weight_share={weight_share}; expected a fraction in [0, 1]")
     try:
-        programs = [steps(pipeline_actions("1f1b" if schedule == "interleaved" else schedule, pp, vpp, s, m))
-                    for s in range(pp)]
+        programs = [steps(LOWERINGS[schedule](pp, vpp, s, m)) for s in range(pp)]
     except ScheduleError as exc:
         raise PlanError(str(exc)) from None
 
@@ -101,3 +107,20 @@ def pipeline_time(
     if any(pos[s] < len(prog) for s, prog in enumerate(programs)):
         raise PlanError(f"schedule {schedule!r} does not complete for pp={pp}, vpp={vpp}, {m} micro-batches")
     return PipelineTime(max(clock), tuple(busy))
+
+
+def pipeline_time(stage_times: Sequence[float], pp: int, schedule: str = "1f1b", vpp: int = 1) -> float:
+    """A pipeline's time from its micro-batches' per-stage times (0 when idle) under the user's
+    ``schedule`` with ``vpp`` virtual stages per stage: the one place the schedule's bubble enters a
+    prediction (see the module docstring)."""
+    if not stage_times:
+        return 0.0
+    try:
+        name = lowering_name(schedule, vpp)
+    except ScheduleError as exc:
+        raise PlanError(str(exc)) from None
+    if name == "1f1b":
+        return sum(stage_times) + (pp - 1) * max(stage_times)
+    forward = [[t * FORWARD_SHARE / vpp for t in stage_times]] * (pp * vpp)
+    backward = [[t * (1 - FORWARD_SHARE) / vpp for t in stage_times]] * (pp * vpp)
+    return replay_time(forward, backward, pp=pp, schedule=name).total

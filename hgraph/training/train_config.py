@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hgraph.core.errors import InputError
+from hgraph.schedule.lowerings import PIPELINE_SCHEDULES, PLACEMENTS
 
 STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
 TOP = {"model", "strategies", "world_size", "iterations", "lr", "weight_decay", "grad_clip", "warmup",
@@ -42,8 +43,8 @@ CHOICES = {  # top-level keys with a fixed set of values (the first is the defau
     "compute_dtype": ("float32", "bfloat16", "float16"),
     "reduce_dtype": ("float32", "bfloat16", "float16"),
     "recompute": ("none", "selective", "full"),
-    "schedule": ("none", "overlap"),
-    "pipeline_schedule": ("1f1b", "zb1p"),
+    "schedule": PLACEMENTS,
+    "pipeline_schedule": PIPELINE_SCHEDULES,
     "lr_schedule": ("constant", "cosine"),
 }
 PLANNERS = ("auto", "none")  # planner = "auto": plan every iteration; "none": rotate the strategies

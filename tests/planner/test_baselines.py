@@ -32,7 +32,7 @@ def test_megatron_packs_best_fit_decreasing_to_the_context_length(llama7b):
     check_plan(plan, [600, 500, 400, 300, 200])
     mbs = sorted(sorted(mb) for p in plan.pipelines for mb in p.micro_batch_lengths)
     assert mbs == [[200, 300, 500], [400, 600]]
-    assert len({p.pipeline.scheme for p in plan.pipelines}) == 1
+    assert len({p.pipeline.degrees for p in plan.pipelines}) == 1
 
 
 def test_megatron_needs_a_scheme_that_holds_the_longest_sequence(llama7b):

@@ -32,7 +32,7 @@ def exhaustive_optimum(model: CostModel, gpus: int, lengths: list[int]) -> float
     schemes, every dispatch and every packing within MaxLen: written from the 1F1B formula
     ``Σ T(mb) + (pp − 1)·max T(mb)`` directly, sharing no code with the planner."""
     world = model.with_world_size(gpus)
-    schemes = [s for s in world.schemes if s.gpus <= gpus and world.max_len(s) > 0]
+    schemes = [s for s in world.schemes if s.size <= gpus and world.max_len(s) > 0]
     n = len(lengths)
 
     @lru_cache(maxsize=None)
@@ -59,8 +59,8 @@ def exhaustive_optimum(model: CostModel, gpus: int, lengths: list[int]) -> float
             group = sub | low
             members = tuple(i for i in range(n) if group >> i & 1)
             for k, s in enumerate(schemes):
-                if s.gpus <= free:
-                    best = min(best, max(on_one_pipeline(k, members), fastest(mask ^ group, free - s.gpus)))
+                if s.size <= free:
+                    best = min(best, max(on_one_pipeline(k, members), fastest(mask ^ group, free - s.size)))
             if sub == 0:
                 break
             sub = (sub - 1) & rest
@@ -81,7 +81,7 @@ def test_bound_never_exceeds_the_exhaustive_optimum(llama7b):
         gpus = rng.choice([2, 4])
         n = rng.randint(1, 5)
         world = llama7b.with_world_size(gpus)
-        cap = max(world.max_len(s) for s in world.schemes if s.gpus <= gpus)
+        cap = max(world.max_len(s) for s in world.schemes if s.size <= gpus)
         lengths = [rng.choice([rng.randint(64, 2000), rng.randint(2000, cap)]) for _ in range(n)]
         bound = lower_bound(llama7b, gpus, lengths)
         optimum = exhaustive_optimum(llama7b, gpus, lengths)
@@ -102,9 +102,9 @@ def test_gpu_time_term_from_the_inputs_alone(llama7b):
     # gpus * (a l^2 + b l + c l / MaxLen); computed here straight from the table entries
     world = llama7b.with_world_size(8)
     per_seq = min(
-        s.gpus * (world.stage_cost(s).seq_time(1000) + world.stage_cost(s).c * 1000 / world.max_len(s))
+        s.size * (world.stage_cost(s).seq_time(1000) + world.stage_cost(s).c * 1000 / world.max_len(s))
         for s in world.schemes
-        if s.gpus <= 8
+        if s.size <= 8
     )
     bound = lower_bound(llama7b, 8, [1000] * 64)
     assert bound.gpu_time_ms == pytest.approx(64 * per_seq / 8)

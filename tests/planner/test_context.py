@@ -9,7 +9,8 @@ import pytest
 from hgraph.cli.command import main
 from hgraph.core.errors import CostModelError
 from hgraph.planner.context import ANALYTIC, parse_degrees, with_context_parallel
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 
 
 def preset_table(name: str) -> dict:
@@ -25,24 +26,24 @@ def test_analytic_cp_entry_by_hand_across_nodes():
     table = preset_table("llama32b_a800")
     base = entry(table, 8, 1)
     model = with_context_parallel(CostModel.preset("llama32b_a800"), (1, 2))
-    cost = model.stage_cost(Scheme(tp=8, cp=2))
+    cost = model.stage_cost(Degrees(tp=8, cp=2))
     layers, hidden = 60, 6656
     ring_bytes_per_token = layers * 3 * (1 / 2) * 2 * 2 * hidden / 8  # fwd K,V once; bwd K,V,dK,dV
     assert cost.a == pytest.approx(base["a"] / 2)
     assert cost.b == pytest.approx(base["b"] / 2 + ring_bytes_per_token / 25e9 * 1e3)
     assert cost.c == pytest.approx(base["c"] + layers * 3 * 1 * 10e-6 * 1e3)
-    assert model.source(Scheme(tp=8, cp=2)) == ANALYTIC and model.source(Scheme(tp=8)) is None
+    assert model.source(Degrees(tp=8, cp=2)) == ANALYTIC and model.source(Degrees(tp=8)) is None
     # the floor, one 32K sequence: tp16 alone 4.98 s; tp8 cp2 on the same 16 GPUs is faster
     l = 32768
-    assert model.stage_cost(Scheme(tp=16)).micro_batch_time([l]) == pytest.approx(4982, abs=1)
-    assert cost.micro_batch_time([l]) < 0.8 * model.stage_cost(Scheme(tp=16)).micro_batch_time([l])
+    assert model.stage_cost(Degrees(tp=16)).micro_batch_time([l]) == pytest.approx(4982, abs=1)
+    assert cost.micro_batch_time([l]) < 0.8 * model.stage_cost(Degrees(tp=16)).micro_batch_time([l])
 
 
 def test_analytic_cp_entry_inside_a_node_uses_nvlink():
     table = preset_table("llama7b_a800")
     base = entry(table, 2, 2)
     model = with_context_parallel(CostModel.preset("llama7b_a800"), (1, 4))
-    cost = model.stage_cost(Scheme(tp=2, pp=2, cp=4))  # a stage is 8 GPUs: one node
+    cost = model.stage_cost(Degrees(tp=2, pp=2, cp=4))  # a stage is 8 GPUs: one node
     stage_layers = 16
     ring = stage_layers * 3 * (3 / 4) * 2 * 2 * 4096 / 2
     assert cost.b == pytest.approx(base["b"] / 4 + ring / 150e9 * 1e3)
@@ -61,8 +62,8 @@ def test_max_len_per_cp_degree_by_hand():
         states += 0.75 * (layers * reg["B"] * h * h + 2 * 16 * vocab * h) / 128
         free = mem - reg["safe_bound"] - 5242880000 - states
         expected = int(free // (layers * (h / tp) * reg["A"][f"tp{tp}"] / cp)) // 128 * 128
-        assert model.max_len(Scheme(tp=tp, cp=cp)) == expected
-    assert model.max_len(Scheme(tp=8, cp=2)) > 1.9 * model.max_len(Scheme(tp=8))
+        assert model.max_len(Degrees(tp=tp, cp=cp)) == expected
+    assert model.max_len(Degrees(tp=8, cp=2)) > 1.9 * model.max_len(Degrees(tp=8))
 
 
 def test_degrees_select_schemes_and_profiled_entries_win():
@@ -70,7 +71,7 @@ def test_degrees_select_schemes_and_profiled_entries_win():
     table["strategies"].append({"tp": 2, "pp": 1, "cp": 2, "a": 1e-6, "b": 0.05, "c": 60.0, "source": "profiled"})
     model = CostModel.from_table(table)
     both = with_context_parallel(model, (1, 2))
-    assert both.stage_cost(Scheme(tp=2, cp=2)).b == 0.05 and both.source(Scheme(tp=2, cp=2)) == "profiled"
+    assert both.stage_cost(Degrees(tp=2, cp=2)).b == 0.05 and both.source(Degrees(tp=2, cp=2)) == "profiled"
     assert {s.cp for s in both.schemes} == {1, 2}
     only_cp = with_context_parallel(model, (2, 4))
     assert {s.cp for s in only_cp.schemes} == {2, 4}
@@ -170,12 +171,12 @@ def test_profile_measures_cp_schemes_on_gloo_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path))
     profile = profile_ranks("hgraph.cli.demo:tiny_model", 2, ["tp1", "tp1,cp2"], [64, 128, 256], repeats=2, memory_gb=0.05)
     model = profile.cost_model
-    cp2 = Scheme(tp=1, cp=2)
-    assert set(profile.fits) == {Scheme(1, 1), cp2}
+    cp2 = Degrees(tp=1, cp=2)
+    assert set(profile.fits) == {Degrees(1, 1), cp2}
     assert all(t > 0 for t in profile.times_ms[cp2]) and model.source(cp2) == "profiled"
     # each cp rank keeps half the activations of a micro-batch: about twice the MaxLen
-    assert 1.5 * model.max_len(Scheme(1, 1)) < model.max_len(cp2)
+    assert 1.5 * model.max_len(Degrees(1, 1)) < model.max_len(cp2)
     # the profiled cp entry wins over the analytic one
     extended = with_context_parallel(model, (1, 2, 4))
     assert extended.stage_cost(cp2) == model.stage_cost(cp2) and extended.source(cp2) == "profiled"
-    assert extended.source(Scheme(tp=1, cp=4)) == ANALYTIC
+    assert extended.source(Degrees(tp=1, cp=4)) == ANALYTIC

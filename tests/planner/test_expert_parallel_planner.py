@@ -8,12 +8,13 @@ import math
 
 import pytest
 
-from hgraph.core.errors import CostModelError
+from hgraph.core.errors import CostModelError, StrategyError
 from hgraph.core.strategy import Pipeline
 from hgraph.models.zoo import ZooFactory
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model, default_schemes, stage_cost
 from hgraph.planner.assign import pipeline_costs
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 from hgraph.planner.experts import MoELayerShape, all_to_all_bytes_per_token, expert_imbalance, layer_imbalance
 from hgraph.planner.proposal import propose
 from hgraph.planner.timing import AlphaBetaComm
@@ -24,15 +25,15 @@ H100 = HardwareSpec.preset("h100-80gb")
 
 
 def test_ep_schemes_parse_print_and_round_trip_through_tables():
-    assert Scheme.parse("tp4,ep4") == Scheme(4, 1, 1, 4) and str(Scheme(4, 1, 1, 4)) == "tp4,pp1,ep4"
-    assert parse_schemes("tp2ep2,tp4ep4,tp4") == [Scheme(2, ep=2), Scheme(4, ep=4), Scheme(4)]
-    assert Scheme.of(Pipeline(tp=2, cp=2, ep=4)) == Scheme(2, 1, 2, 4)
-    with pytest.raises(CostModelError, match="ep=4 does not divide"):
-        Scheme(2, ep=4)
-    model = analytic_cost_model(MIXTRAL_8X7B, H100, [Scheme(4), Scheme(4, ep=4)])
+    assert Degrees.parse("tp4,ep4") == Degrees(4, ep=4) and str(Degrees(4, ep=4)) == "tp4,ep4"
+    assert parse_schemes("tp2ep2,tp4ep4,tp4") == [Degrees(2, ep=2), Degrees(4, ep=4), Degrees(4)]
+    assert Pipeline(tp=2, cp=2, ep=4).stage_key == Degrees(2, 1, 2, ep=4)
+    with pytest.raises(StrategyError, match="ep=4 does not divide"):
+        Degrees(2, ep=4)
+    model = analytic_cost_model(MIXTRAL_8X7B, H100, [Degrees(4), Degrees(4, ep=4)])
     again = CostModel.from_table(model.to_table())
-    assert again.schemes == model.schemes and again.stage_cost(Scheme(4, ep=4)) == model.stage_cost(Scheme(4, ep=4))
-    assert model.max_len(Scheme(4, ep=4)) == model.max_len(Scheme(4))  # no more expert bytes per rank under ep
+    assert again.schemes == model.schemes and again.stage_cost(Degrees(4, ep=4)) == model.stage_cost(Degrees(4, ep=4))
+    assert model.max_len(Degrees(4, ep=4)) == model.max_len(Degrees(4))  # no more expert bytes per rank under ep
 
 
 def test_expert_imbalance_from_router_counts():
@@ -51,20 +52,20 @@ def test_analytic_ep_terms():
     moe = MIXTRAL_8X7B.moe(32)
     assert all_to_all_bytes_per_token(moe, 1, 4, 4) == 4 * 32 * 2 * 3 / 4 / 4 * 4096 * 2
     assert all_to_all_bytes_per_token(moe, 1, 4, 1) == 0
-    even, skewed = stage_cost(MIXTRAL_8X7B, H100, Scheme(4, ep=4)), stage_cost(MIXTRAL_8X7B, H100, Scheme(4, ep=4), 1.5)
+    even, skewed = stage_cost(MIXTRAL_8X7B, H100, Degrees(4, ep=4)), stage_cost(MIXTRAL_8X7B, H100, Degrees(4, ep=4), 1.5)
     speed = H100.peak_flops * H100.mfu
     assert skewed.b - even.b == pytest.approx(0.5 * 3 * 32 * moe.expert_flops_per_token() / 4 / speed * 1e3)
     assert skewed.a == even.a and skewed.c == even.c
-    tp = stage_cost(MIXTRAL_8X7B, H100, Scheme(4))
+    tp = stage_cost(MIXTRAL_8X7B, H100, Degrees(4))
     bw = H100.intra_bw
     reduces = 32 * 2 * 2 * 3 / 4 * 2 * 4096 / bw
     moved = (all_to_all_bytes_per_token(moe, 1, 4, 4) + 2 * 32 * 3 / 4 * 4096 * 2) / bw
     assert even.b - tp.b == pytest.approx((moved - reduces) * 1e3)
-    assert Scheme(4, ep=4) in default_schemes(MIXTRAL_8X7B, H100)
+    assert Degrees(4, ep=4) in default_schemes(MIXTRAL_8X7B, H100)
     six = ModelConfig(hidden=4096, layers=32, heads=32, ffn=14336, vocab=32000, kv_heads=8, experts=6, top_k=2)
-    assert Scheme(4, ep=2) in default_schemes(six, H100) and Scheme(4, ep=4) not in default_schemes(six, H100)
+    assert Degrees(4, ep=2) in default_schemes(six, H100) and Degrees(4, ep=4) not in default_schemes(six, H100)
     with pytest.raises(CostModelError, match="has none"):
-        stage_cost(ModelConfig(hidden=64, layers=2, heads=4, ffn=128, vocab=256), H100, Scheme(2, ep=2))
+        stage_cost(ModelConfig(hidden=64, layers=2, heads=4, ffn=128, vocab=256), H100, Degrees(2, ep=2))
 
 
 def test_pull_push_model_counts_the_expert_share_an_ep_pipeline_holds():
@@ -100,7 +101,7 @@ def test_proposal_and_dispatch_choose_ep_pipelines_when_they_are_faster():
 def test_profile_measures_ep_schemes_on_gloo_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     profile = profile_ranks(ZooFactory("mixtral"), 2, ["tp2", "tp2ep2"], [32, 64, 128], repeats=1, memory_gb=0.05)
-    assert set(profile.fits) == {Scheme(2), Scheme(2, ep=2)}
+    assert set(profile.fits) == {Degrees(2), Degrees(2, ep=2)}
     assert all(t > 0 for times in profile.times_ms.values() for t in times)
     table = profile.cost_model.to_table()
     assert {"tp": 2, "pp": 1, "ep": 2} in [{k: e[k] for k in ("tp", "pp", "ep") if k in e} for e in table["strategies"]]

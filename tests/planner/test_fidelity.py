@@ -12,7 +12,8 @@ from hgraph.core.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.planner.correction import OnlineCorrection, fidelity
-from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.profiling.profile_iteration import fit_activation, fit_terms
 from hgraph.planner.timing import IterationPrediction, predict_iteration
@@ -21,8 +22,8 @@ from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 from hgraph.core.strategy import Strategy
 
-COSTS = {Scheme(1, 1): StageCost(1e-4, 0.05, 2.0), Scheme(1, 2): StageCost(5e-5, 0.025, 1.5),
-         Scheme(2, 1): StageCost(6e-5, 0.03, 3.0)}
+COSTS = {Degrees(1, 1): StageCost(1e-4, 0.05, 2.0), Degrees(1, 2): StageCost(5e-5, 0.025, 1.5),
+         Degrees(2, 1): StageCost(6e-5, 0.03, 3.0)}
 
 
 def cost_model(costs=COSTS):
@@ -167,7 +168,7 @@ def _tiny():
 def test_trainer_records_predicted_and_measured_and_feeds_the_correction():
     model = _tiny()
     strategies = ["2x tp1", "tp2"]
-    costs = {Scheme(1, 1): StageCost(1e-5, 0.01, 1.0), Scheme(2, 1): StageCost(1e-5, 0.006, 1.5)}
+    costs = {Degrees(1, 1): StageCost(1e-5, 0.01, 1.0), Degrees(2, 1): StageCost(1e-5, 0.006, 1.5)}
     terms = IterationTerms(AlphaBeta(0.1, 1e-6), 64.0, 2, {
         (str(Strategy.parse(s)), "none"): StrategyTerms(str(Strategy.parse(s)), "none", 1.0, 1.0, 1.0, 0.5, 0.5)
         for s in strategies})
@@ -232,7 +233,7 @@ def test_profile_command_measures_iteration_terms_on_two_gloo_ranks(tmp_path, mo
             assert t.pull_ms > 0 and t.push_ms > 0 and t.samples == 3 and 0 <= t.exposed_fraction <= 1
             assert t.optimizer_ms > 0 and math.isfinite(t.fixed_ms) and t.residual >= 0 and t.noise >= 0
     assert terms.activation.alpha_ms >= 0 and terms.bytes_per_token == 4 * 32
-    assert json.loads(out.read_text())["_fit"]["tp1,pp1"]["noise"] >= 0  # T(l) noise too
+    assert json.loads(out.read_text())["_fit"]["tp1"]["noise"] >= 0  # T(l) noise too
 
     def no_launch(*_args, **_kwargs):
         raise AssertionError("a cached profile must not launch ranks")

@@ -5,7 +5,8 @@ import math
 import pytest
 
 from hgraph.core.errors import CostModelError
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 from hgraph.planner.memory import MemoryRegression
 
 
@@ -21,10 +22,10 @@ def test_max_len_by_hand_7b_tp8_on_64_gpus():
     tokens = free / (layers * (h / 8) * 48)
     expected = int(tokens) // 128 * 128
     model = CostModel.preset("llama7b_a800")
-    assert model.max_len(Scheme(8), world_size=64) == expected == 87040
-    assert model.with_world_size(64).max_len(Scheme(8)) == expected
+    assert model.max_len(Degrees(8), world_size=64) == expected == 87040
+    assert model.with_world_size(64).max_len(Degrees(8)) == expected
     # without a world size the ZeRO share is left out: a little more room
-    assert model.max_len(Scheme(8)) > expected
+    assert model.max_len(Degrees(8)) > expected
 
 
 def test_max_len_with_pipeline_stages_by_hand():
@@ -34,19 +35,19 @@ def test_max_len_with_pipeline_stages_by_hand():
     states = 0.25 * stage0 / 4 + 0.75 * (layers * layer + 32 * v * h) / 64
     free = 85198897152 - 6442450944 - 5242880000 - states
     expected = int(free / (layers * (h / 4) * 42)) // 128 * 128
-    assert CostModel.preset("llama7b_a800").max_len(Scheme(4, 4), 64) == expected
+    assert CostModel.preset("llama7b_a800").max_len(Degrees(4, 4), 64) == expected
 
 
 def test_issue_facts():
     big = CostModel.preset("llama32b_a800").with_world_size(1024)
     holds_32k = [s for s in big.schemes if big.max_len(s) >= 32768]
-    assert holds_32k == [Scheme(16)]
+    assert holds_32k == [Degrees(16)]
     seven = CostModel.preset("llama7b_a800").with_world_size(64)
-    assert seven.max_len(Scheme(8)) > 28 * 1024 > seven.max_len(Scheme(2, 2))
+    assert seven.max_len(Degrees(8)) > 28 * 1024 > seven.max_len(Degrees(2, 2))
     assert all(seven.max_len(s) % 128 == 0 for s in seven.schemes)
     # more TP or PP never lowers MaxLen
-    assert seven.max_len(Scheme(4, 2)) >= seven.max_len(Scheme(4, 1))
-    assert seven.max_len(Scheme(8, 1)) >= seven.max_len(Scheme(4, 1))
+    assert seven.max_len(Degrees(4, 2)) >= seven.max_len(Degrees(4, 1))
+    assert seven.max_len(Degrees(8, 1)) >= seven.max_len(Degrees(4, 1))
 
 
 def regression(**changes):

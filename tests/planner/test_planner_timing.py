@@ -53,7 +53,7 @@ def test_predict_and_check_plan():
 
 
 def test_pipeline_cost_follows_the_pipeline_schedule_through_the_bubble_replay():
-    from hgraph.schedule.bubble import pipeline_time as replay
+    from hgraph.schedule.bubble import replay_time as replay
 
     mbs = [[10]] * 4  # four micro-batches of one 10-token sequence, stage time 10 + 2 = 12 ms
     one_f_one_b = PipelineCost(a=0.0, b=1.0, c=2.0, pp=2, max_len=100)

@@ -8,7 +8,8 @@ import pytest
 
 from hgraph.cli.command import main
 from hgraph.core.errors import CostModelError
-from hgraph.planner.cost import Scheme, load_cost_model
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import load_cost_model
 from hgraph.profiling.profile import build_table, fit_stage_cost
 
 
@@ -66,8 +67,8 @@ def test_build_table_approximates_stages_from_block_times():
         "dtype": "float32",
     }
     model, fits = build_table(raw, [1, 2], "unit")
-    assert set(fits) == {Scheme(1, 1), Scheme(1, 2)} and fits[Scheme(1, 2)].r2 == pytest.approx(1.0)
-    pp2 = model.stage_cost(Scheme(1, 2))
+    assert set(fits) == {Degrees(1, 1), Degrees(1, 2)} and fits[Degrees(1, 2)].r2 == pytest.approx(1.0)
+    pp2 = model.stage_cost(Degrees(1, 2))
     # 2 of 4 blocks plus everything outside the blocks (10 + 0.002 l)
     assert pp2.c == pytest.approx(10.0, rel=1e-6)
     assert pp2.b == pytest.approx(2 * 0.01 + 0.002, rel=1e-6)
@@ -98,8 +99,8 @@ def test_profile_command_writes_a_valid_table_and_caches(tmp_path, monkeypatch, 
     printed = capsys.readouterr().out
     assert "measured 4 lengths" in printed and "R²" in printed and "max relative error" in printed
     model = load_cost_model(str(out))
-    assert model.schemes == (Scheme(1, 1), Scheme(1, 2))
-    assert model.max_len(Scheme(1, 1)) > 0
+    assert model.schemes == (Degrees(1, 1), Degrees(1, 2))
+    assert model.max_len(Degrees(1, 1)) > 0
     assert json.loads(out.read_text())["model_config"] == {"H": 128, "L": 4, "V": 1024}
     assert len(list((tmp_path / "cache" / "profile").iterdir())) == 1
     assert main(argv) == 0
@@ -147,11 +148,11 @@ def test_factory_names_key_the_cache_and_reject_what_cannot_be_sent():
 
 def test_parse_schemes_compact_and_spaced():
     assert parse_schemes("tp1,tp2,tp4,tp1pp2,tp2pp2,tp1pp4") == [
-        Scheme(1, 1), Scheme(2, 1), Scheme(4, 1), Scheme(1, 2), Scheme(2, 2), Scheme(1, 4)
+        Degrees(1, 1), Degrees(2, 1), Degrees(4, 1), Degrees(1, 2), Degrees(2, 2), Degrees(1, 4)
     ]
-    assert parse_schemes("tp1,pp1 tp2,pp2") == [Scheme(1, 1), Scheme(2, 2)]
-    assert parse_schemes("tp2,pp1") == [Scheme(2, 1)]  # one scheme in the spaced format
-    assert parse_schemes("tp1; tp2; tp1,pp2") == [Scheme(1, 1), Scheme(2, 1), Scheme(1, 2)]  # the strategy syntax
+    assert parse_schemes("tp1,pp1 tp2,pp2") == [Degrees(1, 1), Degrees(2, 2)]
+    assert parse_schemes("tp2,pp1") == [Degrees(2, 1)]  # one scheme in the spaced format
+    assert parse_schemes("tp1; tp2; tp1,pp2") == [Degrees(1, 1), Degrees(2, 1), Degrees(1, 2)]  # the strategy syntax
     with pytest.raises(CostModelError, match="cannot parse scheme"):
         parse_schemes("tp2,xx3")
 
@@ -181,21 +182,21 @@ def _synthetic_raw():
 
 def test_build_ranks_table_aggregates_ranks_stages_and_memory():
     model, fits, times = build_ranks_table(_synthetic_raw(), memory_gb=1.0, name="unit")
-    pp1 = model.stage_cost(Scheme(1, 1))
+    pp1 = model.stage_cost(Degrees(1, 1))
     # replicas: median over ranks per repeat, then median over repeats -> rank 0's clean times
     assert (pp1.a, pp1.b, pp1.c) == pytest.approx((2e-4, 0.05, 3.0), rel=1e-4)
     # stages: the slower stage (rank 1, 0.6x) sets T
-    assert model.stage_cost(Scheme(1, 2)).b == pytest.approx(0.6 * 0.05, rel=1e-4)
-    assert times[Scheme(1, 2)][0] == pytest.approx(0.6 * (2 + 5 + 3))
-    assert fits[Scheme(1, 1)].r2 == pytest.approx(1.0)
+    assert model.stage_cost(Degrees(1, 2)).b == pytest.approx(0.6 * 0.05, rel=1e-4)
+    assert times[Degrees(1, 2)][0] == pytest.approx(0.6 * (2 + 5 + 3))
+    assert fits[Degrees(1, 1)].r2 == pytest.approx(1.0)
     # A_tp1: pp1 has 256 B/token per rank; pp2 stages sum to 128 + 160 = 288 -> the larger, / (L * H)
     assert model.memory.activation_bytes(1) == pytest.approx(288 / (2 * 64))
     table = model.to_table()
     assert table["cluster_config"]["gpus_per_node"] == 2
     assert table["cluster_config"]["gpu_memory_bound"] == 10**9
-    assert set(table["_fit"]) == {"tp1,pp1", "tp1,pp2"} and "r2" in table["_fit"]["tp1,pp1"]
+    assert set(table["_fit"]) == {"tp1", "tp1,pp2"} and "r2" in table["_fit"]["tp1"]
     reloaded = CostModel.from_table(table)
-    assert reloaded.max_len(Scheme(1, 1)) == model.max_len(Scheme(1, 1)) > 0
+    assert reloaded.max_len(Degrees(1, 1)) == model.max_len(Degrees(1, 1)) > 0
     with pytest.raises(CostModelError, match="memory budget"):
         build_ranks_table(_synthetic_raw(), memory_gb=0)
 
@@ -217,13 +218,13 @@ def test_profile_on_two_gloo_ranks_then_cache_hit_through_the_cli(tmp_path, monk
     lengths = [32, 64, 128]
     profile = profile_ranks(tiny_llama, 2, ["tp1", "tp2"], lengths, repeats=2, memory_gb=0.05)
     assert not profile.cached and profile.lengths == tuple(lengths)
-    assert set(profile.fits) == {Scheme(1, 1), Scheme(2, 1)}
+    assert set(profile.fits) == {Degrees(1, 1), Degrees(2, 1)}
     for scheme, fit in profile.fits.items():
         assert min(fit.cost.a, fit.cost.b, fit.cost.c) >= 0
         assert fit.r2 <= 1.0 and fit.max_rel_error >= 0 and all(t > 0 for t in profile.times_ms[scheme])
     model = profile.cost_model
     # saved activations per token shrink per rank under TP, so tp2 fits more tokens
-    assert 0 < model.max_len(Scheme(1, 1)) < model.max_len(Scheme(2, 1))
+    assert 0 < model.max_len(Degrees(1, 1)) < model.max_len(Degrees(2, 1))
     assert "R²" in str(profile) and "MaxLen" in str(profile)
     # saved-for-backward bytes grow linearly with the tokens of a micro-batch on every rank
     for rank in json.loads(profile.cache_path.read_text())["per_rank"]:
@@ -242,11 +243,11 @@ def test_profile_on_two_gloo_ranks_then_cache_hit_through_the_cli(tmp_path, monk
     printed = capsys.readouterr().out
     assert "cached in" in printed and "max relative error" in printed
     loaded = CostModel.from_table(out)
-    assert loaded.schemes == (Scheme(1, 1), Scheme(2, 1))
-    assert loaded.stage_cost(Scheme(2, 1)) == model.stage_cost(Scheme(2, 1))
-    assert loaded.max_len(Scheme(2, 1)) == model.max_len(Scheme(2, 1))
+    assert loaded.schemes == (Degrees(1, 1), Degrees(2, 1))
+    assert loaded.stage_cost(Degrees(2, 1)) == model.stage_cost(Degrees(2, 1))
+    assert loaded.max_len(Degrees(2, 1)) == model.max_len(Degrees(2, 1))
     assert json.loads(out.read_text())["model_config"] == {"H": 64, "L": 2, "V": 256}
     # the API reads the same cache entry
-    assert profile_cost_model(tiny_llama, 2, ["tp1", "tp2"], lengths, repeats=2).stage_cost(Scheme(1, 1)) == (
-        model.stage_cost(Scheme(1, 1))
+    assert profile_cost_model(tiny_llama, 2, ["tp1", "tp2"], lengths, repeats=2).stage_cost(Degrees(1, 1)) == (
+        model.stage_cost(Degrees(1, 1))
     )

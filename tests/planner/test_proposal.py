@@ -8,7 +8,8 @@ import pytest
 
 from hgraph.core.errors import PlanError
 from hgraph.core.strategy import Strategy
-from hgraph.planner.cost import CostModel, Scheme
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel
 from hgraph.planner.proposal import propose, propose_candidates
 
 
@@ -98,7 +99,7 @@ def test_pipeline_band_time_by_hand():
 def test_max_len_limits_which_scheme_takes_long_sequences():
     # tp1 pipelines cannot hold 8000 tokens: MaxLen(tp1) = 4096 with this memory, tp2 twice that.
     model = toy_model([{"tp": 1, "b": 1.0}, {"tp": 2, "b": 0.6}], memory=64 * 4096 + 8 * 64 * 4)
-    assert model.max_len(Scheme(1)) == 4096 and model.max_len(Scheme(2)) == 8192
+    assert model.max_len(Degrees(1)) == 4096 and model.max_len(Degrees(2)) == 8192
     cands = propose_candidates(model, 4, [8000, 300, 300, 300])
     for c in cands:
         if c.covers == 8000:
@@ -122,7 +123,7 @@ def test_candidates_on_real_lengths(name, gpus):
     strategies = [c.strategy for c in cands]
     assert len(set(strategies)) == len(strategies)
     for s in strategies:
-        s.check_world_size(gpus)
+        s.check(gpus)
         for p in s.pipelines:
             # TP groups stay inside a node whenever they fit in one
             if p.tp <= model.gpus_per_node:
@@ -132,8 +133,8 @@ def test_candidates_on_real_lengths(name, gpus):
     # every homogeneous strategy of a scheme with a usable MaxLen is there
     world = model.with_world_size(gpus)
     for scheme in model.schemes:
-        if gpus % scheme.gpus == 0 and world.max_len(scheme) >= 128:
-            assert Strategy.parse(f"{gpus // scheme.gpus}x {scheme}") in strategies
+        if gpus % scheme.size == 0 and world.max_len(scheme) >= 128:
+            assert Strategy.parse(f"{gpus // scheme.size}x {scheme}") in strategies
     full = [c for c in cands if c.covers == 32768]
     best_homogeneous = min(c.predicted_ms for c in full if c.origin == "homogeneous")
     assert min(c.predicted_ms for c in full) <= best_homogeneous
@@ -145,7 +146,7 @@ def test_32b_reaches_the_tp16_floor():
     model = CostModel.preset("llama32b_a800")
     cands = propose_candidates(model, 1024, wikipedia_sample(), max_len=32768, tokens_per_iteration=1_600_000)
     best = min((c for c in cands if c.covers == 32768), key=lambda c: c.predicted_ms)
-    floor = model.stage_cost(Scheme(16)).micro_batch_time([32768])
+    floor = model.stage_cost(Degrees(16)).micro_batch_time([32768])
     assert best.predicted_ms == pytest.approx(floor)
 
 
@@ -178,6 +179,6 @@ def test_bad_inputs(gpus, lengths, kwargs, message):
 def test_sequence_longer_than_every_max_len_is_named():
     model = CostModel.preset("llama7b_a800")
     with pytest.raises(
-        PlanError, match=r"sequence length 1000000 exceeds the largest MaxLen 140672 \(tp16,pp1\)"
+        PlanError, match=r"sequence length 1000000 exceeds the largest MaxLen 140672 \(tp16\)"
     ):
         propose(model, 64, [1_000_000, 100])

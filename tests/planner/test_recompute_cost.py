@@ -11,7 +11,8 @@ import hgraph
 from hgraph.core.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.recompute import regions
-from hgraph.planner.cost import CostModel, Scheme, choose_recompute
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel, choose_recompute
 from hgraph.planner.memory import MemoryRegression
 
 TABLE = json.loads(resources.files("hgraph.planner").joinpath("presets/llama7b_a800.json").read_text())
@@ -31,7 +32,7 @@ def by_hand_max_len(tp, pp, mode):
 
 @pytest.mark.parametrize("scheme", ["tp1,pp2", "tp2,pp2", "tp8,pp1"])
 def test_max_len_per_mode_matches_the_formula(scheme):
-    s = Scheme.parse(scheme)
+    s = Degrees.parse(scheme)
     base = CostModel.preset("llama7b_a800")
     got = {m: base.with_recompute(m).max_len(s) for m in ("none", "selective", "full")}
     assert got == {m: by_hand_max_len(s.tp, s.pp, m) for m in got}
@@ -44,13 +45,13 @@ def test_max_len_per_mode_matches_the_formula(scheme):
 
 
 def test_recompute_time_is_added():
-    s = Scheme(2, 2)
+    s = Degrees(2, 2)
     base = CostModel.preset("llama7b_a800")
     entry = next(e for e in TABLE["strategies"] if e["tp"] == 2 and e["pp"] == 2)
     full = base.with_recompute("full").stage_cost(s)
     assert full.a == pytest.approx(entry["a"] * 1.25) and full.b == pytest.approx(entry["b"] * 4 / 3)
     assert full.c == pytest.approx(entry["c"])
-    assert base.with_recompute({s: "selective"}).stage_cost(Scheme(1, 2)).b == pytest.approx(
+    assert base.with_recompute({s: "selective"}).stage_cost(Degrees(1, 2)).b == pytest.approx(
         next(e for e in TABLE["strategies"] if e["tp"] == 1 and e["pp"] == 2)["b"])
     assert base.with_recompute("full").with_world_size(64).recompute(s) == "full"
     with pytest.raises(CostModelError, match="recompute='some'"):
@@ -59,7 +60,7 @@ def test_recompute_time_is_added():
 
 def test_planner_picks_the_fastest_mode_that_fits():
     base = CostModel.preset("llama7b_a800")
-    s = Scheme(1, 2)
+    s = Degrees(1, 2)
     limits = {m: base.with_recompute(m).max_len(s) for m in ("none", "selective", "full")}
     assert choose_recompute(base, s, limits["none"]) == "none"
     assert choose_recompute(base, s, limits["none"] + 128) == "selective"
@@ -72,6 +73,6 @@ def test_compile_takes_a_mode_per_scheme():
     model = Llama(LlamaConfig(layers=2))
     ids = torch.randint(0, 256, (2, 16))
     compiled = hgraph.compile(model, ["tp2", "2x tp1"], example_inputs=ids,
-                              recompute={"tp2": "full", Scheme(1, 1): "none"})
+                              recompute={"tp2": "full", Degrees(1, 1): "none"})
     assert [r.mode for r in regions(compiled.program(0, 0).stage_graph.gm)] == ["full", "full"]
     assert regions(compiled.program(1, 0).stage_graph.gm) == []

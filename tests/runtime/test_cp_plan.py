@@ -9,7 +9,7 @@ import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model
 from hgraph.planner.assign import Planner
-from hgraph.planner.cost import Scheme
+from hgraph.core.degrees import Degrees
 from hgraph.training.trainer import Trainer
 from hgraph.core.batch import next_token_targets
 
@@ -30,7 +30,7 @@ def make_planner():
                          kv_heads=c.kv_heads)
     cpu = HardwareSpec("cpu-rank", peak_flops=2e9, memory_bytes=4e9, intra_bw=5e9, inter_bw=5e9,
                        layer_overhead=1e-5, context_bytes=0, safe_bytes=0)
-    cost = analytic_cost_model(config, cpu, [Scheme(1, 1, 1), Scheme(1, 1, 2), Scheme(1, 1, 4)])
+    cost = analytic_cost_model(config, cpu, [Degrees(1, 1, 1), Degrees(1, 1, 2), Degrees(1, 1, 4)])
     return Planner(cost, [STRATEGY], comm=None)
 
 

@@ -17,7 +17,8 @@ from hgraph.core.flops import ModelFlops
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.planner.correction import OnlineCorrection
-from hgraph.planner.cost import CostModel, Scheme, StageCost
+from hgraph.core.degrees import Degrees
+from hgraph.planner.cost import CostModel, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 from hgraph.runtime import preemption
@@ -62,7 +63,7 @@ SMALL = dict(vocab_size=64, hidden=16, layers=2, heads=2, kv_heads=2, ffn=32)
 
 
 def _planner(compiled, strategies):
-    costs = {Scheme(1, 1): StageCost(1e-5, 0.01, 1.0), Scheme(2, 1): StageCost(1e-5, 0.006, 1.5)}
+    costs = {Degrees(1, 1): StageCost(1e-5, 0.01, 1.0), Degrees(2, 1): StageCost(1e-5, 0.006, 1.5)}
     memory = MemoryRegression(activation=((1, 100.0), (2, 100.0)), bytes_per_layer_h2=16.0, alpha=0.75,
                               gap=(("node", 0.0),), safe_bound=0.0, gpu_memory=1e12, hidden=16, layers=2, vocab=64)
     terms = IterationTerms(AlphaBeta(0.1, 1e-6), 64.0, 2, {

@@ -9,7 +9,8 @@ from hgraph.core.errors import HGraphError, InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.options import OverlapConfig
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.schedule.actions import Action, Kind, ScheduleError, dry_run, format_actions, parse
+from hgraph.schedule.actions import Action, Kind, ScheduleError, format_actions, parse
+from hgraph.schedule.replay import dry_run
 from hgraph.training.trainer import Trainer
 
 WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
@@ -88,38 +89,44 @@ def small_compiled(strategy="2x tp1", **config):
 
 def test_golden_order_two_layers():
     compiled = small_compiled(prefetch_layers=1, bucket_bytes=1 << 30)
-    sched = compiled.program(0, 0).overlap
-    names = sched.pull_names
+    program = compiled.program(0, 0)
+    order = program.overlap
+    names = [pc.name for pc in program.pulls]
     # layer 0 = embedding, 1-2 = the blocks, 3 = final norm, 4 = head; one layer of prefetch: the
     # next layer starts right after the first wait of this one, each wait sits at the first use.
-    lines = str(sched).splitlines()
-    assert lines[1] == "  prelude: start:embed.weight"
-    block0 = " ".join(f"start:{n}" for n in names if n.startswith("layers.0."))
-    assert lines[2] == f"  before embed.weight: {block0} wait:embed.weight"
-    assert "  before layers.1.attn_norm.weight: start:norm.weight wait:layers.1.attn_norm.weight" in lines
-    assert "  before norm.weight: start:lm_head.weight wait:norm.weight" in lines
-    assert lines[-3:-1] == ["  after forward: ", "  end: "]
-    waited = [i for _, ops in sched.at_use for w, i in ops if w == "wait"]
-    every = (sched.prelude, *(o for _, o in sched.at_use), sched.after_forward)
-    started = [i for ops in every for w, i in ops if w == "start"]
-    assert started == list(range(len(names)))  # global order on every rank
-    assert sorted(waited) == list(range(len(names)))  # both ranks of 2x tp1 use every parameter
-    assert sched.buckets == (tuple(range(len(names))),)  # one bucket when bucket_bytes is huge
-    assert compiled.program(0, 1).overlap.prelude == sched.prelude
+    assert [str(a) for a in order.prelude] == ["PULL_START:embed.weight"]
+    at_use: dict[str, list[str]] = {}  # parameter -> the pull ops attached before its first use
+    for a in order.forward:
+        assert a.at is not None  # every held pull is used by the forward: nothing after it
+        at_use.setdefault(a.at, []).append(f"{'start' if a.kind is Kind.PULL_START else 'wait'}:{a.group}")
+    block0 = [f"start:{n}" for n in names if n.startswith("layers.0.")]
+    assert next(iter(at_use)) == "embed.weight" and at_use["embed.weight"] == block0 + ["wait:embed.weight"]
+    assert at_use["layers.1.attn_norm.weight"] == ["start:norm.weight", "wait:layers.1.attn_norm.weight"]
+    assert at_use["norm.weight"] == ["start:lm_head.weight", "wait:norm.weight"]
+    assert [a.kind for a in order.end] == [Kind.PUSH_WAIT] * len(program.pushes)  # no pull left to wait
+    pulls = [*order.prelude, *order.forward]
+    started = [a.group for a in pulls if a.kind is Kind.PULL_START]
+    waited = [a.group for a in pulls if a.kind is Kind.PULL_WAIT]
+    assert started == names  # global order on every rank
+    assert sorted(waited) == sorted(names)  # both ranks of 2x tp1 use every parameter
+    pushes = [pc.name for pc in program.pushes]
+    # one bucket when bucket_bytes is huge: every push start attached at the first push
+    assert order.backward == tuple(Action(Kind.PUSH_START, group=n, at=pushes[0]) for n in pushes)
+    assert compiled.program(0, 1).overlap.prelude == order.prelude
 
 
 def test_inflight_cap_waits_early():
     capped = small_compiled(prefetch_layers=8, max_inflight_bytes=1).program(0, 0).overlap
     # with a 1-byte cap at most one pull is in flight: every start but the first follows a wait
-    ops = [*capped.prelude, *(op for _, o in capped.at_use for op in o)]
+    ops = [*capped.prelude, *(a for a in capped.forward if a.at is not None)]
     inflight = 0
-    for what, _ in ops:
-        inflight += 1 if what == "start" else -1
+    for a in ops:
+        inflight += 1 if a.kind is Kind.PULL_START else -1
         assert 0 <= inflight <= 1
 
 
 def _dry_run(compiled, programs, lists):
-    """``hgraph.schedule.actions.dry_run`` of ``lists`` with the compiled programs' groups and stage ends."""
+    """``hgraph.schedule.replay.dry_run`` of ``lists`` with the compiled programs' groups and stage ends."""
     members = {(p.rank, pc.name): pc.pull.plan.ranks for p in programs.values() for pc in p.pulls}
     dry_run(lists, members=lambda r, g: members[(r, g)], first=lambda r, c: programs[r].stage == 0,
             last=lambda r, c: programs[r].is_last_stage)
