@@ -10,6 +10,8 @@ A ``Layout`` places one global tensor on an ordered tuple of ranks arranged as a
   gate, up) and *each block* is cut along the mesh dim: a rank holds its chunk of every block,
   concatenated in block order (Megatron's fused-QKV sharding; DTensor's ``_StridedShard`` for equal
   blocks). Its rank holds several boxes (``regions``); no other mesh dim may cut dim ``d``.
+* ``StridedShard(d, k)`` dim ``d`` is ``[k, rest]`` flattened and only ``rest`` is cut (a flatten of a
+  cut inner dim, DTensor's ``_StridedShard``); a compiled program's placement, not a ``Layout``'s.
 
 Split rule (as ``torch.chunk`` and DTensor): a dim of size ``n`` cut into ``k`` chunks gets chunks of
 ``ceil(n / k)`` elements, the last non-empty chunk takes the remainder and trailing chunks may be empty.
@@ -86,6 +88,25 @@ class InterleavedShard(Shard):
 
     def __str__(self) -> str:
         return f"S({self.dim}:{'+'.join(map(str, self.blocks))})"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class StridedShard(Shard):
+    """A shard of a merged dim: the dim is ``[split_factor, rest]`` flattened and only ``rest`` is cut.
+
+    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives (or of ``[b, s, h]``
+    with heads cut on tp: Gated DeltaNet's per-head norm over ``[b·s·h, d]`` rows); unflattening it
+    back recovers ``Shard`` of the cut dim. ``hgraph.lnk.transform`` gathers it in order on a mesh dim
+    of contiguous chunks (all-gather, then the rank-major pieces moved back between the
+    ``split_factor`` rows).
+    """
+
+    split_factor: int = 1
+
+    def __str__(self) -> str:
+        return f"S({self.dim}/{self.split_factor})"
 
     __repr__ = __str__
 

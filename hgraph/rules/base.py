@@ -29,7 +29,8 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.layout import InterleavedShard, Partial, Placement, Replicate, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Placement, Replicate, Shard, StridedShard
+from hgraph.lnk.transform import MeshDim
 
 MESH_DIMS = ("cp", "tp")
 CP, TP = 0, 1
@@ -37,24 +38,6 @@ MESH_KEY = "hgraph_mesh"  # node.meta key: which mesh a node's specs are on (abs
 EXPERT_MESH = "expert"
 R = Replicate()
 P = Partial()
-
-
-@dataclass(frozen=True)
-class StridedShard(Shard):
-    """A shard of a merged dim: the dim is ``[split_factor, rest]`` flattened and only ``rest`` is cut.
-
-    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives (or of ``[b, s, h]``
-    with heads cut on tp: Gated DeltaNet's per-head norm over ``[b·s·h, d]`` rows); unflattening it
-    back recovers ``Shard`` of the cut dim. ``localize`` gathers it on tp in order (all-gather, then
-    the rank-major pieces moved back between the ``split_factor`` rows); on cp it is never gathered.
-    """
-
-    split_factor: int = 1
-
-    def __str__(self) -> str:
-        return f"S({self.dim}/{self.split_factor})"
-
-    __repr__ = __str__
 
 
 Spec = tuple[Placement, Placement]
@@ -116,6 +99,13 @@ class ShardingOptions:
     @property
     def degrees(self) -> tuple[int, int]:
         return (self.cp, self.tp)
+
+    @property
+    def mesh_dims(self) -> tuple[MeshDim, MeshDim]:
+        """The mesh as ``hgraph.lnk.transform_steps`` plans on it: cp holds load-balanced token
+        chunks, ep (on the expert mesh) the rows of a rank's experts, tp and etp contiguous chunks."""
+        first = "fixed" if self.expert_parallel else "balanced"
+        return (MeshDim(self.mesh_names[0], self.cp, first), MeshDim(self.mesh_names[1], self.tp))
 
     @property
     def expert_parallel(self) -> bool:

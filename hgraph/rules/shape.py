@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.layout import InterleavedShard, Partial, Placement, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Placement, Shard, StridedShard
 from hgraph.rules.base import (
     CP,
     MESH_DIMS,
@@ -29,7 +29,6 @@ from hgraph.rules.base import (
     TP,
     Decision,
     RuleInput,
-    StridedShard,
     interleave_aware,
     shard_degrees,
 )

@@ -33,11 +33,11 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import HGraphError
-from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
-from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, StridedShard, spec_str
+from hgraph.rules.base import CP, TP, RuleInput, ShardingOptions, Spec, spec_str
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
 from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.kernels.context import RankContext, rank_context
