@@ -45,7 +45,7 @@ nothing is gathered, a ``grad_all_reduce`` (identity forward, all-reduce backwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
