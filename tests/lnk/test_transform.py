@@ -1,11 +1,16 @@
 """Golden in-stage redistributions: the exact steps ``transform_steps`` plans (their string form is the
-contract ``hgraph.passes.localize`` emits from), and the refusals."""
+contract ``hgraph.passes.localize`` emits from), the refusals, and every plan of plain placements on
+cp2 x tp2 run by the collectives' definitions (the kernels themselves run them in tests/rules)."""
+
+import itertools
 
 import pytest
+import torch
 
+from hgraph.core.batch import load_balance_indices
 from hgraph.core.errors import LayoutError
 from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard, StridedShard
-from hgraph.lnk import MeshDim, transform_steps
+from hgraph.lnk import MeshDim, TransformStep, transform_steps
 
 R, P = Replicate(), Partial()
 STAGE = (MeshDim("cp", 2, "balanced"), MeshDim("tp", 2))
@@ -88,3 +93,82 @@ def test_rows_merged_from_cp_tokens_are_refused():
 def test_nothing_makes_a_partial_value():
     with pytest.raises(LayoutError, match=r"from \(R,R\) into \(R,P\) by any communication"):
         transform_steps((R, R), (R, P), STAGE)
+
+
+# ----------------------------------------------------------------------------- every step list, run
+SHAPE = (8, 8, 8)  # each dim cut into 2·cp chunks by cp and again by tp
+COORDS = [(c, t) for c in range(STAGE[0].size) for t in range(STAGE[1].size)]
+PLACEMENTS = [R, Shard(0), Shard(1), Shard(2)]
+
+
+def _cut(full: torch.Tensor, spec, coord) -> torch.Tensor:
+    """The piece of ``full`` at ``coord``: cp takes its load-balanced chunks, then tp its chunk of them."""
+    out = full
+    for m, p in enumerate(spec):
+        if isinstance(p, Shard):
+            n = STAGE[m].size
+            if STAGE[m].order == "balanced":
+                out = out.index_select(p.dim, load_balance_indices(out.shape[p.dim], n, coord[m]))
+            else:
+                out = out.chunk(n, p.dim)[coord[m]]
+    return out
+
+
+def _group(coord, m):
+    """The coords that differ from ``coord`` only on mesh dim ``m``, in mesh order."""
+    return [c for c in COORDS if all(c[k] == coord[k] for k in range(len(coord)) if k != m)]
+
+
+def _permuted(x: torch.Tensor, dim: int, n: int, to_balanced: bool) -> torch.Tensor:
+    chunks = x.chunk(2 * n, dim)
+    balanced = [c for r in range(n) for c in (r, 2 * n - 1 - r)]
+    order = balanced if to_balanced else [balanced.index(c) for c in range(2 * n)]
+    return torch.cat([chunks[i] for i in order], dim)
+
+
+def _run(step: TransformStep, pieces: dict) -> dict:
+    """Every rank's piece after ``step``: the collectives' definitions, on the ranks' pieces."""
+    m = [d.name for d in STAGE].index(step.mesh_dim)
+    n = STAGE[m].size
+    out = {}
+    for coord, x in pieces.items():
+        group = [pieces[c] for c in _group(coord, m)]
+        own = coord[m]
+        if step.kind == "all_gather":
+            out[coord] = torch.cat(group, step.dims[0])
+        elif step.kind == "all_reduce":
+            out[coord] = sum(group)
+        elif step.kind == "reduce_scatter":
+            out[coord] = sum(group).chunk(n, step.dims[0])[own]
+        elif step.kind == "local_chunk":
+            out[coord] = x.chunk(n, step.dims[0])[own]
+        elif step.kind == "all_to_all":
+            split_dim, cat_dim = step.dims
+            out[coord] = torch.cat([g.chunk(n, split_dim)[own] for g in group], cat_dim)
+        elif step.kind == "grad_all_reduce":
+            out[coord] = x
+        else:
+            out[coord] = _permuted(x, step.dims[0], n, step.kind == "balanced_order")
+    return out
+
+
+@pytest.mark.parametrize("src_cp", PLACEMENTS + [P])
+@pytest.mark.parametrize("src_tp", PLACEMENTS + [P])
+def test_every_plan_delivers_the_destination(src_cp, src_tp):
+    """Every (src, dst) of plain placements on cp2 x tp2, the steps run by their definitions on
+    each rank's piece: each rank ends with its cut of the value (Partial sources as random terms)."""
+    src = (src_cp, src_tp)
+    full = torch.arange(float(torch.Size(SHAPE).numel())).reshape(SHAPE)
+    partial = [m for m, p in enumerate(src) if isinstance(p, Partial)]
+    gen = torch.Generator().manual_seed(0)
+    noise = {c: torch.randn(SHAPE, generator=gen) for c in COORDS}
+    for dst in itertools.product(PLACEMENTS, PLACEMENTS):
+        pieces = {}
+        for c in COORDS:  # terms: the value split unevenly over the Partial mesh dims
+            terms = [k for k in COORDS if all(k[m] == c[m] for m in range(2) if m not in partial)]
+            share = full / len(terms) + noise[c] - sum(noise[k] for k in terms) / len(terms)
+            pieces[c] = _cut(share, src, c)
+        for step in transform_steps(src, dst, STAGE):
+            pieces = _run(step, pieces)
+        for c in COORDS:
+            torch.testing.assert_close(pieces[c], _cut(full, dst, c), msg=lambda s: f"{src} -> {dst} at {c}: {s}")
