@@ -14,6 +14,6 @@ from hgraph.lnk.transform import MeshDim, TransformStep, transform_steps
 
 __all__ = [
     "AllGather", "AllReduce", "AllToAll", "DEFAULT_TOPOLOGY", "LocalCopy", "MeshDim", "Piece", "ReduceScatter",
-    "RankPlan", "ReshardPlan", "Step", "Topology", "TransformStep", "Transfer", "assemble", "is_partial",
+    "RankPlan", "ReshardPlan", "Step", "Topology", "Transfer", "TransformStep", "assemble", "is_partial",
     "local_shards", "pieces_of", "solve", "solve_rank", "transform_steps",
 ]
