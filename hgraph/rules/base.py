@@ -10,7 +10,8 @@ node into the local program (rewritten shape arguments, a parallel op, or a cust
 On the ``cp`` mesh dim a ``Shard`` of the token dims means "this rank's subset of the tokens" (the
 load-balanced 2·cp chunk order, or the interleaving a flatten of sharded tokens gives), not a
 contiguous slice: it is consistent across tensors derived the same way, which is all token-wise ops
-and summed losses need, but it cannot be gathered back in order.
+and summed losses need; ``hgraph.lnk.transform`` gathers and cuts the load-balanced chunks in token
+order where a rule asks for another spec (not the flattened interleaving).
 
 Under expert parallelism the nodes of an expert body (marked ``meta[MESH_KEY] == EXPERT_MESH`` by
 ``hgraph.passes.experts``) see the stage's ranks as the expert mesh ``(ep, etp)``

@@ -16,7 +16,7 @@ local program on 4 ranks (threads, real collectives of ``hgraph.runtime.kernels.
   whole, exact gradient on every rank, a replicated parameter may receive a Partial one that Push
   Gradient sums) and compared with ``torch.autograd.grad`` of the op.
 
-A rule that refuses a spec with an ``HGraphError`` (localize refusing a cp gather included) is not
+A rule that refuses a spec with an ``HGraphError`` (localize refusing a layout change it has no plan for included) is not
 a failure: the spec is counted as refused. Any other exception is.
 """
 
