@@ -3,11 +3,11 @@
 Each node is emitted with its rule's local form (shape arguments cut to local sizes, parallel ops
 such as ``vocab_parallel_embedding`` / ``vocab_parallel_cross_entropy`` / ``packed_attention(cp=True)``,
 row-parallel bias after the reduction). Wherever a producer's spec differs from what a consumer's
-rule requires, a call to an ``hgraph.runtime.kernels.collectives`` op is inserted, one per (value, required
-spec), shared by every consumer that needs it; per mesh dim (tp first, then cp)::
-
-    P -> R  all_reduce        P -> S(d) reduce_scatter     S(d) -> R all_gather
-    R -> S(d) split           S(a) -> S(b) all_to_all
+rule requires, the steps of ``hgraph.lnk.transform_steps`` are emitted (its docstring has the
+algebra: one collective per mesh dim, tp first, with the local permutations of blocked shards and of
+cp's load-balanced token chunks), once per (value, required spec), shared by every consumer that
+needs it. Collectives are calls of ``hgraph.runtime.kernels.collectives`` ops, all emitted by
+``_Builder._kernel``.
 
 A replicated value consumed by an op that computes sharded gets a partial gradient from it; it is
 summed inside the program (``grad_all_reduce``, or ``all_gather(grad_partial=True)`` when the value
@@ -19,8 +19,9 @@ local input bytes per rank at the example shapes; direction: ``"backward"`` for 
 which moves nothing forward, else ``"forward"`` — every op also communicates its adjoint backward).
 A rule's label (``column-parallel``, ``vocab-parallel``...) is kept as ``meta["hgraph_note"]``. Local nodes keep the global node's metadata but
 not its fake value (``meta["val"]`` described global shapes); ``meta["hgraph_local_shape"]`` holds the
-local shape at the example sizes instead. The cp token order is load-balanced, so only P -> R is
-allowed on cp: any gather or split of cp-sharded tokens raises ``ShardingRuleError``.
+local shape at the example sizes instead. A cp-split value is gathered in token order (all-gather,
+then the load-balanced chunks put back) where a rule needs the whole sequence; rows merged from
+cp-split tokens (``S(d/k)`` on cp) cannot be, and are refused with ``ShardingRuleError``.
 
 Nodes of an expert body (``hgraph.passes.experts``) are emitted with the options of the expert mesh:
 their collectives name the ``"ep"``/``"etp"`` groups and their local shapes are cut by ``(ep, etp)``.
@@ -34,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import ShardingRuleError
-from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
-from hgraph.rules.base import CP, example_size, local_shape, LowerContext, module_of, op_name, SizeArg, Spec, spec_str, StridedShard, TP, with_placement
+from hgraph.core.errors import LayoutError, ShardingRuleError
+from hgraph.core.placement import Replicate, Shard
+from hgraph.lnk.transform import TransformStep, transform_steps
+from hgraph.rules.base import CP, example_size, local_shape, LowerContext, module_of, op_name, SizeArg, Spec, TP
 from hgraph.rules.mesh import ShardingOptions
 from hgraph.runtime.kernels.collectives import (
     all_gather,
@@ -67,6 +69,12 @@ def localize(gm: fx.GraphModule, ctx: "CompileContext") -> fx.GraphModule:
     builder.graph.lint()
     local = fx.GraphModule(gm, builder.graph, class_name=type(gm).__name__)
     return local
+
+
+_COLLECTIVES = {
+    "all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather,
+    "local_chunk": split, "all_to_all": all_to_all, "grad_all_reduce": grad_all_reduce,
+}
 
 
 def _global_shape(node: fx.Node) -> Optional[tuple[int, ...]]:
@@ -192,111 +200,87 @@ class _Builder(LowerContext):
         return local
 
     def _transitions(self, value: fx.Node, src: Spec, dst: Spec, fix: frozenset, tensor: str, like: fx.Node) -> fx.Node:
-        spec = src
-        for m in (TP, CP):
-            name = self.options.mesh_names[m]
-            s, t = spec[m], dst[m]
-            gathered_partial = False
-            if s != t and isinstance(s, InterleavedShard):  # gather in block order, then as from R
-                gathered_partial = m in fix and isinstance(t, Replicate)
-                gathered = with_placement(spec, m, Replicate())
-                value = self._comm(all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
-                value = self._reorder(value, s, self.options.degrees[m], to_blocks=True)
-                spec = with_placement(spec, m, Replicate())
-                s = spec[m]
-                value.meta["hgraph_spec"] = spec
-            if m == TP and s != t and isinstance(s, StridedShard):  # gather, then put the pieces in order
-                gathered_partial = m in fix and isinstance(t, Replicate)
-                gathered = with_placement(spec, m, Replicate())
-                value = self._comm(all_gather, (value, name, s.dim, gathered_partial), spec, gathered, tensor, like)
-                value = self._unstride(value, s, self.options.degrees[m], like)
-                spec = gathered
-                s = spec[m]
-                value.meta["hgraph_spec"] = spec
-            if m == TP and s != t and isinstance(t, StridedShard):  # whole first, then own strided pieces
-                if not isinstance(s, Replicate):
-                    value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
-                    spec = with_placement(spec, m, Replicate())
-                value = self._own_strided(value, t, name, like)
-                spec = with_placement(spec, m, t)
-                value.meta["hgraph_spec"] = spec
-                s = t
-            if s != t and isinstance(t, InterleavedShard):  # whole on every rank first, then own chunks
-                if not isinstance(s, Replicate):
-                    value = self._transitions(value, spec, with_placement(spec, m, Replicate()), frozenset(), tensor, like)
-                    spec = with_placement(spec, m, Replicate())
-                value = self._own_chunks(value, t, name)
-                spec = with_placement(spec, m, t)
-                value.meta["hgraph_spec"] = spec
-                s = t
-            if s != t:
-                if m == CP and self.options.expert_parallel:
-                    raise ShardingRuleError(
-                        f"{self._where()}: '{tensor}' would need {spec_str(src)} -> {spec_str(dst)} on ep; "
-                        "rows and weights split by expert can only be used where their experts are"
-                    )
-                if m == CP and not (isinstance(s, Partial) and isinstance(t, Replicate)):
-                    raise ShardingRuleError(
-                        f"{self._where()}: '{tensor}' would need {spec_str(src)} -> {spec_str(dst)} on cp; "
-                        "cp-split tokens are in load-balanced order and can only be summed (P -> R), not "
-                        "gathered, split or moved; this op needs the whole sequence on one rank"
-                    )
-                target = with_placement(spec, m, t)
-                if isinstance(s, Partial) and isinstance(t, Replicate):
-                    value = self._comm(all_reduce, (value, name), spec, target, tensor, like)
-                elif isinstance(s, Partial) and isinstance(t, Shard):
-                    value = self._comm(reduce_scatter, (value, name, t.dim), spec, target, tensor, like)
-                elif isinstance(s, Shard) and isinstance(t, Replicate):
-                    gathered_partial = m in fix
-                    value = self._comm(all_gather, (value, name, s.dim, gathered_partial), spec, target, tensor, like)
-                elif isinstance(s, Replicate) and isinstance(t, Shard):
-                    value = self._comm(split, (value, name, t.dim), spec, target, tensor, like)
-                elif isinstance(s, Shard) and isinstance(t, Shard):
-                    value = self._comm(all_to_all, (value, name, t.dim, s.dim), spec, target, tensor, like)
-                else:
-                    raise ShardingRuleError(
-                        f"{self._where()}: no communication turns '{tensor}' from {spec_str(spec)} into "
-                        f"{spec_str(target)} (a rule asked for a Partial input)"
-                    )
-                spec = target
-            if isinstance(t, Replicate) and m in fix and not gathered_partial:
-                value = self._comm(grad_all_reduce, (value, name), spec, spec, tensor, like)
+        """Emit the steps of ``hgraph.lnk.transform_steps`` (its docstring has the algebra)."""
+        try:
+            steps = transform_steps(src, dst, self.options.mesh_dims, fix)
+        except LayoutError as exc:
+            raise ShardingRuleError(f"{self._where()}: '{tensor}' {exc}") from exc
+        for step in steps:
+            value = self._step(value, step, tensor, like)
         return value
 
-    def _reorder(self, gathered: fx.Node, p: InterleavedShard, degree: int, to_blocks: bool) -> fx.Node:
+    def _step(self, value: fx.Node, step: TransformStep, tensor: str, like: fx.Node) -> fx.Node:
+        """One step: a collective (``_comm``) or a local reshuffle, whose result carries the spec."""
+        name, kind, dims = step.mesh_dim, step.kind, step.dims
+        if kind in _COLLECTIVES:
+            fn = _COLLECTIVES[kind]
+            args = (value, name, *dims) + ((step.grad_partial,) if fn is all_gather else ())
+            return self._comm(fn, args, step.src, step.dst, tensor, like)
+        degree = self.options.degrees[self.options.mesh_names.index(name)]
+        if kind == "block_order":
+            value = self._reorder(value, dims[0], dims[1], degree)
+        elif kind == "unstride":
+            value = self._unstride(value, dims[0], dims[1], degree, like)
+        elif kind == "own_strided":
+            value = self._own_strided(value, dims[0], dims[1], name, like)
+        elif kind == "own_blocks":
+            value = self._own_chunks(value, dims[0], dims[1], name)
+        else:
+            value = self._permute_chunks(value, dims[0], degree, to_balanced=kind == "balanced_order")
+        value.meta["hgraph_spec"] = step.dst
+        return value
+
+    def _reorder(self, gathered: fx.Node, dim: int, blocks: tuple[int, ...], degree: int) -> fx.Node:
         """Rank-major pieces ``[rank][block]`` of a gathered interleaved dim -> block order."""
-        local = [b // degree for b in p.blocks]
-        parts = self.graph.call_function(torch.ops.aten.split_with_sizes.default, (gathered, local * degree, p.dim))
+        local = [b // degree for b in blocks]
+        parts = self.graph.call_function(aten.split_with_sizes.default, (gathered, local * degree, dim))
         items = [self.graph.call_function(operator.getitem, (parts, i)) for i in range(len(local) * degree)]
         order = [items[r * len(local) + b] for b in range(len(local)) for r in range(degree)]
-        return self.graph.call_function(torch.ops.aten.cat.default, (order, p.dim))
+        return self.graph.call_function(aten.cat.default, (order, dim))
 
-    def _unstride(self, gathered: fx.Node, p: StridedShard, degree: int, like: fx.Node) -> fx.Node:
+    def _unstride(self, gathered: fx.Node, dim: int, split_factor: int, degree: int, like: fx.Node) -> fx.Node:
         """Rank-major pieces ``[rank][split_factor][rest/degree]`` of a gathered strided dim ->
         ``[split_factor][rest]`` (``rest`` is static: the example's size over the split factor)."""
-        rest = _global_shape(like)[p.dim] // p.split_factor
-        grouped = self.graph.call_function(torch.ops.aten.unflatten.int, (gathered, p.dim, [degree, -1, rest // degree]))
-        moved = self.graph.call_function(torch.ops.aten.transpose.int, (grouped, p.dim, p.dim + 1))
-        return self.graph.call_function(torch.ops.aten.flatten.using_ints, (moved, p.dim, p.dim + 2))
+        rest = _global_shape(like)[dim] // split_factor
+        grouped = self.graph.call_function(aten.unflatten.int, (gathered, dim, [degree, -1, rest // degree]))
+        moved = self.graph.call_function(aten.transpose.int, (grouped, dim, dim + 1))
+        return self.graph.call_function(aten.flatten.using_ints, (moved, dim, dim + 2))
 
-    def _own_strided(self, whole: fx.Node, p: StridedShard, name: str, like: fx.Node) -> fx.Node:
+    def _own_strided(self, whole: fx.Node, dim: int, split_factor: int, name: str, like: fx.Node) -> fx.Node:
         """This rank's cut of the ``rest`` part of every ``split_factor`` row (no communication)."""
-        rest = _global_shape(like)[p.dim] // p.split_factor
-        rows = self.graph.call_function(torch.ops.aten.unflatten.int, (whole, p.dim, [-1, rest]))
-        mine = self.graph.call_function(split, (rows, name, p.dim + 1))
-        return self.graph.call_function(torch.ops.aten.flatten.using_ints, (mine, p.dim, p.dim + 1))
+        rest = _global_shape(like)[dim] // split_factor
+        rows = self.graph.call_function(aten.unflatten.int, (whole, dim, [-1, rest]))
+        mine = self._kernel(split, (rows, name, dim + 1))
+        return self.graph.call_function(aten.flatten.using_ints, (mine, dim, dim + 1))
 
-    def _own_chunks(self, whole: fx.Node, p: InterleavedShard, name: str) -> fx.Node:
+    def _own_chunks(self, whole: fx.Node, dim: int, blocks: tuple[int, ...], name: str) -> fx.Node:
         """This rank's chunk of every block of a replicated value, concatenated (no communication)."""
-        blocks = self.graph.call_function(torch.ops.aten.split_with_sizes.default, (whole, list(p.blocks), p.dim))
+        parts = self.graph.call_function(aten.split_with_sizes.default, (whole, list(blocks), dim))
         mine = [
-            self.graph.call_function(split, (self.graph.call_function(operator.getitem, (blocks, i)), name, p.dim))
-            for i in range(len(p.blocks))
+            self._kernel(split, (self.graph.call_function(operator.getitem, (parts, i)), name, dim))
+            for i in range(len(blocks))
         ]
-        return self.graph.call_function(torch.ops.aten.cat.default, (mine, p.dim))
+        return self.graph.call_function(aten.cat.default, (mine, dim))
+
+    def _permute_chunks(self, value: fx.Node, dim: int, degree: int, to_balanced: bool) -> fx.Node:
+        """The ``2·degree`` chunks of ``dim`` from token order to the balanced rank-major order
+        ``c0, c(2n-1), c1, c(2n-2), ...`` (``to_balanced``) or back (no communication)."""
+        parts = self.graph.call_function(aten.chunk.default, (value, 2 * degree, dim))
+        items = [self.graph.call_function(operator.getitem, (parts, i)) for i in range(2 * degree)]
+        balanced = [c for r in range(degree) for c in (r, 2 * degree - 1 - r)]  # position -> token chunk
+        if to_balanced:
+            order = [items[c] for c in balanced]
+        else:
+            order = [items[balanced.index(c)] for c in range(2 * degree)]
+        return self.graph.call_function(aten.cat.default, (order, dim))
+
+    def _kernel(self, fn: Any, args: tuple, name: Optional[str] = None) -> fx.Node:
+        """The one place a call of a ``hgraph.runtime.kernels.collectives`` op is emitted."""
+        return self.graph.create_node("call_function", fn, args, {}, name=name)
 
     def _comm(self, fn: Any, args: tuple, src: Spec, dst: Spec, tensor: str, like: fx.Node) -> fx.Node:
-        node = self.graph.create_node("call_function", fn, args, {}, name=f"{fn.__name__}_{tensor}")
+        """A collective with its ``hgraph_comm`` record (see the module docstring)."""
+        node = self._kernel(fn, args, name=f"{fn.__name__}_{tensor}")
         shape = _global_shape(like)
         val = like.meta.get("val")
         itemsize = val.dtype.itemsize if isinstance(val, torch.Tensor) else 4

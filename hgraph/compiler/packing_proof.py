@@ -8,10 +8,11 @@ nothing carries information from one document to another: no op may mix tokens e
 1. **From the graph.** The sequence length may shape tensors but never enter one as a value
    (``x / seq_len``: packed, it is the row's length). Then the traced program is localized for
    context parallelism (``cp=2``): every data input cut into token chunks, every op given its
-   sharding rule. The rules accept cut tokens only where an op is token-local; a gather of cut
-   tokens is refused, and so is an op sized by the sequence (``arange`` over the row: positions that
-   do not restart), attention hgraph did not turn into ``packed_attention``, cumulative sums,
-   convolutions, recurrences. The program may then communicate over cp only to sum the loss. Such a
+   sharding rule. The rules accept cut tokens only where an op is token-local (elsewhere the
+   tokens are gathered over cp in order) and refuse an op sized by the sequence (``arange`` over the
+   row: positions that do not restart), attention hgraph did not turn into ``packed_attention``,
+   cumulative sums, convolutions, recurrences. The program may then communicate over cp only to sum
+   the loss. Such a
    program computes every token from its own inputs, its position id and its document's keys:
    packing is exact. (A model traced per shape is left to the probe.)
 2. **By probing**, where the graph cannot show it (mixture-of-experts routing sorts the tokens of a
@@ -51,6 +52,7 @@ from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
 from hgraph.program.products import PackingProof
 from hgraph.rules.mesh import ShardingOptions
+from hgraph.rules.base import module_of, op_name
 
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel
@@ -128,8 +130,24 @@ def graph_proof(traced: "TracedModel") -> Optional[str]:
             continue
         if set(node.users) <= {output}:  # summing the loss over the token chunks
             continue
-        return f"{info['op']} of '{info['tensor']}' over tokens (node '{node.name}'): it mixes every token of a micro-batch"
+        return (f"{info['op']} of '{info['tensor']}' over tokens (node '{node.name}'){_consumer(node)}: it mixes "
+                "every token of a micro-batch")
     return None
+
+
+def _consumer(comm: fx.Node) -> str:
+    """`` for <op> at node '<name>' in <module>``: the first op of the model that a communication
+    feeds (past the local reshuffles of its tokens), or ``""``."""
+    todo, seen = list(comm.users), set()
+    while todo:
+        user = todo.pop(0)
+        if user in seen:
+            continue
+        seen.add(user)
+        if "nn_module_stack" in user.meta and "hgraph_comm" not in user.meta:
+            return f" for {op_name(user.target)} at node '{user.name}'{module_of(user)}"
+        todo.extend(user.users)
+    return ""
 
 
 # ----------------------------------------------------------------------------- by probing

@@ -7,6 +7,8 @@
   gate, up) and *each block* is cut along the mesh dim: a rank holds its chunk of every block,
   concatenated in block order (Megatron's fused-QKV sharding; DTensor's ``_StridedShard`` for equal
   blocks).
+* ``StridedShard(d, k)`` dim ``d`` is ``[k, rest]`` flattened and only ``rest`` is cut (a flatten of a
+  cut inner dim, DTensor's ``_StridedShard``); a compiled program's placement, not a ``Layout``'s.
 
 Each prints in a short form (``S(0)``, ``S(0:8+4+4)``, ``R``, ``P``) that ``parse_placement`` reads back.
 """
@@ -71,6 +73,25 @@ class InterleavedShard(Shard):
 
     def __str__(self) -> str:
         return f"S({self.dim}:{'+'.join(map(str, self.blocks))})"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True)
+class StridedShard(Shard):
+    """A shard of a merged dim: the dim is ``[split_factor, rest]`` flattened and only ``rest`` is cut.
+
+    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives (or of ``[b, s, h]``
+    with heads cut on tp: Gated DeltaNet's per-head norm over ``[b·s·h, d]`` rows); unflattening it
+    back recovers ``Shard`` of the cut dim. ``hgraph.lnk.transform`` gathers it in order on a mesh dim
+    of contiguous chunks (all-gather, then the rank-major pieces moved back between the
+    ``split_factor`` rows).
+    """
+
+    split_factor: int = 1
+
+    def __str__(self) -> str:
+        return f"S({self.dim}/{self.split_factor})"
 
     __repr__ = __str__
 

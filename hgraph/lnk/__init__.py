@@ -1,4 +1,5 @@
-"""LNK: plan changes of layout (resharding) between any two layouts or unions.
+"""LNK: plan changes of layout (resharding) between any two layouts or unions (``solve``), and the
+in-stage redistribution of a compiled program's values (``transform_steps``).
 
 Pure planning: running a plan on ranks is the runtime's (``hgraph.runtime.kernels.reshard.execute``;
 ``hgraph.runtime.kernels.simulate.simulate`` runs one with every rank a thread).
@@ -9,9 +10,10 @@ from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, LocalCopy, ReduceSca
 from hgraph.lnk.rank_plan import RankPlan, solve_rank
 from hgraph.lnk.solver import solve
 from hgraph.lnk.topology import DEFAULT_TOPOLOGY, Topology
+from hgraph.lnk.transform import MeshDim, TransformStep, transform_steps
 
 __all__ = [
-    "AllGather", "AllReduce", "AllToAll", "DEFAULT_TOPOLOGY", "LocalCopy", "Piece", "ReduceScatter",
-    "RankPlan", "ReshardPlan", "Step", "Topology", "Transfer", "assemble", "is_partial", "local_shards", "pieces_of",
-    "solve", "solve_rank",
+    "AllGather", "AllReduce", "AllToAll", "DEFAULT_TOPOLOGY", "LocalCopy", "MeshDim", "Piece", "ReduceScatter",
+    "RankPlan", "ReshardPlan", "Step", "Topology", "Transfer", "TransformStep", "assemble", "is_partial",
+    "local_shards", "pieces_of", "solve", "solve_rank", "transform_steps",
 ]

@@ -10,7 +10,8 @@ node into the local program (rewritten shape arguments, a parallel op, or a cust
 On the ``cp`` mesh dim a ``Shard`` of the token dims means "this rank's subset of the tokens" (the
 load-balanced 2·cp chunk order, or the interleaving a flatten of sharded tokens gives), not a
 contiguous slice: it is consistent across tensors derived the same way, which is all token-wise ops
-and summed losses need, but it cannot be gathered back in order.
+and summed losses need; ``hgraph.lnk.transform`` gathers and cuts the load-balanced chunks in token
+order where a rule asks for another spec (not the flattened interleaving).
 
 Under expert parallelism the nodes of an expert body (marked ``meta[MESH_KEY] == EXPERT_MESH`` by
 ``hgraph.passes.experts``) see the stage's ranks as the expert mesh ``(ep, etp)``
@@ -29,30 +30,12 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard, StridedShard
 from hgraph.rules.mesh import ShardingOptions
 
 CP, TP = 0, 1
 R = Replicate()
 P = Partial()
-
-
-@dataclass(frozen=True)
-class StridedShard(Shard):
-    """A shard of a merged dim: the dim is ``[split_factor, rest]`` flattened and only ``rest`` is cut.
-
-    This is what ``flatten`` of ``[b, s]`` with ``s`` token-sharded on cp gives (or of ``[b, s, h]``
-    with heads cut on tp: Gated DeltaNet's per-head norm over ``[b·s·h, d]`` rows); unflattening it
-    back recovers ``Shard`` of the cut dim. ``localize`` gathers it on tp in order (all-gather, then
-    the rank-major pieces moved back between the ``split_factor`` rows); on cp it is never gathered.
-    """
-
-    split_factor: int = 1
-
-    def __str__(self) -> str:
-        return f"S({self.dim}/{self.split_factor})"
-
-    __repr__ = __str__
 
 
 Spec = tuple[Placement, Placement]

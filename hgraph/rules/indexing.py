@@ -4,9 +4,8 @@
 HuggingFace models use them on small replicated tensors (position ids when detecting packed
 sequences, ALiBi slopes, rotary tables, interleaved rotary frequencies), but a rule must be right for
 every spec. A dim the op reads across (``diff`` along its dim, tiling by ``repeat``, the dims an
-advanced index selects from) must be whole: on tp the input is gathered first; on cp, whose token
-shards are a load-balanced subset rather than a contiguous slice, the op is refused (gathering would
-not restore the order). Every other dim keeps its shard. ``repeat_interleave`` keeps a shard of its
+advanced index selects from) must be whole: on tp the input is gathered first; on cp the op is
+refused, naming it (every cp rank would hold and compute the whole sequence). Every other dim keeps its shard. ``repeat_interleave`` keeps a shard of its
 own dim (each element's copies stay next to it), and ``index.Tensor`` with a sharded index (a table
 looked up by cp-split position ids) is sharded like the index.
 """

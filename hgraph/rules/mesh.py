@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from hgraph.core.errors import ShardingRuleError
+from hgraph.lnk.transform import MeshDim
 
 MESH_DIMS = ("cp", "tp")
 MESH_KEY = "hgraph_mesh"  # node.meta key: which mesh a node's specs are on (absent: the stage mesh)
@@ -56,6 +57,13 @@ class ShardingOptions:
     @property
     def degrees(self) -> tuple[int, int]:
         return (self.cp, self.tp)
+
+    @property
+    def mesh_dims(self) -> tuple[MeshDim, MeshDim]:
+        """The mesh as ``hgraph.lnk.transform_steps`` plans on it: cp holds load-balanced token
+        chunks, ep (on the expert mesh) the rows of a rank's experts, tp and etp contiguous chunks."""
+        first = "fixed" if self.expert_parallel else "balanced"
+        return (MeshDim(self.mesh_names[0], self.cp, first), MeshDim(self.mesh_names[1], self.tp))
 
     @property
     def expert_parallel(self) -> bool:

@@ -20,8 +20,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.placement import InterleavedShard, Partial, Placement, Shard
-from hgraph.rules.base import CP, Decision, interleave_aware, P, R, RuleInput, shard_degrees, StridedShard, TP
+from hgraph.core.placement import InterleavedShard, Partial, Placement, Shard, StridedShard
+from hgraph.rules.base import CP, Decision, interleave_aware, P, R, RuleInput, shard_degrees, TP
 from hgraph.rules.mesh import MESH_DIMS
 from hgraph.rules.registry import register
 

@@ -281,12 +281,52 @@ class _SlicesTokens(nn.Module):
         self.embed = nn.Embedding(16, 4)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids)[:, :4].sum()
+        return self.embed(input_ids)[:, :6].sum()
 
 
-def test_gathering_cp_tokens_is_refused():
-    gm = torch.export.export(_SlicesTokens(), (torch.zeros(2, 8, dtype=torch.long),)).graph_module
-    options = ShardingOptions(cp=2)
-    annotated = annotate(gm, options)
-    with pytest.raises(ShardingRuleError, match=r"aten\.slice\.Tensor at node 'slice_1'.*load-balanced"):
-        localize(annotated, options)
+class _RollsTokens(nn.Module):
+    """Every token times its successor (the last wraps round): a roll written as a cat of slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        return (h * torch.cat([h[:, 1:], h[:, :1]], dim=1)).sum()
+
+
+def _check_against_module(module: nn.Module, cp: int, ids: torch.Tensor):
+    """Localize ``module`` for ``cp`` ranks and compare loss and embedding gradient with the module."""
+    gm = torch.export.export(module, (torch.zeros_like(ids),)).graph_module
+    options = ShardingOptions(cp=cp)
+    program = localize(annotate(gm, options), options)
+    values = {"p_embed_weight": module.embed.weight, "input_ids": ids}
+    losses, grads = run_program(program, (cp, 1), values, {"p_embed_weight"})
+    module.zero_grad()
+    ref = module(ids)
+    ref.backward()
+    assert_matches(losses, grads, ref.detach(), {"p_embed_weight": module.embed.weight.grad})
+    return program
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_slicing_cp_split_tokens_gathers_them_in_token_order(cp):
+    """The case refused on 4af1a81 ("cp-split tokens ... can only be summed"): ``h[:, :6]`` of a
+    cp-split sequence needs the whole sequence; the planner gathers it on cp and puts the load-balanced
+    chunks back in token order; loss and gradient equal the unmodified module."""
+    ids = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    program = _check_against_module(_SlicesTokens(), cp, ids)
+    assert _comm_ops(program) == Counter({"all_gather": 1})
+    gather = next(n for n in program.graph.nodes if n.meta.get("hgraph_comm", {}).get("op") == "all_gather")
+    assert gather.args[1:] == ("cp", 1, False)
+    reordered = next(iter(gather.users))
+    assert reordered.target is torch.ops.aten.chunk.default and reordered.args[1:] == (2 * cp, 1)
+
+
+def test_cutting_a_replicated_sequence_on_cp_takes_the_load_balanced_chunks():
+    """R -> S(1) on cp (refused on 4af1a81): the rolled sequence, computed whole, is cut into each
+    rank's chunks r and 2·cp-1-r to meet the cp-split one; equal to the unmodified module."""
+    ids = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(1))
+    program = _check_against_module(_RollsTokens(), 2, ids)
+    assert _comm_ops(program) == Counter({"all_gather": 1, "split": 1, "all_reduce": 1})

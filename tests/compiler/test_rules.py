@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from hgraph.core.errors import ShardingRuleError
-from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.rules import lookup, register, registered_ops
-from hgraph.rules.base import RuleInput, StridedShard
+from hgraph.rules.base import RuleInput
 from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.shape import view_groups
 

@@ -11,7 +11,8 @@ from torch import nn
 
 import hgraph
 from hgraph.core.batch import next_token_targets
-from hgraph.rules.base import StridedShard, TP
+from hgraph.core.placement import StridedShard
+from hgraph.rules.base import TP
 
 HEADS, DIM, VOCAB = 4, 8, 32
 

@@ -4,7 +4,6 @@ expects: a family added to ``hgraph.models.zoo`` without a row, or a refusal the
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from hgraph.cli.zoo_check import STRATEGY_KINDS

@@ -16,7 +16,7 @@ local program on 4 ranks (threads, real collectives of ``hgraph.runtime.kernels.
   whole, exact gradient on every rank, a replicated parameter may receive a Partial one that Push
   Gradient sums) and compared with ``torch.autograd.grad`` of the op.
 
-A rule that refuses a spec with an ``HGraphError`` (localize refusing a cp gather included) is not
+A rule that refuses a spec with an ``HGraphError`` (localize refusing a layout change it has no plan for included) is not
 a failure: the spec is counted as refused. Any other exception is.
 """
 
@@ -33,11 +33,11 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.errors import HGraphError
-from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
+from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
-from hgraph.rules.base import CP, RuleInput, Spec, spec_str, StridedShard, TP
+from hgraph.rules.base import CP, RuleInput, Spec, spec_str, TP
 from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
 from hgraph.runtime.kernels.thread_comm import run_threads
