@@ -8,8 +8,9 @@ differ only in their ``m`` coordinate:
 * ``P -> R``        all_reduce;
 * ``S(i) -> S(j)``  all_to_all: member ``a`` sends ``src_box(a) & dst_box(b)`` to member ``b``.
 
-(``R -> S(d)`` needs no communication: the point-to-point plan is local copies.) The geometry is
-checked on the actual boxes (several mesh dims may cut the same tensor dim, and the torch.chunk rule
+(``R -> S(d)`` needs no communication: the point-to-point plan is local copies.) The same algebra,
+by mesh dim rather than by rank, plans the program every rank of a stage runs: ``hgraph.lnk.transform``.
+Here the geometry is checked on the actual boxes (several mesh dims may cut the same tensor dim, and the torch.chunk rule
 leaves uneven and empty chunks), and so are the partial terms: a member's destination term must be
 the sum of a set of source terms that no other destination term takes. The solver keeps a
 collective plan only when it moves exactly the lower-bound bytes (e.g. not a reduce_scatter whose result is also replicated elsewhere).
