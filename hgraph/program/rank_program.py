@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
+from torch import fx
 
 from hgraph.core.layer_names import layer_runs
 from hgraph.core.layout import Layout, Partial
@@ -16,6 +17,8 @@ from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, R
 from hgraph.schedule.actions import (
     Action,
     Kind,
+    ScheduleError,
+    forward_only,
     overlap_actions,
     pipeline_actions,
     pipeline_peers,
@@ -50,6 +53,8 @@ class RankProgram:
     activations: tuple[CommSubgraph, ...] = ()
     compute_dtype: Optional[torch.dtype] = None
     overlap: Optional[RankSchedule] = None  # under schedule="overlap"
+    # under schedule="overlap": the stage graph with use nodes (``hgraph.passes.schedule.overlap_graph``)
+    overlap_graph: Optional[fx.GraphModule] = None
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False  # pull/push one layer's parameters together (runtime/kernels/coalesce.py)
     pipeline_schedule: str = "1f1b"  # hgraph.schedule.actions.PIPELINE_SCHEDULES
@@ -78,9 +83,16 @@ class RankProgram:
         local = pipeline_actions(self.pipeline_schedule, self.pp, self.vpp, self.stage, num_micro_batches)
         return with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
 
-    def actions(self, num_micro_batches: int) -> list[Action]:
-        """The rank's whole iteration: the ``schedule="overlap"`` lowering (``overlap_actions``) when
-        ``overlap`` is set, else ``blocking_actions``."""
+    def actions(self, num_micro_batches: int, mode: str = "train") -> list[Action]:
+        """The rank's whole iteration. ``mode="train"``: the ``schedule="overlap"`` lowering
+        (``overlap_actions``) when ``overlap`` is set, else ``blocking_actions``. ``mode="eval"``
+        (held-out loss): every pull, then the forward lowering (``forward_only``: forwards and
+        activation transfers); no backward, push or optimizer step."""
+        if mode == "eval":
+            local = forward_only(self.pp, self.vpp, self.stage, num_micro_batches)
+            return self._pulls() + with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
+        if mode != "train":
+            raise ScheduleError(f"RankProgram.actions(mode={mode!r}); expected 'train' or 'eval'")
         if self.overlap is None:
             return self.blocking_actions(num_micro_batches)
         return overlap_actions(self.pipeline_actions(num_micro_batches), [pc.name for pc in self.pulls],
@@ -89,12 +101,15 @@ class RankProgram:
     def blocking_actions(self, num_micro_batches: int) -> list[Action]:
         """The rank's whole iteration under ``schedule="none"``: every pull (one layer's together
         under ``coalesce``), the pipeline schedule, every push, the optimizer step."""
-        pulls = [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]
         pushes = [b[0].name for b in layer_buckets(self.pushes, self.coalesce)]
-        out = [Action(k, group=g) for g in pulls for k in (Kind.PULL_START, Kind.PULL_WAIT)]
-        out += self.pipeline_actions(num_micro_batches)
+        out = self._pulls() + self.pipeline_actions(num_micro_batches)
         out += [Action(k, group=g) for g in pushes for k in (Kind.PUSH_START, Kind.PUSH_WAIT)]
         return out + [Action(Kind.OPTIMIZER)]
+
+    def _pulls(self) -> list[Action]:
+        """Every pull run to the end in layer order (one layer's together under ``coalesce``)."""
+        pulls = [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]
+        return [Action(k, group=g) for g in pulls for k in (Kind.PULL_START, Kind.PULL_WAIT)]
 
     @property
     def is_last_stage(self) -> bool:

@@ -20,7 +20,8 @@ in the backward. The dry run takes them in list order, right after that compute 
 
 Consecutive SEND/RECV actions form one batched exchange (posted together, then waited), which keeps
 the blocking schedules free of deadlocks with point-to-point backends. The pipeline lowerings here
-(``one_f_one_b``, ``zero_bubble_h1``, ``interleaved_1f1b``) are pure: their peers are *stage
+(``one_f_one_b``, ``zero_bubble_h1``, ``interleaved_1f1b``) and the evaluation lowering
+(``forward_only``: pulls and forwards, no backward) are pure: their peers are *stage
 indices*; ``with_peers`` maps them to ranks.
 """
 
@@ -249,6 +250,24 @@ def interleaved_1f1b(pp: int, vpp: int, stage: int, num_micro_batches: int) -> l
     for k in range(total - warmup, total):
         backward(k)
     return _batch_exchanges([a for a in b.out if a.mb < num_micro_batches])
+
+
+def forward_only(pp: int, vpp: int, stage: int, num_micro_batches: int) -> list[Action]:
+    """Evaluation: every forward of the iteration and its activation transfers, no backward. The
+    forwards run in the order of the training lowerings (``interleaved_1f1b``'s rounds of ``pp``
+    micro-batches, chunk by chunk, under ``vpp > 1``; micro-batch order otherwise), so a stage
+    never waits on an activation its peer computes later."""
+    if num_micro_batches < 0:
+        raise ScheduleError(f"the forward lowering needs a micro-batch count >= 0; got {num_micro_batches}")
+    b = _Builder(pp, vpp, stage)
+    padded = -(-num_micro_batches // pp) * pp
+    for rnd in range(0, padded, pp):
+        for chunk in range(vpp):
+            for mb in range(rnd, min(rnd + pp, num_micro_batches)):
+                b.comm(Kind.RECV_ACT, chunk, mb)
+                b.compute(Kind.FORWARD, chunk, mb)
+                b.comm(Kind.SEND_ACT, chunk, mb)
+    return _batch_exchanges(b.out)
 
 
 def _batch_exchanges(actions: list[Action]) -> list[Action]:
