@@ -70,9 +70,10 @@ def test_a_training_step_after_compile_makes_no_compiler_call(monkeypatch, sched
     losses = run_threads(train, 2)
     assert losses[0] == losses[1]
     assert calls == collections.Counter(), f"compiler calls during training: {dict(calls)}"
-    # the counters count: a rank compiled for rank 0 builds rank 1's program on first use
+    # the counters count: a compile for rank 0 alone (no dry run over every rank) builds rank 1's program
+    # on first use
     mine = hgraph.compile(make_model(), ["tp2"], example_inputs=torch.randint(0, 256, (1, 16)), schedule=schedule,
-                          rank=0)
+                          rank=0, verify=False)
     assert calls["Builder.program"] == 1  # rank 0's, at compile
     mine.program(0, 1)
     assert calls["Builder.program"] == 2
