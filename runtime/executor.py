@@ -10,9 +10,7 @@ pushed gradients are those of the global token-mean loss whatever the dispatch a
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -21,10 +19,9 @@ from hgraph.program.rank_program import RankProgram, layer_buckets
 from hgraph.runtime.kernels.comm import CommTag, Handle
 from hgraph.runtime.kernels.context import current
 from hgraph.runtime.kernels.failures import comm_step
-from hgraph.passes.schedule import overlap_graph
 from hgraph.runtime.kernels.reshard import execute, start
 from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
-from hgraph.schedule.actions import COMPUTE, P2P, Action, Kind, steps
+from hgraph.schedule.actions import COMPUTE, P2P, Action, Kind, ScheduleError, steps
 
 
 
@@ -43,10 +40,10 @@ def _label(kind: str, bucket: list[Any], plans: list[Any]) -> str:
 
 
 def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Run every Pull Parameter of ``program`` (as its action list does); returns the compute-layout
-    parameters this rank holds (leaves). For forward-only uses (evaluation, graph tracing)."""
-    executor = Executor(program, shards, [], 1.0)
-    executor.run([a for a in program.blocking_actions(0) if a.kind in (Kind.PULL_START, Kind.PULL_WAIT)])
+    """Run every Pull Parameter of ``program`` (its evaluation list of no micro-batch); returns the
+    compute-layout parameters this rank holds (leaves). For graph tracing."""
+    executor = Executor(program, shards, [], 1.0, forward_only=True)
+    executor.run(program.actions(0, mode="eval"))
     return executor.params
 
 
@@ -61,14 +58,16 @@ class Executor:
     soon as their bucket's gradients are final; finished transfers are reaped after every step.
     An exchange posts its sends and receives together and waits the receives. ``on_step(when,
     action)`` is called around every compute action (profiling); ``timeline`` records every step.
+    ``forward_only`` (evaluation, ``RankProgram.actions(m, mode="eval")`` under ``torch.no_grad``): each
+    forward's loss is summed as it comes and its activations are dropped once sent.
     """
 
     def __init__(
         self, program: RankProgram, shards: dict[str, torch.Tensor], micro_batches: Sequence[dict[str, torch.Tensor]],
-        loss_scale: float, timeline: Any = None, overlap: bool = False,
+        loss_scale: float, timeline: Any = None, overlap: bool = False, forward_only: bool = False,
     ) -> None:
         self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
-        self.overlap = overlap
+        self.overlap, self.forward_only = overlap, forward_only
         self.comm = current().comm
         self.device = shards_device(shards)
         self.states = [StageState(sg, loss_scale) for sg in program.chunks]
@@ -192,7 +191,7 @@ class Executor:
 
     def use(self, placeholder: str) -> torch.Tensor:
         """A parameter at its first use inside the forward: run the attached pull ops up to the last
-        one for it first (``overlap_graph`` calls this)."""
+        one for it first (the use nodes of ``program.overlap_graph`` call this)."""
         name = self.program.param_of_placeholder[placeholder]
         last = max((i for i, a in enumerate(self.inside) if a.at == name), default=-1)
         for a in self.take(last + 1):
@@ -251,12 +250,13 @@ class Executor:
             data = state.data_args(self.micro_batches[mb], mb)
             if not self.inside:
                 state.record(mb, sg.gm(*[self.params[program.param_of_placeholder[n]] for n in sg.params], *data))
-                return
-            _ACTIVE.executor = self  # the parameters are None here: the use nodes fill them in
-            try:
-                state.record(mb, _overlap_module(sg.gm, sg.params)(*([None] * len(sg.params)), *data))
-            finally:
-                _ACTIVE.executor = None
+            elif program.overlap_graph is None or a.chunk != 0:
+                raise ScheduleError(f"rank {program.rank}: {a} has attached pulls but no overlap graph "
+                                    "(only chunk 0 of a program compiled with schedule='overlap' has one)")
+            else:  # the parameters are None here: the use nodes fill them in through self.use
+                state.record(mb, program.overlap_graph(self.use, *([None] * len(sg.params)), *data))
+            if self.forward_only:
+                state.settle(mb)
 
         self._compute(a, run)
 
@@ -321,28 +321,14 @@ class Executor:
             received = states[a.chunk].received
             if a.kind is Kind.SEND_GRAD:
                 received.pop(a.mb)  # its gradients are gone to the previous stage
-            elif a.kind is Kind.RECV_ACT:
+            elif a.kind is Kind.SEND_ACT and self.forward_only:
+                states[a.chunk].outputs.pop(a.mb)  # no backward needs them
+            elif a.kind is Kind.RECV_ACT and not self.forward_only:
                 received[a.mb] = [b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]]
 
 
 _COMPUTE_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward_input",
                   Kind.BACKWARD_WEIGHT: "backward_weight"}
-
-
-_ACTIVE = threading.local()  # the executor whose forward runs an overlap graph (simulated ranks are threads)
-_OVERLAP_GRAPHS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule]" = weakref.WeakKeyDictionary()
-
-
-def _use_param(placeholder: str) -> torch.Tensor:
-    """Graph node of ``overlap_graph``: the parameter, its attached pull ops run at its first use."""
-    return _ACTIVE.executor.use(placeholder)
-
-
-def _overlap_module(gm: torch.fx.GraphModule, params: Sequence[str]) -> torch.fx.GraphModule:
-    """The stage graph with use nodes at each parameter's first use, built once per graph."""
-    if gm not in _OVERLAP_GRAPHS:
-        _OVERLAP_GRAPHS[gm] = overlap_graph(gm, params, _use_param)
-    return _OVERLAP_GRAPHS[gm]
 
 
 def run_iteration(
@@ -353,12 +339,21 @@ def run_iteration(
     on_step: Optional[Callable[[str, Action], None]] = None,
     timeline: Any = None,
 ) -> IterationOutput:
-    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches.
-
-    Under ``schedule="overlap"`` that is the overlap lowering, run overlapped, unless ``on_step``
-    asks for per-step hooks (profiling): those get the blocking list (``program.blocking_actions``).
-    ``timeline`` (a ``runtime.timeline.Timeline``) records intervals.
+    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches: under
+    ``schedule="overlap"`` the overlap lowering, run overlapped, whether or not ``on_step`` observes
+    the compute actions (profiling times the schedule training runs). ``timeline`` (a
+    ``runtime.timeline.Timeline``) records intervals.
     """
-    overlap = program.overlap is not None and on_step is None
-    actions = program.actions(len(micro_batches)) if overlap else program.blocking_actions(len(micro_batches))
+    actions = program.actions(len(micro_batches))
+    overlap = program.overlap is not None
     return Executor(program, shards, micro_batches, loss_scale, timeline, overlap).run(actions, on_step)
+
+
+def run_evaluation(program: RankProgram, shards: dict[str, torch.Tensor],
+                   micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
+    """This rank's summed token loss over ``micro_batches`` (0 on ranks that do not report it): the
+    evaluation list (``program.actions(m, mode="eval")``: pulls, forwards, activation transfers) run
+    under ``torch.no_grad``; parameters, gradients and optimizer untouched."""
+    with torch.no_grad():
+        executor = Executor(program, shards, micro_batches, 1.0, forward_only=True)
+        return executor.run(program.actions(len(micro_batches), mode="eval")).loss_sum

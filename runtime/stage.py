@@ -1,6 +1,6 @@
 """What one rank's iteration keeps per stage and sends between stages: the per-micro-batch
-``StageState``, the activation shape header, the ``IterationOutput``. Shared by the executor and the
-forward-only evaluation.
+``StageState``, the activation shape header, the ``IterationOutput``; read by the executor, whose
+evaluation runs keep no autograd state (``StageState.settle``).
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ class StageState:
             self.losses[mb] = outs[0]
             outs = outs[1:]
         self.outputs[mb] = outs
+
+    def settle(self, mb: int) -> None:
+        """Close a forward-only micro-batch: its loss summed now, its received activations dropped."""
+        if self.stage_graph.returns_loss:
+            self.loss_total += float(self.losses.pop(mb))
+        self.received.pop(mb, None)
 
     def _roots(self, mb: int) -> tuple[list[torch.Tensor], Optional[list[torch.Tensor]]]:
         """Where the backward of ``mb`` starts: the scaled loss, or the outputs and their received grads."""

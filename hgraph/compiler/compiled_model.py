@@ -1,73 +1,38 @@
 """``CompiledModel``: one explicit, inspectable program per strategy and rank (``hgraph.compile``,
 in ``entry.py``, checks the options, traces the model and builds one).
 
-Data flow (every stage a named point of ``hgraph.passes.pipeline``: passes transform graphs,
-steps compute products with the typed functions named; results cached; see docs/architecture.md)::
-
-    model --trace--> fx graph (forward + summed loss, params as inputs)
-      per stage mesh (cp, tp, ep): precision -> annotate -> localize              = local program
-      per (cp, tp, pp):         partition step (``partition``); per stage: recompute
-                                                                                 = stage programs
-      per strategy:             insert_comm step (``parameter_layouts``): Pull / Push layouts
-      per (strategy, rank):     the rank's part of each Pull / Push plan (LNK ``solve_rank``);
-                                RankProgram (hgraph.program.rank_program) = stage program + pulls + pushes
-                                + pipeline schedule; schedule step (``overlap_order``): its overlap order
-
-Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
-per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
-torchrun; ``None``: every rank) are built in ``compile`` too, any other rank's on first use, so a
-rank of a 1,024-rank job plans only its own transfers. Everything is cached, so switching strategies
-between iterations costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
-fixed layout of ``hgraph.core.zero`` and never moves.
+The compile walk is ``hgraph.compiler.build``: every product (local programs, stage programs,
+Pull / Push layouts and plans, rank programs with their schedule and overlap graph) computed once,
+in order, when the ``CompiledModel`` is made; this class looks them up, verifies, prints and
+simulates. The compiled ``rank``'s programs (default: the process's own under ``hgraph.launch`` /
+torchrun; ``None``: every rank) exist when ``compile`` returns, so a training step compiles
+nothing; any other rank's are built on first use, so a rank of a 1,024-rank job plans only its own
+transfers. Switching strategies between iterations costs nothing but the Pulls the new strategy
+needs. Optimizer state lives in the fixed layout of ``hgraph.core.zero`` and never moves.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import gc
 import time
-import warnings
-from dataclasses import replace
-from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from hgraph.compiler.compile_cache import CacheWarning, CompileCache, cache_directory, plan_key
-from hgraph.compiler.overlap_order import overlap_order
+from hgraph.compiler.build import Builder, build, gc_paused
 from hgraph.compiler.packing_proof import check_rows, prove_packing
-from hgraph.compiler.parameter_plans import (
-    PlanInputs,
-    itemsizes,
-    optimizer_layouts,
-    parameter_layouts,
-    parameter_specs,
-    plan_inputs,
-    plan_parameters,
-)
-from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
+from hgraph.compiler.show import explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
-from hgraph.core.degrees import Degrees
-from hgraph.core.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
+from hgraph.core.errors import InputError, PackingError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
 from hgraph.frontend.meta import is_meta_model
-from hgraph.passes.experts import find_expert_blocks, route_experts
-from hgraph.passes.annotate import annotate
 from hgraph.passes.backward import JointGraphs, rank_joint
-from hgraph.passes.localize import localize
-from hgraph.passes.partition import partition
-from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
-from hgraph.passes.precision import autocast
-from hgraph.passes.recompute import recompute
+from hgraph.passes.pipeline import PassRecord
 from hgraph.program.options import CompileOptions
-from hgraph.program.plan_codec import decode_plans, encode_plans
-from hgraph.program.context import CompileContext
 from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, ParameterLayouts, StageGraph
 from hgraph.program.rank_program import RankProgram
 from hgraph.runtime.thread_oracle import simulate_strategy
@@ -75,23 +40,6 @@ from hgraph.runtime.thread_oracle import simulate_strategy
 StrategyLike = Union[int, Strategy]
 COMPILE_LOCK = CAPTURE_LOCK  # one capture at a time per process, shared with per-shape re-traces
 VERIFY_WORLD = 64  # default: the compile-time dry run checks every rank up to this world size
-
-
-def _annotate_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Specs of every value; under expert parallelism each MoE layer's tokens are first routed
-    through dispatch and combine (``hgraph.passes.experts``), whose specs annotate then decides."""
-    return annotate(route_experts(gm, ctx), ctx)
-
-
-def _precision_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    return autocast(gm, ctx)
-
-
-def _recompute_pass(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    return gm if ctx.recompute is None or ctx.recompute.mode == "none" else recompute(gm, ctx)
-
-
-BUILTIN_PASSES = {"annotate": _annotate_pass, "localize": localize, "precision": _precision_pass, "recompute": _recompute_pass}
 
 
 class CompiledModel:
@@ -120,46 +68,13 @@ class CompiledModel:
             raise StrategyError(f"compile(rank={rank!r}): expected None or a rank in 0..{self.world_size - 1}")
         self.rank = rank
         self.verify = self.world_size <= VERIFY_WORLD if verify is None else bool(verify)
-        self.pass_history: list[PassRecord] = []
-        user = checked_user_passes(user_passes)
-        off = checked_disabled(disabled, user)
-        self._passes = {level: PassManager.for_level(level, {n: BUILTIN_PASSES[n] for n in names if n in BUILTIN_PASSES},
-                                                     user, off)
-                        for level, names in LEVELS}
-        self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
-        self._local: dict[tuple[int, int, int], fx.GraphModule] = {}  # (cp, tp, ep)
-        self._stages: dict[Degrees, list[StageGraph]] = {}  # Pipeline.degrees
-        self._plan_inputs: dict[int, PlanInputs] = {}
-        self._param_layouts: dict[int, dict[str, ParameterLayouts]] = {}
-        self._param_comm: dict[tuple[int, int], dict[str, ParameterComm]] = {}
-        self._programs: dict[tuple[int, int], RankProgram] = {}
-        self._joints: dict[tuple[int, int, int], JointGraphs] = {}
         start = time.perf_counter()
-        keys = list(dict.fromkeys(p.program_key for s in strategies for p in s.pipelines))
-        with gc_paused():  # builds every stage mesh's local program
-            mesh_specs = [self._specs(key, "hgraph_param_spec") for key in keys]
-        # with an ep strategy among them, expert weights are cut along their expert dim (ep Pulls read
-        # whole experts); without one, tp-sharded experts keep the cut that matches theirs
-        experts = self.expert_weights() if any(p.ep > 1 for s in strategies for p in s.pipelines) else set()
-        self.optimizer_layouts: dict[str, Layout] = optimizer_layouts(self.param_shapes, self.world_size, mesh_specs,
-                                                                      experts)
-        own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
-        cache = self._cache(cache_directory(cache_dir), own, trust_shared_cache)
-        self.cache_hit = False
-        if cache is not None:
-            with gc_paused():  # decoding builds many small objects, as planning does
-                stored = cache.load(decode_plans)
-            problem = None if stored is None else self._misfit(stored, own)
-            if stored is not None and problem is None:
-                self._param_comm.update(stored)
-                self.cache_hit = True
-            elif stored is not None:
-                warnings.warn(f"compile cache entry {cache.path} ignored and rebuilt: {problem}", CacheWarning, stacklevel=3)
-        for i, r in own:
-            self.parameter_comm(i, r)
-        if cache is not None and not self.cache_hit:
-            with gc_paused():
-                cache.store(encode_plans({key: self._param_comm[key] for key in own}))
+        self._builder = Builder(traced, strategies, options, user_passes, disabled)
+        self.param_shapes = self._builder.param_shapes
+        self._products = build(self._builder, rank, cache_dir, trust_shared_cache)
+        self.optimizer_layouts: dict[str, Layout] = self._products.optimizer_layouts
+        self.cache_hit = self._products.cache_hit
+        self._joints: dict[tuple[int, int, int], JointGraphs] = {}
         if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
             for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
                 self.check_actions(i, [2 * p.pp for p in s.pipelines])
@@ -175,17 +90,17 @@ class CompiledModel:
         self.compile_seconds = time.perf_counter() - start
 
     # ------------------------------------------------------------------ verification (verify.py)
-    def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
-        """Dry-run the action lists (``RankProgram.actions``) of every rank of ``strategy`` with
+    def check_actions(self, strategy: StrategyLike, micro_batches: Sequence[int], mode: str = "train") -> None:
+        """Dry-run the action lists (``RankProgram.actions(m, mode)``) of every rank of ``strategy`` with
         ``micro_batches[p]`` micro-batches on pipeline ``p`` (``hgraph.schedule.replay.dry_run``); raises
         ``ScheduleError`` naming rank, action and peer on a deadlock or a mismatched order."""
-        check_actions(self, self.strategy_index(strategy), micro_batches)
+        check_actions(self, self.strategy_index(strategy), micro_batches, mode)
 
     def check_overlap(self, strategy: StrategyLike, micro_batches: Sequence[int]) -> None:
         """Dry-run the overlap schedules of every rank of ``strategy`` with ``micro_batches[p]``
         micro-batches on pipeline ``p``; raises ``ScheduleError`` on a mismatched order or a hang.
-        Builds every rank's program, so it runs only when compiled with ``verify`` (default: world
-        size <= ``VERIFY_WORLD``); ``verify_overlap`` runs it regardless."""
+        Reads every rank's program, so it runs only when compiled with ``verify`` (default: world
+        size <= ``VERIFY_WORLD``; compile then builds them all); ``verify_overlap`` runs it regardless."""
         if self.verify:
             self.verify_overlap(strategy, micro_batches)
 
@@ -197,155 +112,43 @@ class CompiledModel:
             self.check_actions(index, micro_batches)  # the programs' actions are the overlap lowering
             self._overlap_checked.add(key)
 
-    # ------------------------------------------------------------------ building
-    def _context(self, **kw: Any) -> CompileContext:
-        return CompileContext(self.traced, self.world_size, self.options, **kw)
+    # ------------------------------------------------------------------ products (hgraph.compiler.build)
+    @property
+    def pass_history(self) -> list[PassRecord]:
+        """Every pass and step the compile ran, in order (``hgraph.passes.pipeline.PassRecord``)."""
+        return self._builder.pass_history
 
     def local_program(self, cp: int, tp: int, ep: int = 1) -> fx.GraphModule:
         """The local (per-rank) program of a ``cp x tp`` stage mesh (its MoE experts split ``ep``
-        ways), before pipeline cuts."""
+        ways), before pipeline cuts (built now for a mesh no compiled strategy has)."""
         key = (cp, tp, ep)
-        if key not in self._local:
-            gm = copy.deepcopy(self.traced.graph_module)
-            scope = f"cp{cp},tp{tp}" + (f",ep{ep}" if ep > 1 else "")
-            try:
-                self._local[key], records = self._passes["mesh"].run(gm, self._context(cp=cp, tp=tp, ep=ep), scope)
-            except ShardingRuleError as exc:
-                raise self._router_error(exc, scope) if ep > 1 else exc
-            self.pass_history += records
-        return self._local[key]
-
-    def _router_error(self, exc: ShardingRuleError, scope: str) -> HGraphError:
-        """A rule that refused a node of an MoE layer under expert parallelism: the layer's router
-        cannot run on this rank's share of the tokens (``StrategyError``); any other error as it was."""
-        blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
-        layer = next((b.layer for b in blocks if b.layer and f"module '{b.layer}" in str(exc)), None)
-        if layer is None:
-            return exc
-        error = StrategyError(
-            f"{scope}: the router of MoE layer '{layer}' cannot be split by token, which expert parallelism "
-            f"needs (each rank routes its own tokens): {exc}. Use ep=1 for this strategy, or a strategy without "
-            "the split it refuses (e.g. no cp)"
-        )
-        error.__cause__ = exc
-        return error
+        if key not in self._products.local:
+            with gc_paused():
+                self._products.local[key] = self._builder.local_program(key)
+        return self._products.local[key]
 
     def stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
-        """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``."""
+        """The pipeline's ``pp * vpp`` (virtual) stage programs; physical stage ``s`` runs ``s, s + pp, ...``
+        (built now for a pipeline shape no compiled strategy has)."""
         key = pipeline.degrees
-        if key not in self._stages:
+        if key not in self._products.stages:
+            gm = self.local_program(*pipeline.program_key)
             with gc_paused():
-                self._stages[key] = self._stage_graphs(pipeline)
-        return self._stages[key]
-
-    def _stage_graphs(self, pipeline: Pipeline) -> list[StageGraph]:
-        """``stage_graphs`` built: the partition step (with the pipeline-level passes), then the stage
-        passes on each stage."""
-        gm = self.local_program(*pipeline.program_key)
-        scope = (f"cp{pipeline.cp},tp{pipeline.tp}" + (f",ep{pipeline.ep}" if pipeline.ep > 1 else "")
-                 + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
-        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,
-                            recompute=self.options.recompute_for(pipeline))
-        params = set(self.traced.param_names)
-        cut, records = self._passes["pipeline"].around(
-            gm, ctx, scope,
-            lambda: tuple(partition(gm, pipeline.pp * pipeline.vpp, lambda n: n.name in params, self.options.layer_costs)),
-            lambda stages: replace(ctx, stages=stages))
-        stages = []
-        for sg in cut:
-            out, more = self._passes["stage"].run(sg.gm, replace(ctx, stages=cut, stage=sg), f"{scope} stage {sg.stage}")
-            stages.append(replace(sg, gm=out))
-            records += more
-        self.pass_history += records
-        return stages
+                self._products.stages[key] = self._builder.stage_graphs(pipeline, gm)
+        return self._products.stages[key]
 
     def expert_weights(self) -> set[str]:
         """Names of the parameters that hold one slice per routed expert (``[E, ...]``)."""
-        if not hasattr(self, "_expert_weights"):
-            blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
-            self._expert_weights = {self.traced.param_names[w.name] for b in blocks for w in b.weights}
-        return self._expert_weights
+        return self._builder.expert_weights
 
-    def _specs(self, program_key: tuple[int, int, int], key: str) -> dict[str, tuple]:
-        return parameter_specs(self.local_program(*program_key), self.traced.param_names, key)
-
-    def _param_meshes(self, program_key: tuple[int, int, int]) -> dict[str, tuple[int, int]]:
-        """The expert weights of that local program, each with the expert mesh ``(ep, etp)`` its
-        specs are on (every other parameter's are on the stage mesh)."""
-        gm = self.local_program(*program_key)
-        return {self.traced.param_names[n.name]: tuple(n.meta["hgraph_param_mesh"]) for n in gm.graph.nodes
-                if n.op == "placeholder" and n.name in self.traced.param_names and "hgraph_param_mesh" in n.meta}
-
-    def _cache(self, directory: Optional[str], own: list[tuple[int, int]], trust_shared: bool) -> Optional[CompileCache]:
-        """The cache entry of this compile's own plans, keyed by everything they are built from."""
-        if directory is None:
-            return None
-        compute = self.options.compute_dtype or torch.float32
-        inputs = (
-            own, torch.finfo(compute).bits, torch.finfo(self.options.reduce_dtype or compute).bits,
-            repr(self.options.topology), sorted(self.param_shapes.items()),
-            sorted((n, repr(lay)) for n, lay in self.optimizer_layouts.items()),
-            [(str(s), *(sorted(d.items()) for d in self._comm_inputs(i))) for i, s in enumerate(self.strategies)],
-        )
-        return CompileCache(directory, plan_key(inputs), trust_shared)
-
-    def _misfit(self, stored: dict[tuple[int, int], dict[str, ParameterComm]], own: list[tuple[int, int]]) -> Optional[str]:
-        """Why plans read from the cache are not this compile's (``None`` when they fit): other ranks,
-        other parameters or holders, or Pull / Push ends other than the optimizer layouts."""
-        if set(stored) != set(own):
-            return "it holds other ranks' plans"
-        for (index, _), comms in stored.items():
-            users = self._comm_inputs(index)[0]
-            if comms.keys() != users.keys():
-                return f"its parameters of strategy {self.strategies[index]} are not this model's"
-            for name, pc in comms.items():
-                home = self.optimizer_layouts[name]
-                if pc.holders != tuple(users[name]) or not pc.pull.src == pc.push.dst == home \
-                        or pc.pull.plan is None or pc.push.plan is None \
-                        or (pc.pull.plan.src, pc.pull.plan.dst, pc.push.plan.src, pc.push.plan.dst) \
-                        != (pc.pull.src, pc.pull.dst, pc.push.src, pc.push.dst):
-                    return f"its plans of {name} in strategy {self.strategies[index]} do not fit this model"
-        return None
-
-    def _comm_inputs(self, index: int) -> PlanInputs:
-        """Strategy ``index``'s ``plan_inputs`` (built once)."""
-        if index not in self._plan_inputs:
-            self._plan_inputs[index] = plan_inputs(self.strategies[index], self.stage_graphs, self._specs,
-                                                   self._param_meshes, self.traced.param_names)
-        return self._plan_inputs[index]
-
-    def _parameter_layouts(self, index: int) -> dict[str, ParameterLayouts]:
-        """Every parameter's optimizer, compute and gradient layouts in strategy ``index`` (shared by
-        its ranks): the insert_comm step, with the user passes at its level."""
-        if index not in self._param_layouts:
-            strategy = self.strategies[index]
-            ctx = self._context(strategy=strategy)
-            gm = self.local_program(*strategy.pipelines[0].program_key)
-            with gc_paused():
-                layouts, records = self._passes["strategy"].around(
-                    gm, ctx, f"strategy {strategy}",
-                    lambda: parameter_layouts(strategy, *self._comm_inputs(index)[:3], self.param_shapes,
-                                              self.optimizer_layouts, self._comm_inputs(index)[3]),
-                    lambda layouts: replace(ctx, parameter_layouts=MappingProxyType(layouts)))
-            self.pass_history += records
-            self._param_layouts[index] = layouts
-        return self._param_layouts[index]
+    def parameter_layouts(self, strategy: StrategyLike) -> dict[str, ParameterLayouts]:
+        """Every parameter's optimizer, compute and gradient layouts in ``strategy`` (the insert_comm step)."""
+        return self._products.layouts[self.strategy_index(strategy)]
 
     def parameter_comm(self, strategy: StrategyLike, rank: int) -> dict[str, ParameterComm]:
         """Pull / Push subgraphs of every parameter in ``strategy`` with ``rank``'s part of each plan
-        (built on first use; equal to the full plan's steps for that rank, ``hgraph.lnk.solve_rank``)."""
-        index = self.strategy_index(strategy)
-        key = (index, rank)
-        if key not in self._param_comm:
-            layouts = self._parameter_layouts(index)
-            start = time.perf_counter()
-            itemsize, push_itemsize = itemsizes(self.options)
-            with gc_paused():  # the plans' cached rules are long-lived: no full collection of the graphs meanwhile
-                self._param_comm[key] = plan_parameters(layouts, itemsize, self.options.topology, push_itemsize, rank)
-            self.pass_history.append(
-                PassRecord("plan", time.perf_counter() - start, 0, 0, f"strategy {self.strategies[index]} rank {rank}")
-            )
-        return self._param_comm[key]
+        (equal to the full plan's steps for that rank, ``hgraph.lnk.solve_rank``)."""
+        return self._builder.rank_comm(self._products, self.strategy_index(strategy), rank)
 
     def master_parameters(self) -> dict[str, torch.Tensor]:
         """Canonical FQN -> the user's model's parameter, where fp32 master shards start from. A model
@@ -375,54 +178,11 @@ class CompiledModel:
         )
 
     def program(self, strategy: StrategyLike, rank: int) -> RankProgram:
-        """The per-rank program: its stage's forward graph, pulls, pushes and schedule."""
+        """The per-rank program: its stage's forward graph, pulls, pushes and schedule (the compiled
+        rank's exist after compile; another rank's are built on first use)."""
         index = self.strategy_index(strategy)
-        key = (index, rank)
-        if key not in self._programs:
-            self._programs[key] = self._make_program(index, rank)
-        return self._programs[key]
-
-    def _make_program(self, index: int, rank: int) -> RankProgram:
-        s = self.strategies[index]
-        if not 0 <= rank < self.world_size:
-            raise StrategyError(f"rank {rank} out of range for world size {self.world_size}")
-        pi = s.pipeline_of(rank)
-        pipeline = s.pipelines[pi]
-        stage = pipeline.stage_of(rank)
-        stages = self.stage_graphs(pipeline)
-        comm = self.parameter_comm(index, rank)
-        pulls = tuple(comm[name] for name in self.traced.param_names.values() if name in comm)  # forward order
-        program = RankProgram(
-            strategy_index=index,
-            rank=rank,
-            pipeline=pi,
-            stage=stage,
-            pp=pipeline.pp,
-            groups=pipeline.groups_of(rank),
-            stage_graph=stages[stage],
-            chunk_graphs=tuple(stages[stage::pipeline.pp]),
-            vpp=pipeline.vpp,
-            param_of_placeholder=dict(self.traced.param_names),
-            pulls=pulls,
-            pushes=tuple(reversed(pulls)),
-            activations=tuple(activation_subgraphs(stages, s, pi)),
-            compute_dtype=self.options.compute_dtype,
-            reduce_dtype=self.options.reduce_dtype,
-            coalesce=self.options.coalesce,
-            pipeline_schedule=self.options.pipeline_schedule,
-        )
-        ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, ep=pipeline.ep, strategy=s, program=program)
-        program, records = self._passes["rank"].around(
-            program.stage_graph.gm, ctx, f"strategy {s} rank {rank}",
-            lambda: self._scheduled(program), lambda scheduled: replace(ctx, program=scheduled))
-        self.pass_history += records
-        return program
-
-    def _scheduled(self, program: RankProgram) -> RankProgram:
-        """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order)."""
-        if self.options.overlap is None:
-            return program
-        return replace(program, overlap=overlap_order(program, self.options.overlap))
+        found = self._products.programs.get((index, rank))
+        return found if found is not None else self._builder.rank_program(self._products, index, rank)
 
     # ------------------------------------------------------------------ inspection (show.py)
     def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:
@@ -499,17 +259,3 @@ def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options:
                     f"with padding, which needs packing proved exact; {proof}. Use strategies without cp"
                     + (" or sequence_parallel=False" if options.sequence_parallel else "")
                 )
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Cyclic garbage collection off for the block (restored after): tracing and planning allocate many
-    objects that outlive them, which would otherwise set off full collections over every graph built
-    so far (0.2-0.8 s each at 32 layers); what they leave is collected later as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

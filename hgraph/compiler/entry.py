@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hgraph.compiler.compiled_model import COMPILE_LOCK, CompiledModel, gc_paused
+from hgraph.compiler.build import gc_paused
+from hgraph.compiler.compiled_model import COMPILE_LOCK, CompiledModel
 from hgraph.core.errors import StrategyError, TraceError
 from hgraph.core.model_info import model_dims
 from hgraph.core.strategy import Pipeline, Strategy, as_strategies

@@ -22,7 +22,7 @@ rank's part) and are cached there by layout pair, so strategies that share a lay
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Collection, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,7 @@ from hgraph.core.degrees import Degrees
 from hgraph.core.errors import HGraphError
 from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
 from hgraph.core.placement import InterleavedShard
-from hgraph.core.strategy import Pipeline, Strategy
+from hgraph.core.strategy import Strategy
 from hgraph.core.zero import optimizer_layout
 from hgraph.lnk import solve, solve_rank
 from hgraph.program.options import CompileOptions
@@ -157,27 +157,24 @@ PlanInputs = tuple[dict[str, list[tuple[int, int]]], dict[ProgramKey, dict[str, 
 
 def plan_inputs(
     strategy: Strategy,
-    stage_graphs: Callable[[Pipeline], Sequence[StageGraph]],
-    specs: Callable[[ProgramKey, str], dict[str, tuple]],
-    param_meshes: Callable[[ProgramKey], dict[str, tuple[int, int]]],
+    stages: Mapping[Degrees, Sequence[StageGraph]],  # by Pipeline.degrees
+    specs: Mapping[ProgramKey, dict[str, tuple]],
+    grad_specs: Mapping[ProgramKey, dict[str, tuple]],
+    meshes: Mapping[ProgramKey, dict[str, tuple[int, int]]],
     param_names: dict[str, str],
 ) -> PlanInputs:
     """What ``strategy``'s Pull / Push layouts are built from: parameter users ``name -> [(pipeline,
-    stage)]``, per local program (``Pipeline.program_key``) compute and gradient placements
+    stage)]``, and of its local programs (``Pipeline.program_key``) the compute and gradient placements
     ``key -> {name: spec}`` and the expert meshes of its expert weights ``key -> {name: (ep, etp)}``.
-    ``stage_graphs(pipeline)``: its stage programs; ``specs(key, meta)``: ``parameter_specs`` there;
-    ``param_meshes(key)``: the expert weights' meshes there."""
+    Reads the compile's products: ``stages[p.degrees]`` (stage programs), ``specs[key]`` /
+    ``grad_specs[key]`` (``parameter_specs`` of each local program), ``meshes[key]`` (expert meshes)."""
     stages_of: dict[Degrees, dict[str, tuple[int, ...]]] = {}  # degrees -> name -> stages
-    compute, grads, meshes = {}, {}, {}
+    keys = list(dict.fromkeys(p.program_key for p in strategy.pipelines))
     for pipeline in strategy.pipelines:
-        key, scheme = pipeline.program_key, pipeline.degrees
-        if key not in compute:
-            compute[key] = specs(key, "hgraph_param_spec")
-            grads[key] = specs(key, "hgraph_grad_spec")
-            meshes[key] = param_meshes(key)
+        scheme = pipeline.degrees
         if scheme not in stages_of:  # data-parallel pipelines of one scheme share their stage programs
             held: dict[str, dict[int, None]] = {}
-            for sg in stage_graphs(pipeline):
+            for sg in stages[scheme]:
                 for ph in sg.params:  # the physical stage running this chunk
                     held.setdefault(param_names[ph], {})[sg.stage % pipeline.pp] = None
             stages_of[scheme] = {name: tuple(st) for name, st in held.items()}
@@ -190,7 +187,7 @@ def plan_inputs(
             at = dict(zip(stages_of, pattern))
             shared[pattern] = [(i, st) for i, scheme in enumerate(schemes) for st in at[scheme]]
         users[name] = shared[pattern]
-    return users, compute, grads, meshes
+    return users, {k: specs[k] for k in keys}, {k: grad_specs[k] for k in keys}, {k: meshes[k] for k in keys}
 
 
 def itemsizes(options: CompileOptions) -> tuple[int, int]:

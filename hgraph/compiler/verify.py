@@ -17,9 +17,10 @@ from hgraph.schedule.actions import Kind, wrapped_chunk
 from hgraph.schedule.replay import dry_run
 
 
-def check_actions(compiled: CompiledPrograms, index: int, micro_batches: Sequence[int]) -> None:
-    """Dry-run the action lists of every rank of strategy ``index`` with ``micro_batches[p]``
-    micro-batches on pipeline ``p``; raises ``ScheduleError`` on a deadlock or a mismatched order."""
+def check_actions(compiled: CompiledPrograms, index: int, micro_batches: Sequence[int], mode: str = "train") -> None:
+    """Dry-run the action lists (``RankProgram.actions(m, mode)``: ``"train"`` or ``"eval"``) of every
+    rank of strategy ``index`` with ``micro_batches[p]`` micro-batches on pipeline ``p``; raises
+    ``ScheduleError`` on a deadlock or a mismatched order."""
     programs = {r: compiled.program(index, r) for r in range(compiled.world_size)}
     bucket_ranks = {(r, pc.name): pc.pull.plan.ranks for r, p in programs.items() for pc in p.pulls}
     bucket_ranks.update({(r, pc.name): pc.push.plan.ranks for r, p in programs.items() for pc in p.pushes})
@@ -27,7 +28,7 @@ def check_actions(compiled: CompiledPrograms, index: int, micro_batches: Sequenc
             for kind, pcs in ((Kind.PULL_WAIT, p.pulls), (Kind.PUSH_WAIT, p.pushes))
             for pc in pcs for plan in [pc.pull.plan if kind is Kind.PULL_WAIT else pc.push.plan]}
     dry_run(
-        {r: p.actions(micro_batches[p.pipeline]) for r, p in programs.items()},
+        {r: p.actions(micro_batches[p.pipeline], mode) for r, p in programs.items()},
         members=lambda r, group: bucket_ranks[(r, group)],
         first=lambda r, c: programs[r].stage == 0 and c == 0,
         last=lambda r, c: programs[r].is_last_stage and c == programs[r].vpp - 1,

@@ -5,9 +5,10 @@ once (``hgraph.launch``); every rank compiles the model for the homogeneous stra
 (``world_size / (tp*pp*cp)`` replicas; under cp each rank gets its load-balanced chunks of every
 micro-batch, as in training, so ``--schemes tp1,cp2`` measures context parallelism itself, and
 ``--schemes tp2ep2`` expert parallelism: its all-to-alls and the load imbalance of the model's own
-router on the profiled tokens are in the measured ``T(l)``). Per scheme, each iteration is one ``run_iteration`` (Pull, 1F1B,
-Push) in which every pipeline runs one micro-batch per length (one sequence of ``l`` tokens each,
-in a seeded shuffled order that all ranks share): one warm-up iteration per scheme, then ``repeats``
+router on the profiled tokens are in the measured ``T(l)``). Per scheme, each iteration is one
+``run_iteration`` (the rank's action list ``RankProgram.actions``, the very list a training step
+runs: Pull, 1F1B, Push) in which every pipeline runs one micro-batch per length (one sequence of
+``l`` tokens each, in a seeded shuffled order that all ranks share): one warm-up iteration per scheme, then ``repeats``
 rounds of one timed iteration per scheme (rounds outermost, so that load from other programs on
 the machine falls on every scheme alike).
 
@@ -201,7 +202,7 @@ def _rank_main(
         inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]
     for key, program in programs.items():  # warm-up, counting saved bytes
         with rank_context(RankContext(rank, comm, program.groups)):
-            out["saved_bytes"][key] = _saved_bytes(program, shards, inputs[key])
+            out["saved_bytes"][key] = saved_bytes(program, shards, inputs[key])
         out["compute_ms"][key] = []
     # Repeats outermost: a burst of load from elsewhere on the machine hits every scheme alike.
     for repeat in range(repeats):
@@ -209,7 +210,7 @@ def _rank_main(
         random.Random(repeat).shuffle(order)  # the same order on every rank
         for key, program in programs.items():
             with rank_context(RankContext(rank, comm, program.groups)):
-                ms = _compute_ms(program, shards, [inputs[key][i] for i in order])
+                ms = compute_ms(program, shards, [inputs[key][i] for i in order])
             out["compute_ms"][key].append([ms[order.index(i)] for i in range(len(lengths))])
     out["total_s"] = time.perf_counter() - start
     return out
@@ -224,8 +225,9 @@ def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
     return local_micro_batches([packed], program.groups, rank, buffers)[0]
 
 
-def _compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
-    """One iteration; the milliseconds of the F and B steps of each micro-batch on this rank."""
+def compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
+    """One iteration (``run_iteration``: the rank's action list, the one training runs, overlap
+    included); the milliseconds of the F and B steps of each micro-batch on this rank."""
     from hgraph.runtime.executor import run_iteration
 
     ms = [0.0] * len(batches)
@@ -242,7 +244,7 @@ def _compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
     return ms
 
 
-def _saved_bytes(program: Any, shards: dict, batches: list) -> list[int]:
+def saved_bytes(program: Any, shards: dict, batches: list) -> list[int]:
     """One iteration; per micro-batch, the bytes of the distinct storages autograd saves for backward
     in its forward step (kept per micro-batch: a storage freed by one micro-batch's backward may be
     reused by a later one, but not within one forward)."""

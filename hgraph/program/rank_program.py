@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
+from torch import fx
 
 from hgraph.core.layer_names import layer_runs
 from hgraph.core.layout import Layout
@@ -14,8 +15,16 @@ from hgraph.core.placement import Partial
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.program.options import CompileOptions
 from hgraph.program.products import CommSubgraph, PackingProof, ParameterComm, StageGraph
-from hgraph.schedule.actions import Action, pipeline_peers, with_peers
-from hgraph.schedule.lowerings import PullPushOrder, blocking_order, lowering_name, pipeline_actions, place
+from hgraph.schedule.actions import Action, ScheduleError, pipeline_peers, with_peers
+from hgraph.schedule.lowerings import (
+    FORWARD,
+    LOWERINGS,
+    PullPushOrder,
+    blocking_order,
+    lowering_name,
+    pipeline_actions,
+    place,
+)
 
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel
@@ -45,6 +54,8 @@ class RankProgram:
     activations: tuple[CommSubgraph, ...] = ()
     compute_dtype: Optional[torch.dtype] = None
     overlap: Optional[PullPushOrder] = None  # under schedule="overlap" (hgraph.compiler.overlap_order)
+    # under schedule="overlap": the stage graph with use nodes (``hgraph.passes.schedule.overlap_graph``)
+    overlap_graph: Optional[fx.GraphModule] = None
     reduce_dtype: Optional[torch.dtype] = torch.float32
     coalesce: bool = False  # pull/push one layer's parameters together (runtime/kernels/coalesce.py)
     pipeline_schedule: str = "1f1b"  # hgraph.schedule.lowerings.PIPELINE_SCHEDULES
@@ -73,9 +84,17 @@ class RankProgram:
         local = pipeline_actions(self.pipeline_schedule, self.pp, self.vpp, self.stage, num_micro_batches)
         return with_peers(local, pipeline_peers(self.groups["pipeline"], self.pp, self.rank))
 
-    def actions(self, num_micro_batches: int) -> list[Action]:
-        """The rank's whole iteration: the pipeline actions with the ``overlap`` order placed around
-        them (``hgraph.schedule.lowerings.place``) when it is set, else ``blocking_actions``."""
+    def actions(self, num_micro_batches: int, mode: str = "train") -> list[Action]:
+        """The rank's whole iteration. ``mode="train"``: the pipeline actions with the ``overlap``
+        order placed around them (``hgraph.schedule.lowerings.place``) when it is set, else
+        ``blocking_actions``. ``mode="eval"`` (held-out loss): every pull, then the ``"forward"``
+        lowering (forwards and activation transfers); no backward, push or optimizer step."""
+        if mode == "eval":
+            local = LOWERINGS[FORWARD](self.pp, self.vpp, self.stage, num_micro_batches)
+            peers = pipeline_peers(self.groups["pipeline"], self.pp, self.rank)
+            return list(blocking_order(self._pulls(), ()).prelude) + with_peers(local, peers)
+        if mode != "train":
+            raise ScheduleError(f"RankProgram.actions(mode={mode!r}); expected 'train' or 'eval'")
         if self.overlap is None:
             return self.blocking_actions(num_micro_batches)
         return place(self.pipeline_actions(num_micro_batches), self.overlap)
@@ -83,9 +102,12 @@ class RankProgram:
     def blocking_actions(self, num_micro_batches: int) -> list[Action]:
         """The rank's whole iteration under ``schedule="none"``: every pull (one layer's together
         under ``coalesce``), the pipeline schedule, every push, the optimizer step."""
-        pulls = [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]
         pushes = [b[0].name for b in layer_buckets(self.pushes, self.coalesce)]
-        return place(self.pipeline_actions(num_micro_batches), blocking_order(pulls, pushes))
+        return place(self.pipeline_actions(num_micro_batches), blocking_order(self._pulls(), pushes))
+
+    def _pulls(self) -> list[str]:
+        """The pull groups in layer order (one layer's together under ``coalesce``)."""
+        return [b[0].name for b in layer_buckets(self.pulls, self.coalesce)]
 
     @property
     def is_last_stage(self) -> bool:

@@ -3,8 +3,8 @@ and pushes around them.
 
 A pipeline lowering (``Lowering``) is a pure function ``(pp, vpp, stage, num_micro_batches) -> list
 of Action`` (``hgraph.schedule.actions``) for one physical stage, peers as stage indices. ``LOWERINGS``
-is the one registry: ``"1f1b"``, ``"zb1p"`` and ``"interleaved"`` (what a pipeline with ``vpp > 1``
-runs, ``lowering_name``). ``PIPELINE_SCHEDULES`` are the names a user chooses
+is the one registry: ``"1f1b"``, ``"zb1p"``, ``"interleaved"`` (what a pipeline with ``vpp > 1``
+runs, ``lowering_name``) and ``"forward"`` (evaluation, ``RankProgram.actions(m, mode="eval")``). ``PIPELINE_SCHEDULES`` are the names a user chooses
 (``compile(pipeline_schedule=...)``, ``hgraph train``'s ``pipeline_schedule``), ``PLACEMENTS`` the
 ways pulls and pushes sit around the pipeline (``compile(schedule=...)``): ``"none"`` blocking
 (``blocking_order``), ``"overlap"`` the order ``hgraph.compiler.overlap_order`` emits. ``place`` puts a
@@ -21,6 +21,7 @@ from hgraph.schedule.actions import P2P, SENDS, Action, Kind, ScheduleError, ste
 
 Lowering = Callable[[int, int, int, int], list[Action]]  # (pp, vpp, stage, num_micro_batches) -> actions
 INTERLEAVED = "interleaved"
+FORWARD = "forward"  # evaluation: forwards and their activation transfers only
 
 
 class _Builder:
@@ -152,6 +153,24 @@ def interleaved_1f1b(pp: int, vpp: int, stage: int, num_micro_batches: int) -> l
     return _batch_exchanges([a for a in b.out if a.mb < num_micro_batches])
 
 
+def forward_only(pp: int, vpp: int, stage: int, num_micro_batches: int) -> list[Action]:
+    """Evaluation (``"forward"``): every forward of the iteration and its activation transfers, no
+    backward. The forwards run in the order of the training lowerings (``interleaved_1f1b``'s rounds
+    of ``pp`` micro-batches, chunk by chunk, under ``vpp > 1``; micro-batch order otherwise), so a
+    stage never waits on an activation its peer computes later."""
+    if num_micro_batches < 0:
+        raise ScheduleError(f"the forward lowering needs a micro-batch count >= 0; got {num_micro_batches}")
+    b = _Builder(pp, vpp, stage)
+    padded = -(-num_micro_batches // pp) * pp
+    for rnd in range(0, padded, pp):
+        for chunk in range(vpp):
+            for mb in range(rnd, min(rnd + pp, num_micro_batches)):
+                b.comm(Kind.RECV_ACT, chunk, mb)
+                b.compute(Kind.FORWARD, chunk, mb)
+                b.comm(Kind.SEND_ACT, chunk, mb)
+    return _batch_exchanges(b.out)
+
+
 def _batch_exchanges(actions: list[Action]) -> list[Action]:
     """Within each run of transfers, sends before receives, so a stage never waits for its own data."""
     out: list[Action] = []
@@ -160,7 +179,9 @@ def _batch_exchanges(actions: list[Action]) -> list[Action]:
     return out
 
 
-LOWERINGS: dict[str, Lowering] = {"1f1b": one_f_one_b, "zb1p": zero_bubble_h1, INTERLEAVED: interleaved_1f1b}
+LOWERINGS: dict[str, Lowering] = {
+    "1f1b": one_f_one_b, "zb1p": zero_bubble_h1, INTERLEAVED: interleaved_1f1b, FORWARD: forward_only,
+}
 PIPELINE_SCHEDULES = ("1f1b", "zb1p")  # the user's choice for vpp = 1 (the first is the default)
 PLACEMENTS = ("none", "overlap")  # compile(schedule=...): blocking pulls and pushes, or the overlap order
 

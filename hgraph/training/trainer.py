@@ -38,7 +38,7 @@ from hgraph.runtime import preemption
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
-from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.executor import run_evaluation, run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
@@ -239,10 +239,10 @@ class Trainer:
 
     def evaluate(self, batches: Optional[Sequence[Sequence[torch.Tensor]]],
                  strategy: Union[int, Any, None] = None) -> float:
-        """Token-mean loss over ``batches`` (held out: forward only, no gradients, parameters and
-        optimizer untouched), with any compiled strategy. Rank 0's ``batches`` count; other ranks
+        """Token-mean loss over ``batches`` (held out: the evaluation list of the rank's program, pulls
+        and forwards under ``torch.no_grad``; parameters and optimizer untouched), with any compiled
+        strategy, interleaved pipelines included. Rank 0's ``batches`` count; other ranks
         may pass ``None`` and receive only their pipeline's tokens."""
-        from hgraph.runtime.evaluate import forward_iteration
         from hgraph.runtime.feed import scatter_sequences, share_lengths
 
         todo = iter(batches or []) if self.rank == 0 else iter(())
@@ -255,7 +255,7 @@ class Trainer:
             mbs = self._local_micro_batches(d, scatter_sequences(self, d, lengths))
             program = self.compiled.program(d.strategy_index, self.rank)
             with rank_context(RankContext(self.rank, self.comm, program.groups)):
-                loss_sum += forward_iteration(program, self.optimizer.shards, mbs)
+                loss_sum += run_evaluation(program, self.optimizer.shards, mbs)
             tokens += sum(n - 1 for n in lengths)
         if tokens == 0:
             raise InputError("evaluate got no batch; give rank 0 at least one held-out batch")

@@ -48,7 +48,7 @@ def _expected(compiled, index: int) -> dict[str, tuple]:
 def test_layers_share_layouts_and_plans_equal_to_layouts_built_per_holder():
     compiled = _compile(rank=1)
     for index in range(len(STRATEGIES)):
-        layouts = compiled._parameter_layouts(index)
+        layouts = compiled.parameter_layouts(index)
         expected = _expected(compiled, index)
         assert set(layouts) == set(expected)
         for name, lay in layouts.items():

@@ -140,8 +140,8 @@ def test_compile_dry_runs_every_ranks_action_list_and_catches_a_swap(monkeypatch
     program = compiled.program(0, 3)
     original = type(program).actions
 
-    def swapped(self, m):  # rank 3 pulls its first two parameters in the other order
-        out = original(self, m)
+    def swapped(self, m, mode="train"):  # rank 3 pulls its first two parameters in the other order
+        out = original(self, m, mode)
         if self.rank == 3:
             out[0:2], out[2:4] = out[2:4], out[0:2]
         return out
