@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -325,8 +326,8 @@ class Executor:
                 received[a.mb] = [b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]]
 
 
-_COMPUTE_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward_input",
-                  Kind.BACKWARD_WEIGHT: "backward_weight"}
+_COMPUTE_NAMES = MappingProxyType({Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
+                                   Kind.BACKWARD_INPUT: "backward_input", Kind.BACKWARD_WEIGHT: "backward_weight"})
 
 
 _ACTIVE = threading.local()  # the executor whose forward runs an overlap graph (simulated ranks are threads)

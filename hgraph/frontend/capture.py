@@ -58,7 +58,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 # torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
 # simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
 CAPTURE_LOCK = threading.RLock()
-STATIC_REASONS: dict[int, str] = {}  # id(model) -> why its last capture fell back to static shapes
 
 
 def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -225,10 +224,10 @@ def trace(
     refuse_unsupported_mixers(model)
     materialize_buffers(model)  # a meta model's construction-time buffers (rotary tables), by its own scheme
     wrapper = _LossModule(model, loss_fn or default_loss)
-    graph, param_names, buffer_names, tied, is_dynamic = _capture(wrapper, inputs, dynamic)
+    graph, param_names, buffer_names, tied, is_dynamic, static_reason = _capture(wrapper, inputs, dynamic)
     shape = tuple(inputs[0].shape)
     traced = TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
-    traced.static_reason = "" if is_dynamic else STATIC_REASONS.pop(id(model), "")
+    traced.static_reason = static_reason
     return traced
 
 
@@ -304,16 +303,19 @@ def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, .
 # ----------------------------------------------------------------------------- capture
 def _capture(
     wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
-) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool, str]:
     """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes. Meta parameters
-    are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's."""
+    are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's.
+    Returns the graph, parameter, buffer and tied names, whether shapes are dynamic, and why not
+    (the failed dynamic capture's message; ``""`` when dynamic or when static shapes were asked for)."""
     with fake_parameters(wrapper.model):
         return _capture_model(wrapper, inputs, dynamic)
 
 
 def _capture_model(
     wrapper: _LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
-) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool, str]:
+    reason = ""
     if dynamic:
         program = None
         # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
@@ -327,7 +329,7 @@ def _capture_model(
             except TraceError as exc:
                 if not exc.shape_specialised:  # type: ignore[attr-defined]
                     raise
-                STATIC_REASONS[id(wrapper.model)] = str(exc)
+                reason = str(exc)
         dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
@@ -336,7 +338,7 @@ def _capture_model(
     buffers = dict(wrapper.model.named_buffers(remove_duplicate=False))
     example_args = [params[f] for f in param_names.values()] + [buffers[f] for f in buffer_names.values()]
     canonicalize(graph, example_args + list(inputs))
-    return graph, param_names, buffer_names, tied, dynamic
+    return graph, param_names, buffer_names, tied, dynamic, "" if dynamic else reason
 
 
 def _position_limit(model: nn.Module) -> int | None:

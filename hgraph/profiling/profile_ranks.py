@@ -166,10 +166,10 @@ def _rank_main(
 
     from hgraph.compiler.entry import compile as compile_model
     from hgraph.runtime.kernels.context import RankContext, rank_context
-    from hgraph.runtime.kernels.reshard import default_comm
+    from hgraph.runtime.kernels.comm import ProcessGroupComm
     from hgraph.core.strategy import homogeneous
 
-    comm = default_comm()
+    comm = ProcessGroupComm()
     rank = comm.rank
     torch.manual_seed(0)
     model = resolve_factory(factory)()

@@ -34,14 +34,14 @@ from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
-from hgraph.runtime.kernels.comm import Communicator
+from hgraph.runtime.kernels.comm import Communicator, ProcessGroupComm
 from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
-from hgraph.runtime.kernels.reshard import default_comm, execute
+from hgraph.runtime.kernels.reshard import execute
 from hgraph.runtime.timeline import Timeline, exposed_communication, gather_events
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Trainer:
         free the storage of the model's parameters (they become meta tensors), so no full copy stays
         in the process. See docs/big_models.md."""
         self.compiled = compiled
-        self.comm = comm if comm is not None else default_comm()
+        self.comm = comm if comm is not None else ProcessGroupComm()
         # Shards, micro-batches and every tensor handed to a collective live here (default: the
         # communicator's device, i.e. this rank's GPU under NCCL, else CPU).
         self.device = torch.device(device) if device is not None else self.comm.device

@@ -86,6 +86,8 @@ class Communicator:
     world_size: int
     # Where this communicator's tensors live: NCCL needs every tensor on the rank's GPU.
     device: torch.device = torch.device("cpu")
+    # Per plan, the calls this rank issues (``reshard.comm_steps``): the cache of the plans it runs.
+    plan_calls: dict
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Handle:
         raise NotImplementedError
@@ -189,6 +191,7 @@ class ThreadComm(Communicator):
         self.world = world
         self.rank = rank
         self.world_size = world.world_size
+        self.plan_calls: dict = {}
         self.calls: dict[Group, int] = defaultdict(int)
         self.received: dict[tuple[int, int], int] = defaultdict(int)  # receives started, per (source, tag)
 
@@ -356,6 +359,7 @@ class ProcessGroupComm(Communicator):
         self.dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.plan_calls: dict = {}
         self._groups: dict[Group, Any] = {}
         if dist.get_backend() == "nccl":
             self.device = torch.device("cuda", local_device_index(self.rank))

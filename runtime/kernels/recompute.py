@@ -33,12 +33,12 @@ from hgraph.runtime.kernels.collectives import active_context, entered
 
 MODES = ("none", "selective", "full")
 
-_MATMULS = {
+_MATMULS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
-}
+})
 
 
 def _is_communication(op: Any) -> bool:
