@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch
 
-from hgraph.runtime.kernels.context import current
+from hgraph.runtime.kernels.comm import Communicator
+from hgraph.runtime.kernels.context import RankContext
 from hgraph.schedule.actions import pipeline_peers
 from hgraph.core.errors import InputError
 from hgraph.program.rank_program import RankProgram
@@ -21,12 +22,13 @@ from hgraph.runtime.kernels.failures import comm_step
 
 
 def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
-                      micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
-    """This rank's summed token loss over ``micro_batches`` (0 on ranks that do not report it)."""
+                      micro_batches: Sequence[dict[str, torch.Tensor]], comm: Communicator) -> float:
+    """This rank's summed token loss over ``micro_batches`` (0 on ranks that do not report it), with
+    ``comm`` this rank's communicator."""
     if program.vpp > 1:
         raise InputError(f"evaluation of an interleaved pipeline (vpp={program.vpp}) is not supported yet; "
                          "evaluate under a strategy with vpp=1")
-    comm = current().comm
+    rank_context = RankContext(program.rank, comm, program.groups)
     sg = program.stage_graph
     device = shards_device(shards)
     peer = pipeline_peers(program.groups["pipeline"], program.pp, program.rank)
@@ -34,7 +36,7 @@ def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
     next_rank = peer(program.stage + 1) if program.stage < program.pp - 1 else None
     total = 0.0
     with torch.no_grad():
-        params = pull_parameters(program, shards)
+        params = pull_parameters(program, shards, comm)
         param_args = [params[program.param_of_placeholder[name]] for name in sg.params]
         for mb, batch in enumerate(micro_batches):
             received: list[torch.Tensor] = []
@@ -44,8 +46,9 @@ def forward_iteration(program: RankProgram, shards: dict[str, torch.Tensor],
                     comm.exchange([], headers)
                     received = [from_header(h) for _, h in headers]
                     comm.exchange([], [(prev_rank, b) for b in received])
-            outs = sg.gm(*param_args, *[batch[name] for name in sg.inputs], *received)
+            outs = sg.gm(*param_args, *[batch[name] for name in sg.inputs], *received, rank_context)
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            outs = outs[:len(outs) - sg.routing_outputs]
             if sg.returns_loss:
                 total += float(outs[0])
                 outs = outs[1:]

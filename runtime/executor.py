@@ -1,7 +1,8 @@
 """Run one rank's program for one iteration: its action list (``RankProgram.actions``), either schedule.
 
 The same code runs on real processes (``ProcessGroupComm``) and on simulated ranks
-(``ThreadComm`` in ``compiled.simulate``): all communication goes through the rank context.
+(``ThreadComm`` in ``compiled.simulate``): all communication goes through the communicator it is
+given, which the stage programs receive in their ``RankContext`` argument.
 
 Loss scaling: a stage program returns the *summed* token loss of its micro-batch; every backward
 starts from ``loss * loss_scale`` with ``loss_scale = 1 / tokens of the whole iteration``, so the
@@ -19,8 +20,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hgraph.program.rank_program import RankProgram, layer_buckets
-from hgraph.runtime.kernels.comm import CommTag, Handle
-from hgraph.runtime.kernels.context import current
+from hgraph.runtime.kernels.comm import CommTag, Communicator, Handle
+from hgraph.runtime.kernels.context import RankContext
 from hgraph.runtime.kernels.failures import comm_step
 from hgraph.passes.schedule import overlap_graph
 from hgraph.runtime.kernels.reshard import execute, start
@@ -43,10 +44,10 @@ def _label(kind: str, bucket: list[Any], plans: list[Any]) -> str:
     return f"{kind} {names} (ranks {ranks})"
 
 
-def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor], comm: Communicator) -> dict[str, torch.Tensor]:
     """Run every Pull Parameter of ``program`` (as its action list does); returns the compute-layout
     parameters this rank holds (leaves). For forward-only uses (evaluation, graph tracing)."""
-    executor = Executor(program, shards, [], 1.0)
+    executor = Executor(program, shards, [], 1.0, comm=comm)
     executor.run([a for a in program.blocking_actions(0) if a.kind in (Kind.PULL_START, Kind.PULL_WAIT)])
     return executor.params
 
@@ -62,15 +63,19 @@ class Executor:
     soon as their bucket's gradients are final; finished transfers are reaped after every step.
     An exchange posts its sends and receives together and waits the receives. ``on_step(when,
     action)`` is called around every compute action (profiling); ``timeline`` records every step.
+    ``comm`` is this rank's communicator; the stage programs get ``rank_context`` (the rank, ``comm`` and
+    the program's groups) as their last argument, and their routing counts are collected in ``routing``.
     """
 
     def __init__(
         self, program: RankProgram, shards: dict[str, torch.Tensor], micro_batches: Sequence[dict[str, torch.Tensor]],
-        loss_scale: float, timeline: Any = None, overlap: bool = False,
+        loss_scale: float, timeline: Any = None, overlap: bool = False, *, comm: Communicator,
     ) -> None:
         self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
         self.overlap = overlap
-        self.comm = current().comm
+        self.comm = comm
+        self.rank_context = RankContext(program.rank, comm, program.groups)
+        self.routing: list[torch.Tensor] = []
         self.device = shards_device(shards)
         self.states = [StageState(sg, loss_scale) for sg in program.chunks]
         self.params: dict[str, torch.Tensor] = {}
@@ -130,7 +135,7 @@ class Executor:
         self.drain_sends()
         reported = sum(st.loss_total for st in self.states) if self.program.reports_loss else 0.0
         pushed = {pc.name: self.grad_shards[pc.name] for pc in self.program.pushes if pc.name in self.grad_shards}
-        return IterationOutput(reported, pushed, len(self.micro_batches))
+        return IterationOutput(reported, pushed, len(self.micro_batches), self.routing)
 
     def do(self, a: Action) -> None:
         getattr(self, a.kind.name.lower())(a)
@@ -249,13 +254,14 @@ class Executor:
         sg = state.stage_graph
 
         def run(mb: int) -> None:
-            data = state.data_args(self.micro_batches[mb], mb)
+            data = [*state.data_args(self.micro_batches[mb], mb), self.rank_context]
             if not self.inside:
-                state.record(mb, sg.gm(*[self.params[program.param_of_placeholder[n]] for n in sg.params], *data))
+                params = [self.params[program.param_of_placeholder[n]] for n in sg.params]
+                self.routing += state.record(mb, sg.gm(*params, *data))
                 return
             _ACTIVE.executor = self  # the parameters are None here: the use nodes fill them in
             try:
-                state.record(mb, _overlap_module(sg.gm, sg.params)(*([None] * len(sg.params)), *data))
+                self.routing += state.record(mb, _overlap_module(sg.gm, sg.params)(*([None] * len(sg.params)), *data))
             finally:
                 _ACTIVE.executor = None
 
@@ -353,8 +359,11 @@ def run_iteration(
     loss_scale: float,
     on_step: Optional[Callable[[str, Action], None]] = None,
     timeline: Any = None,
+    *,
+    comm: Communicator,
 ) -> IterationOutput:
-    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches.
+    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches, with ``comm``
+    this rank's communicator.
 
     Under ``schedule="overlap"`` that is the overlap lowering, run overlapped, unless ``on_step``
     asks for per-step hooks (profiling): those get the blocking list (``program.blocking_actions``).
@@ -362,4 +371,4 @@ def run_iteration(
     """
     overlap = program.overlap is not None and on_step is None
     actions = program.actions(len(micro_batches)) if overlap else program.blocking_actions(len(micro_batches))
-    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap).run(actions, on_step)
+    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap, comm=comm).run(actions, on_step)

@@ -63,6 +63,7 @@ from hgraph.passes.localize import localize
 from hgraph.passes.partition import partition
 from hgraph.passes.pipeline import LEVELS, PassManager, PassRecord, checked_disabled, checked_user_passes
 from hgraph.passes.precision import autocast
+from hgraph.passes.bind_rank import bind_rank, route_counts
 from hgraph.passes.recompute import recompute
 from hgraph.program.options import CompileOptions
 from hgraph.program.plan_codec import decode_plans, encode_plans
@@ -253,7 +254,7 @@ class CompiledModel:
         stages = []
         for sg in cut:
             out, more = self._passes["stage"].run(sg.gm, replace(ctx, stages=cut, stage=sg), f"{scope} stage {sg.stage}")
-            stages.append(replace(sg, gm=out))
+            stages.append(replace(sg, gm=bind_rank(out), routing_outputs=route_counts(out)))
             records += more
         self.pass_history += records
         return stages

@@ -35,7 +35,6 @@ from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.comm import Communicator, ProcessGroupComm
-from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
@@ -253,8 +252,7 @@ class Trainer:
             d = self.dispatch(lengths, strategy)
             mbs = self._local_micro_batches(d, scatter_sequences(self, d, lengths))
             program = self.compiled.program(d.strategy_index, self.rank)
-            with rank_context(RankContext(self.rank, self.comm, program.groups)):
-                loss_sum += forward_iteration(program, self.optimizer.shards, mbs)
+            loss_sum += forward_iteration(program, self.optimizer.shards, mbs, self.comm)
             tokens += sum(n - 1 for n in lengths)
         if tokens == 0:
             raise InputError("evaluate got no batch; give rank 0 at least one held-out batch")
@@ -319,10 +317,8 @@ class Trainer:
         if timeline is not None:
             timeline.iteration = self.iteration
             first_event = len(timeline.events)
-        routing: Optional[list] = [] if "ep" in program.groups else None
-        with rank_context(RankContext(self.rank, self.comm, program.groups, routing)):
-            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline)
-        routed = self._routing_statistics(program, routing)
+        out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline, comm=self.comm)
+        routed = self._routing_statistics(program, out.routing if "ep" in program.groups else None)
         # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
         # communication per rank] (each rank fills its own slots; -1: not measured)
         n = len(self.world)
