@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch.fx as fx
 
 from hgraph.runtime.kernels import collectives, expert_dispatch, packed_attention, vocab_parallel
+from hgraph.runtime.kernels.context import INPUT
 from hgraph.runtime.kernels.recompute import RecomputedRegion
 
-PLACEHOLDER = "rank_context"
 RANK_KERNELS = frozenset({
     collectives.all_reduce, collectives.reduce_scatter, collectives.all_gather, collectives.split,
     collectives.all_to_all, collectives.grad_all_reduce, collectives.all_reduce_max,
@@ -34,17 +34,17 @@ def bind_rank(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` (changed in place) taking the ``RankContext`` as its last argument (module docstring)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    if any(n.name == PLACEHOLDER for n in placeholders):
+    if any(n.name == INPUT for n in placeholders):
         return gm
     if placeholders:
         with gm.graph.inserting_after(placeholders[-1]):
-            rank = gm.graph.placeholder(PLACEHOLDER)
+            rank = gm.graph.placeholder(INPUT)
     else:
         with gm.graph.inserting_before(nodes[0]):
-            rank = gm.graph.placeholder(PLACEHOLDER)
+            rank = gm.graph.placeholder(INPUT)
     for node in nodes:
         if node.op == "call_function" and node.target in RANK_KERNELS:
-            node.kwargs = {**node.kwargs, "rank_context": rank}
+            node.kwargs = {**node.kwargs, "rank_context": rank}  # the kernels' keyword
         elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), RecomputedRegion):
             bind_rank(gm.get_submodule(node.target).body)
             node.args = (*node.args, rank)

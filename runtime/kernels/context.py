@@ -20,6 +20,9 @@ from hgraph.core.errors import CommunicationError
 from hgraph.runtime.kernels.comm import Communicator, Group
 
 
+INPUT = "rank_context"  # the name of a bound program's last placeholder
+
+
 @dataclass(frozen=True, eq=False)
 class RankContext(OpaqueBase):
     """Who is running: global rank, communicator, and this rank's group per mesh dim name."""

@@ -30,6 +30,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from hgraph.runtime.kernels.context import INPUT
+
 MODES = ("none", "selective", "full")
 
 _MATMULS = frozenset({
@@ -89,7 +91,7 @@ class RecomputedRegion(nn.Module):
             kept.append(f"{sum('linear' in t or t.startswith(('mm', 'addmm', 'bmm', 'matmul')) for t in names)} "
                         "matmul outputs")
             kept.append(f"{sum('attention' in t for t in names)} attention outputs")
-        inputs = sum(1 for n in self.body.graph.nodes if n.op == "placeholder")
+        inputs = sum(1 for n in self.body.graph.nodes if n.op == "placeholder" and n.name != INPUT)
         return f"{len(nodes)} ops, keeps its {inputs} inputs" + "".join(f", {k}" for k in kept)
 
     def extra_repr(self) -> str:
