@@ -114,6 +114,7 @@ class TracedModel:
         tied: dict[str, str],
         dynamic: bool,
         example_shape: tuple[int, int],
+        static_reason: str = "",
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -122,7 +123,7 @@ class TracedModel:
         self.tied = tied
         self.dynamic = dynamic
         self.input_names = INPUT_NAMES
-        self.static_reason = ""
+        self.static_reason = static_reason
         self._graphs: dict[tuple[int, int] | None, fx.GraphModule] = {
             None if dynamic else example_shape: graph_module
         }
@@ -226,9 +227,8 @@ def trace(
     wrapper = _LossModule(model, loss_fn or default_loss)
     graph, param_names, buffer_names, tied, is_dynamic, static_reason = _capture(wrapper, inputs, dynamic)
     shape = tuple(inputs[0].shape)
-    traced = TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
-    traced.static_reason = static_reason
-    return traced
+    return TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape,
+                       static_reason)
 
 
 # ----------------------------------------------------------------------------- inputs

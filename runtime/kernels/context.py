@@ -19,7 +19,6 @@ from torch._opaque_base import OpaqueBase
 from hgraph.core.errors import CommunicationError
 from hgraph.runtime.kernels.comm import Communicator, Group
 
-
 INPUT = "rank_context"  # the name of a bound program's last placeholder
 
 
