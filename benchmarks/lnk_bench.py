@@ -109,9 +109,10 @@ def _rank_main(sizes: list[int], reps: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from hgraph.runtime.kernels.reshard import default_comm, execute
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
+    from hgraph.runtime.kernels.reshard import execute
 
-    comm = default_comm()
+    comm = ProcessGroupComm()
     rank = dist.get_rank()
     mesh = DeviceMesh("cpu", list(WORLD))
     to_dt = {"R": Replicate(), "P": Partial()}
@@ -121,7 +122,7 @@ def _rank_main(sizes: list[int], reps: int) -> dict:
         for name, src, dst, dtensor_factor in same_group_cases(n):
             plan = solve(src, dst, itemsize=4)
             local = local_shards(src, value)[rank]
-            ours = execute(plan, local)
+            ours = execute(plan, local, comm)
             sp = src.placements[0]
             dp = dst.placements[0]
             src_pl = to_dt.get(str(sp), Shard(getattr(sp, "dim", 0)))
@@ -131,7 +132,7 @@ def _rank_main(sizes: list[int], reps: int) -> dict:
             )
             theirs = dt.redistribute(mesh, [dst_pl]).to_local()
             ours_s, theirs_s = _timed_pair(
-                lambda: execute(plan, local), lambda: dt.redistribute(mesh, [dst_pl]).to_local(), reps
+                lambda: execute(plan, local, comm), lambda: dt.redistribute(mesh, [dst_pl]).to_local(), reps
             )
             row = {
                 "transition": name, "shape": [n, n],
@@ -147,10 +148,10 @@ def _rank_main(sizes: list[int], reps: int) -> dict:
             shards = local_shards(src, value)
             local = shards.get(rank)
             sources, naive_elems = naive_plan(src, dst)
-            ours = execute(plan, local, dtype=torch.float32)
+            ours = execute(plan, local, comm, dtype=torch.float32)
             theirs = naive_execute(src, dst, sources, local, comm)
             ours_s, theirs_s = _timed_pair(
-                lambda: execute(plan, local, dtype=torch.float32),
+                lambda: execute(plan, local, comm, dtype=torch.float32),
                 lambda: naive_execute(src, dst, sources, local, comm),
                 reps,
             )

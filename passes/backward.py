@@ -14,9 +14,10 @@ the forward collectives and their adjoints appear as ``hgraph.*`` nodes (an all_
 is the identity leaves none; a grad_all_reduce shows up as an all_reduce in the backward). Each one
 gets ``meta["hgraph_comm"]`` (kind ``communicate_activation``, direction ``forward``/``backward``).
 
-Tracing needs the group *sizes* of the rank (fake collectives compute shapes from them): call it
-inside ``rank_context`` (``CompiledModel.backward_program`` does). Values that depend on the rank's
-*index* (vocab-parallel row ranges) are baked in for that rank: the graphs are per rank.
+Tracing needs the group *sizes* of the rank (fake collectives compute shapes from them): the example
+arguments of a bound stage program end with the rank's ``RankContext`` (``rank_joint`` passes one
+whose communicator is None: nothing is sent). Values that depend on the rank's *index* (vocab-parallel
+row ranges) are baked in for that rank: the graphs are per rank.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from hgraph.core.batch import local_micro_batches
 from hgraph.core.errors import CommunicationError, TraceError
 from hgraph.program.rank_program import CompiledPrograms
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.context import RankContext
 
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "split", "all_to_all", "all_reduce_max",
             "expert_dispatch", "expert_scatter", "expert_combine", "token_chunk", "token_gather")
@@ -96,7 +97,7 @@ def trace_joint(stage_gm: fx.GraphModule, example_args: Sequence[Any]) -> JointG
     except CommunicationError as e:
         raise TraceError(
             f"tracing the backward needs the rank's groups (collective shapes depend on their sizes): "
-            f"call it inside hgraph.runtime.kernels.context.rank_context ({e})"
+            f"pass the rank's hgraph.runtime.kernels.context.RankContext as the last example argument ({e})"
         ) from e
     tangent_outputs = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
     with mode:
@@ -161,20 +162,21 @@ def rank_joint(compiled: CompiledPrograms, index: int, rank: int, seq_len: int =
     mode = FakeTensorMode()
     received: list = []
     # Nothing is sent while tracing: the context only gives the group sizes and this rank's index.
-    with rank_context(RankContext(rank, None, program.groups)):
-        for sg in stages[: program.stage + 1]:
-            placeholders = {n.name: n for n in sg.gm.graph.nodes if n.op == "placeholder"}
-            with mode:
-                params = [
-                    torch.empty(placeholders[p].meta["hgraph_local_shape"], dtype=dtype).requires_grad_(True)
-                    for p in sg.params
-                ]
-            args = [*params, *(mode.from_tensor(batch[name]) for name in sg.inputs), *received]
-            if sg.stage == program.stage:
-                return trace_joint(sg.gm, args)
-            with mode, torch.no_grad():
-                outs = _flat(sg.gm(*args))[1 if sg.returns_loss else 0 :]
-                received = [o.detach().requires_grad_(o.is_floating_point()) for o in outs]
+    rank_context = RankContext(rank, None, program.groups)
+    for sg in stages[: program.stage + 1]:
+        placeholders = {n.name: n for n in sg.gm.graph.nodes if n.op == "placeholder"}
+        with mode:
+            params = [
+                torch.empty(placeholders[p].meta["hgraph_local_shape"], dtype=dtype).requires_grad_(True)
+                for p in sg.params
+            ]
+        args = [*params, *(mode.from_tensor(batch[name]) for name in sg.inputs), *received, rank_context]
+        if sg.stage == program.stage:
+            return trace_joint(sg.gm, args)
+        with mode, torch.no_grad():
+            outs = _flat(sg.gm(*args))
+            outs = outs[1 if sg.returns_loss else 0 : len(outs) - sg.routing_outputs]
+            received = [o.detach().requires_grad_(o.is_floating_point()) for o in outs]
     raise TraceError(f"rank {rank} runs stage {program.stage}, which pipeline {pipeline} does not have")
 
 

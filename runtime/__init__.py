@@ -1,6 +1,7 @@
 """hgraph.runtime: executes compiled programs and reshard plans on real or simulated ranks.
 
-``execute(plan, local)`` runs a ``hgraph.lnk.ReshardPlan`` on the calling rank; ``launch`` spawns
+``execute(plan, local, comm)`` runs a ``hgraph.lnk.ReshardPlan`` on the calling rank (``comm``: a
+``hgraph.runtime.kernels.comm.ProcessGroupComm`` in launched processes); ``launch`` spawns
 local ranks; ``Trainer`` (also ``hgraph.Trainer``) trains a compiled model.
 """
 

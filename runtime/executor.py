@@ -1,7 +1,8 @@
 """Run one rank's program for one iteration: its action list (``RankProgram.actions``), either schedule.
 
 The same code runs on real processes (``ProcessGroupComm``) and on simulated ranks
-(``ThreadComm`` in ``compiled.simulate``): all communication goes through the rank context.
+(``ThreadComm`` in ``compiled.simulate``): all communication goes through the communicator it is
+given, which the stage programs receive in their ``RankContext`` argument.
 
 Loss scaling: a stage program returns the *summed* token loss of its micro-batch; every backward
 starts from ``loss * loss_scale`` with ``loss_scale = 1 / tokens of the whole iteration``, so the
@@ -11,13 +12,14 @@ pushed gradients are those of the global token-mean loss whatever the dispatch a
 from __future__ import annotations
 
 import time
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from hgraph.program.rank_program import RankProgram, layer_buckets
-from hgraph.runtime.kernels.comm import CommTag, Handle
-from hgraph.runtime.kernels.context import current
+from hgraph.runtime.kernels.comm import CommTag, Communicator, Handle
+from hgraph.runtime.kernels.context import RankContext
 from hgraph.runtime.kernels.failures import comm_step
 from hgraph.runtime.kernels.reshard import execute, start
 from hgraph.runtime.stage import HEADER, IterationOutput, StageState, from_header, send_header, shards_device
@@ -39,10 +41,10 @@ def _label(kind: str, bucket: list[Any], plans: list[Any]) -> str:
     return f"{kind} {names} (ranks {ranks})"
 
 
-def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pull_parameters(program: RankProgram, shards: dict[str, torch.Tensor], comm: Communicator) -> dict[str, torch.Tensor]:
     """Run every Pull Parameter of ``program`` (its evaluation list of no micro-batch); returns the
     compute-layout parameters this rank holds (leaves). For graph tracing."""
-    executor = Executor(program, shards, [], 1.0, forward_only=True)
+    executor = Executor(program, shards, [], 1.0, forward_only=True, comm=comm)
     executor.run(program.actions(0, mode="eval"))
     return executor.params
 
@@ -60,15 +62,20 @@ class Executor:
     action)`` is called around every compute action (profiling); ``timeline`` records every step.
     ``forward_only`` (evaluation, ``RankProgram.actions(m, mode="eval")`` under ``torch.no_grad``): each
     forward's loss is summed as it comes and its activations are dropped once sent.
+    ``comm`` is this rank's communicator; the stage programs get ``rank_context`` (the rank, ``comm`` and
+    the program's groups) as their last argument, and their routing counts are collected in ``routing``.
     """
 
     def __init__(
         self, program: RankProgram, shards: dict[str, torch.Tensor], micro_batches: Sequence[dict[str, torch.Tensor]],
-        loss_scale: float, timeline: Any = None, overlap: bool = False, forward_only: bool = False,
+        loss_scale: float, timeline: Any = None, overlap: bool = False, forward_only: bool = False, *,
+        comm: Communicator,
     ) -> None:
         self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
         self.overlap, self.forward_only = overlap, forward_only
-        self.comm = current().comm
+        self.comm = comm
+        self.rank_context = RankContext(program.rank, comm, program.groups)
+        self.routing: list[torch.Tensor] = []
         self.device = shards_device(shards)
         self.states = [StageState(sg, loss_scale) for sg in program.chunks]
         self.params: dict[str, torch.Tensor] = {}
@@ -128,7 +135,7 @@ class Executor:
         self.drain_sends()
         reported = sum(st.loss_total for st in self.states) if self.program.reports_loss else 0.0
         pushed = {pc.name: self.grad_shards[pc.name] for pc in self.program.pushes if pc.name in self.grad_shards}
-        return IterationOutput(reported, pushed, len(self.micro_batches))
+        return IterationOutput(reported, pushed, len(self.micro_batches), self.routing)
 
     def do(self, a: Action) -> None:
         getattr(self, a.kind.name.lower())(a)
@@ -247,14 +254,15 @@ class Executor:
         sg = state.stage_graph
 
         def run(mb: int) -> None:
-            data = state.data_args(self.micro_batches[mb], mb)
+            data = [*state.data_args(self.micro_batches[mb], mb), self.rank_context]
             if not self.inside:
-                state.record(mb, sg.gm(*[self.params[program.param_of_placeholder[n]] for n in sg.params], *data))
+                params = [self.params[program.param_of_placeholder[n]] for n in sg.params]
+                self.routing += state.record(mb, sg.gm(*params, *data))
             elif program.overlap_graph is None or a.chunk != 0:
                 raise ScheduleError(f"rank {program.rank}: {a} has attached pulls but no overlap graph "
                                     "(only chunk 0 of a program compiled with schedule='overlap' has one)")
             else:  # the parameters are None here: the use nodes fill them in through self.use
-                state.record(mb, program.overlap_graph(self.use, *([None] * len(sg.params)), *data))
+                self.routing += state.record(mb, program.overlap_graph(self.use, *([None] * len(sg.params)), *data))
             if self.forward_only:
                 state.settle(mb)
 
@@ -327,8 +335,8 @@ class Executor:
                 received[a.mb] = [b.requires_grad_(True) if b.is_floating_point() else b for b in received[a.mb]]
 
 
-_COMPUTE_NAMES = {Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "backward_input",
-                  Kind.BACKWARD_WEIGHT: "backward_weight"}
+_COMPUTE_NAMES = MappingProxyType({Kind.FORWARD: "forward", Kind.BACKWARD: "backward",
+                                   Kind.BACKWARD_INPUT: "backward_input", Kind.BACKWARD_WEIGHT: "backward_weight"})
 
 
 def run_iteration(
@@ -338,22 +346,24 @@ def run_iteration(
     loss_scale: float,
     on_step: Optional[Callable[[str, Action], None]] = None,
     timeline: Any = None,
+    *,
+    comm: Communicator,
 ) -> IterationOutput:
-    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches: under
-    ``schedule="overlap"`` the overlap lowering, run overlapped, whether or not ``on_step`` observes
-    the compute actions (profiling times the schedule training runs). ``timeline`` (a
-    ``runtime.timeline.Timeline``) records intervals.
+    """Run the rank's action list (``program.actions``) for this pipeline's micro-batches, with ``comm``
+    this rank's communicator: under ``schedule="overlap"`` the overlap lowering, run overlapped, whether
+    or not ``on_step`` observes the compute actions (profiling times the schedule training runs).
+    ``timeline`` (a ``runtime.timeline.Timeline``) records intervals.
     """
     actions = program.actions(len(micro_batches))
     overlap = program.overlap is not None
-    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap).run(actions, on_step)
+    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap, comm=comm).run(actions, on_step)
 
 
 def run_evaluation(program: RankProgram, shards: dict[str, torch.Tensor],
-                   micro_batches: Sequence[dict[str, torch.Tensor]]) -> float:
+                   micro_batches: Sequence[dict[str, torch.Tensor]], comm: Communicator) -> float:
     """This rank's summed token loss over ``micro_batches`` (0 on ranks that do not report it): the
     evaluation list (``program.actions(m, mode="eval")``: pulls, forwards, activation transfers) run
     under ``torch.no_grad``; parameters, gradients and optimizer untouched."""
     with torch.no_grad():
-        executor = Executor(program, shards, micro_batches, 1.0, forward_only=True)
+        executor = Executor(program, shards, micro_batches, 1.0, forward_only=True, comm=comm)
         return executor.run(program.actions(len(micro_batches), mode="eval")).loss_sum

@@ -26,7 +26,6 @@ from typing import Any, Iterable
 from hgraph.core.errors import InputError
 
 _requested = threading.Event()
-_installed: set[int] = set()
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -39,14 +38,14 @@ def install(signals: Iterable[int] = (signal.SIGTERM,)) -> None:
         raise InputError("preemption.install() must run in the main thread (Python delivers signals there)")
     for sig in signals:
         signal.signal(sig, _on_signal)
-        _installed.add(int(sig))
 
 
 def uninstall() -> None:
-    """Give the signals ``install`` took their default action back, and forget any request."""
-    for sig in sorted(_installed):
-        signal.signal(sig, signal.SIG_DFL)
-    _installed.clear()
+    """Give the signals ``install`` took their default action back, and forget any request
+    (the process's signal table says which: those whose handler is ours)."""
+    for sig in signal.valid_signals():
+        if signal.getsignal(sig) is _on_signal:
+            signal.signal(sig, signal.SIG_DFL)
     _requested.clear()
 
 

@@ -12,7 +12,7 @@ import torch
 
 from hgraph.core.errors import CommunicationError, InputError
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 HEADER = 10  # dtype code, ndim, up to 8 sizes
 
 
@@ -23,6 +23,8 @@ class IterationOutput:
     loss_sum: float
     grad_shards: dict[str, Optional[torch.Tensor]]
     micro_batches: int
+    # The rows this rank routed to each expert (``[E]`` int64, CPU), one per expert_dispatch, in call order.
+    routing: list[torch.Tensor] = field(default_factory=list)
 
 
 def send_header(t: torch.Tensor) -> torch.Tensor:
@@ -65,13 +67,18 @@ class StageState:
             args.append(batch[name])
         return args + self.received.get(mb, [])
 
-    def record(self, mb: int, outs: Any) -> None:
-        """Keep a forward's outputs (the loss apart) until its backward and sends."""
+    def record(self, mb: int, outs: Any) -> list[torch.Tensor]:
+        """Keep a forward's outputs (the loss apart) until its backward and sends; returns its routing
+        counts (``StageGraph.routing_outputs``), on the CPU."""
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        kept = len(outs) - self.stage_graph.routing_outputs
+        routed = [c.detach().to("cpu", torch.int64) for c in outs[kept:]]
+        outs = outs[:kept]
         if self.stage_graph.returns_loss:
             self.losses[mb] = outs[0]
             outs = outs[1:]
         self.outputs[mb] = outs
+        return routed
 
     def settle(self, mb: int) -> None:
         """Close a forward-only micro-batch: its loss summed now, its received activations dropped."""

@@ -32,7 +32,6 @@ from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
 
 
 def shard_parameters(compiled: CompiledPrograms, rank: int, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -147,8 +146,7 @@ def _run(compiled: CompiledPrograms, index: int, micro_batches, tokens: int) -> 
         rank = comm.rank
         program = compiled.program(index, rank)
         mbs = micro_batches(rank, program.pipeline)
-        with rank_context(RankContext(rank, comm, program.groups)):
-            return run_iteration(program, shard_parameters(compiled, rank, params), mbs, 1.0 / tokens)
+        return run_iteration(program, shard_parameters(compiled, rank, params), mbs, 1.0 / tokens, comm=comm)
 
     outputs = run_threads(body, compiled.world_size)
     loss = torch.tensor(sum(o.loss_sum for o in outputs) / tokens)

@@ -25,6 +25,7 @@ import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -34,14 +35,14 @@ from hgraph.core.errors import InputError
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("pull_parameter", "push_gradient", "communicate_activation")
 KINDS = COMPUTE_KINDS + COMM_KINDS + ("wait",)
-_COLORS = {
+_COLORS = MappingProxyType({
     "forward": "#4c78a8",
     "backward": "#72b7b2",
     "pull_parameter": "#f58518",
     "push_gradient": "#e45756",
     "communicate_activation": "#54a24b",
     "wait": "#bab0ac",
-}
+})
 
 
 @dataclass(frozen=True)

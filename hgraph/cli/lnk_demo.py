@@ -37,14 +37,15 @@ def _rank_main(transitions: list) -> list:
     """Every rank: execute each plan on its shard of the global value."""
     import torch.distributed as dist
 
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
     from hgraph.runtime.kernels.reshard import execute
 
-    rank = dist.get_rank()
+    rank, comm = dist.get_rank(), ProcessGroupComm()
     out = []
     for _, src, dst in transitions:
         plan = solve(src, dst, itemsize=8)
         shards = local_shards(src, _global_value(src.shape))
-        out.append(execute(plan, shards.get(rank), dtype=torch.float64))
+        out.append(execute(plan, shards.get(rank), comm, dtype=torch.float64))
     return out
 
 

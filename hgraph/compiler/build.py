@@ -49,6 +49,7 @@ from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import TracedModel
 from hgraph.passes.annotate import annotate
+from hgraph.passes.bind_rank import bind_rank, route_counts
 from hgraph.passes.experts import find_expert_blocks, route_experts
 from hgraph.passes.localize import localize
 from hgraph.passes.partition import partition
@@ -170,7 +171,7 @@ class Builder:
         stages = []
         for sg in cut:
             out, more = self.passes["stage"].run(sg.gm, replace(ctx, stages=cut, stage=sg), f"{scope} stage {sg.stage}")
-            stages.append(replace(sg, gm=out))
+            stages.append(replace(sg, gm=bind_rank(out), routing_outputs=route_counts(out)))
             records += more
         self.pass_history += records
         return stages

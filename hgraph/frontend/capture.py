@@ -59,7 +59,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 # torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
 # simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
 CAPTURE_LOCK = threading.RLock()
-STATIC_REASONS: dict[int, str] = {}  # id(model) -> why its last capture fell back to static shapes
 
 
 class TracedModel:
@@ -82,6 +81,7 @@ class TracedModel:
         tied: dict[str, str],
         dynamic: bool,
         example_shape: tuple[int, int],
+        static_reason: str = "",
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -90,7 +90,7 @@ class TracedModel:
         self.tied = tied
         self.dynamic = dynamic
         self.input_names = INPUT_NAMES
-        self.static_reason = ""
+        self.static_reason = static_reason
         self._graphs: dict[tuple[int, int] | None, fx.GraphModule] = {
             None if dynamic else example_shape: graph_module
         }
@@ -192,11 +192,10 @@ def trace(
     refuse_unsupported_mixers(model)
     materialize_buffers(model)  # a meta model's construction-time buffers (rotary tables), by its own scheme
     wrapper = LossModule(model, loss_fn or default_loss)
-    graph, param_names, buffer_names, tied, is_dynamic = _capture(wrapper, inputs, dynamic)
+    graph, param_names, buffer_names, tied, is_dynamic, static_reason = _capture(wrapper, inputs, dynamic)
     shape = tuple(inputs[0].shape)
-    traced = TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape)
-    traced.static_reason = "" if is_dynamic else STATIC_REASONS.pop(id(model), "")
-    return traced
+    return TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape,
+                       static_reason)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -271,16 +270,19 @@ def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, .
 # ----------------------------------------------------------------------------- capture
 def _capture(
     wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
-) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool, str]:
     """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes. Meta parameters
-    are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's."""
+    are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's.
+    Returns the graph, parameter, buffer and tied names, whether shapes are dynamic, and why not
+    (the failed dynamic capture's message; ``""`` when dynamic or when static shapes were asked for)."""
     with fake_parameters(wrapper.model):
         return _capture_model(wrapper, inputs, dynamic)
 
 
 def _capture_model(
     wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
-) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool]:
+) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool, str]:
+    reason = ""
     if dynamic:
         program = None
         # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
@@ -294,7 +296,7 @@ def _capture_model(
             except TraceError as exc:
                 if not exc.shape_specialised:  # type: ignore[attr-defined]
                     raise
-                STATIC_REASONS[id(wrapper.model)] = str(exc)
+                reason = str(exc)
         dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
@@ -303,7 +305,7 @@ def _capture_model(
     buffers = dict(wrapper.model.named_buffers(remove_duplicate=False))
     example_args = [params[f] for f in param_names.values()] + [buffers[f] for f in buffer_names.values()]
     canonicalize(graph, example_args + list(inputs))
-    return graph, param_names, buffer_names, tied, dynamic
+    return graph, param_names, buffer_names, tied, dynamic, "" if dynamic else reason
 
 
 def _position_limit(model: nn.Module) -> int | None:

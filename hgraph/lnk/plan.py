@@ -208,11 +208,6 @@ class ReshardPlan:
         return {r: tuple(s) for r, s in by_rank.items()}
 
     @cached_property
-    def memo(self) -> dict:
-        """Per-plan cache of data derived from the steps (the runtime's per-rank call lists)."""
-        return {}
-
-    @cached_property
     def first_round(self) -> frozenset[int]:
         """Indices (in ``steps``) of the communication steps that need no earlier communication:
         the leading transfers of the first phase, or the leading collectives on disjoint groups."""

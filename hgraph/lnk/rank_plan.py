@@ -52,11 +52,6 @@ class RankPlan:
         return cls(plan.src, plan.dst, plan.itemsize, rank, tuple(s for _, s in indexed), first,
                    plan.lower_bound_bytes, plan.bytes_moved, plan.topology, plan.noop, local=False)
 
-    @cached_property
-    def memo(self) -> dict:
-        """Per-plan cache of data derived from the steps (the runtime's call lists)."""
-        return {}
-
     @property
     def first_round(self) -> frozenset[int]:
         return self.first

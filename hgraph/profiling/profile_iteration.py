@@ -91,11 +91,11 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     from hgraph.compiler.entry import compile as compile_model
     from hgraph.planner.assign import Planner
     from hgraph.core.model_info import embedding_of
-    from hgraph.runtime.kernels.reshard import default_comm
+    from hgraph.runtime.kernels.comm import ProcessGroupComm
     from hgraph.runtime.timeline import exposed_communication
     from hgraph.training.trainer import Trainer
 
-    comm = default_comm()
+    comm = ProcessGroupComm()
     rank = comm.rank
     out: dict[str, Any] = {"exchange_ms": _pair_exchanges(comm, PAYLOAD_BYTES, max(repeats, 3)), "steps": []}
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     vocab = embedding_of(model).num_embeddings
     example = torch.randint(0, vocab, (1, 16))
     trainers = {sc: Trainer(compile_model(model, strategies, example_inputs=example, schedule=sc), lr=1e-4,
-                            timeline=True) for sc in PLACEMENTS}
+                            timeline=True, comm=comm) for sc in PLACEMENTS}
     gen = torch.Generator().manual_seed(1)
     sequences = [[torch.randint(0, vocab, (n,), generator=gen) for n in b] for b in batches]
     out["strategies"] = [str(s) for s in trainers["none"].compiled.strategies]

@@ -173,11 +173,10 @@ def _rank_main(
     import torch
 
     from hgraph.compiler.entry import compile as compile_model
-    from hgraph.runtime.kernels.context import RankContext, rank_context
-    from hgraph.runtime.kernels.reshard import default_comm
+    from hgraph.runtime.kernels.comm import ProcessGroupComm
     from hgraph.core.strategy import homogeneous
 
-    comm = default_comm()
+    comm = ProcessGroupComm()
     rank = comm.rank
     torch.manual_seed(0)
     model = resolve_factory(factory)()
@@ -201,16 +200,14 @@ def _rank_main(
     for key, program in programs.items():  # this rank's micro-batches (its chunks under cp)
         inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]
     for key, program in programs.items():  # warm-up, counting saved bytes
-        with rank_context(RankContext(rank, comm, program.groups)):
-            out["saved_bytes"][key] = saved_bytes(program, shards, inputs[key])
+        out["saved_bytes"][key] = saved_bytes(program, shards, inputs[key], comm)
         out["compute_ms"][key] = []
     # Repeats outermost: a burst of load from elsewhere on the machine hits every scheme alike.
     for repeat in range(repeats):
         order = list(range(len(lengths)))
         random.Random(repeat).shuffle(order)  # the same order on every rank
         for key, program in programs.items():
-            with rank_context(RankContext(rank, comm, program.groups)):
-                ms = compute_ms(program, shards, [inputs[key][i] for i in order])
+            ms = compute_ms(program, shards, [inputs[key][i] for i in order], comm)
             out["compute_ms"][key].append([ms[order.index(i)] for i in range(len(lengths))])
     out["total_s"] = time.perf_counter() - start
     return out
@@ -225,7 +222,7 @@ def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
     return local_micro_batches([packed], program.groups, rank, buffers)[0]
 
 
-def compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
+def compute_ms(program: Any, shards: dict, batches: list, comm: Any) -> list[float]:
     """One iteration (``run_iteration``: the rank's action list, the one training runs, overlap
     included); the milliseconds of the F and B steps of each micro-batch on this rank."""
     from hgraph.runtime.executor import run_iteration
@@ -240,11 +237,12 @@ def compute_ms(program: Any, shards: dict, batches: list) -> list[float]:
             else:
                 ms[action.mb] += (time.perf_counter() - begun[0]) * 1e3
 
-    run_iteration(program, shards, batches, 1.0 / sum(b["input_ids"].shape[-1] for b in batches), on_step)
+    run_iteration(program, shards, batches, 1.0 / sum(b["input_ids"].shape[-1] for b in batches), on_step,
+                  comm=comm)
     return ms
 
 
-def saved_bytes(program: Any, shards: dict, batches: list) -> list[int]:
+def saved_bytes(program: Any, shards: dict, batches: list, comm: Any) -> list[int]:
     """One iteration; per micro-batch, the bytes of the distinct storages autograd saves for backward
     in its forward step (kept per micro-batch: a storage freed by one micro-batch's backward may be
     reused by a later one, but not within one forward)."""
@@ -266,7 +264,7 @@ def saved_bytes(program: Any, shards: dict, batches: list) -> list[int]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_iteration(program, shards, batches, 1.0, on_step)
+        run_iteration(program, shards, batches, 1.0, on_step, comm=comm)
     return [sum(s.values()) for s in seen]
 
 

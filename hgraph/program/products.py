@@ -32,7 +32,9 @@ class Boundary:
 
 @dataclass(frozen=True)
 class StageGraph:
-    """One stage's program: placeholders are ``params``, then ``inputs``, then ``recv`` values."""
+    """One stage's program: placeholders are ``params``, then ``inputs``, then ``recv`` values, then
+    (once bound, ``passes/bind_rank.py``) the calling rank's ``RankContext``; outputs are the loss (last
+    stage), the ``send`` values, then ``routing_outputs`` routing counts."""
 
     stage: int
     gm: fx.GraphModule
@@ -42,6 +44,7 @@ class StageGraph:
     send: list[Boundary]
     returns_loss: bool
     layers: tuple[int, ...] = field(default=())
+    routing_outputs: int = 0  # trailing outputs: the rows routed to each expert, per expert_dispatch
 
     @property
     def output_names(self) -> list[str]:

@@ -35,14 +35,13 @@ from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
-from hgraph.runtime.kernels.comm import Communicator
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.comm import Communicator, ProcessGroupComm
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_evaluation, run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
 from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
-from hgraph.runtime.kernels.reshard import default_comm, execute
+from hgraph.runtime.kernels.reshard import execute
 from hgraph.runtime.timeline import Timeline, exposed_communication, gather_events
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ class Trainer:
         free the storage of the model's parameters (they become meta tensors), so no full copy stays
         in the process. See docs/big_models.md."""
         self.compiled = compiled
-        self.comm = comm if comm is not None else default_comm()
+        self.comm = comm if comm is not None else ProcessGroupComm()
         # Shards, micro-batches and every tensor handed to a collective live here (default: the
         # communicator's device, i.e. this rank's GPU under NCCL, else CPU).
         self.device = torch.device(device) if device is not None else self.comm.device
@@ -254,8 +253,7 @@ class Trainer:
             d = self.dispatch(lengths, strategy)
             mbs = self._local_micro_batches(d, scatter_sequences(self, d, lengths))
             program = self.compiled.program(d.strategy_index, self.rank)
-            with rank_context(RankContext(self.rank, self.comm, program.groups)):
-                loss_sum += run_evaluation(program, self.optimizer.shards, mbs)
+            loss_sum += run_evaluation(program, self.optimizer.shards, mbs, self.comm)
             tokens += sum(n - 1 for n in lengths)
         if tokens == 0:
             raise InputError("evaluate got no batch; give rank 0 at least one held-out batch")
@@ -320,10 +318,8 @@ class Trainer:
         if timeline is not None:
             timeline.iteration = self.iteration
             first_event = len(timeline.events)
-        routing: Optional[list] = [] if "ep" in program.groups else None
-        with rank_context(RankContext(self.rank, self.comm, program.groups, routing)):
-            out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline)
-        routed = self._routing_statistics(program, routing)
+        out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline, comm=self.comm)
+        routed = self._routing_statistics(program, out.routing if "ep" in program.groups else None)
         # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
         # communication per rank] (each rank fills its own slots; -1: not measured)
         n = len(self.world)

@@ -51,7 +51,7 @@ class _Recorder(Communicator):
 
     def __init__(self, comm: Communicator) -> None:
         self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
-        self.device = comm.device
+        self.device, self.plan_calls = comm.device, comm.plan_calls
         self.calls: list[_Deferred] = []
         self.recording = True
 

@@ -3,11 +3,12 @@
 A compiled per-rank program is an fx graph run under ordinary torch autograd; every communication
 in it is a call to one of the Python functions below, which call the custom ops
 ``torch.ops.hgraph.<name>`` (schema args: the tensor, the logical mesh dim ``"tp"``/``"cp"``, dims and
-flags). Each op finds the calling rank's group through ``hgraph.runtime.kernels.context.current()`` when it
-runs, so one program serves every rank of a stage, on threads (``ThreadComm``) or processes
-(``ProcessGroupComm``) alike. Every op has a fake (shape-only) implementation, which reads the group
-*sizes* from the current context, and a registered backward that calls the adjoint custom op, so a
-traced backward (``hgraph.passes.backward``) shows its communication as ``hgraph.*`` nodes.
+flags, and last the calling rank's ``RankContext``, which the entry points take as ``rank_context=``).
+The context names the rank's group of each mesh dim, so one program serves every rank of a stage,
+on threads (``ThreadComm``) or processes (``ProcessGroupComm``) alike. Every op has a fake (shape-only)
+implementation, which reads the group *sizes* from the context, and a registered backward that calls
+the adjoint custom op, so a traced backward (``hgraph.passes.backward``) shows its communication as
+``hgraph.*`` nodes.
 
 Placements in the names: P partial (pending sum), R replicated, S(d) sharded along dim d in equal,
 rank-ordered chunks. The adjoint of a placement change swaps the roles::
@@ -24,19 +25,18 @@ return its input, so it would cost a copy); its backward calls ``hgraph.all_redu
 Packed attention (``runtime/kernels/packed_attention.py``) and the vocab-parallel embedding and cross entropy
 (``runtime/kernels/vocab_parallel.py``) are built on these ops.
 
-A backward can run on another thread than its forward (autograd's device threads on GPU): the
-context seen by the forward is saved and re-entered around the adjoint call.
+A backward can run on another thread than its forward (autograd's device threads on GPU): each
+adjoint calls its op with the context its forward was given.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
-from hgraph.core.errors import CommunicationError, ShardingRuleError
-from hgraph.runtime.kernels.context import RankContext, current, rank_context
+from hgraph.core.errors import ShardingRuleError
+from hgraph.runtime.kernels.context import RankContext, required
 
 Tensor = torch.Tensor
 
@@ -74,24 +74,6 @@ def _exchange(rc: RankContext, x: Tensor, mesh_dim: str, split_dim: int, cat_dim
     return torch.cat(received, dim=cat_dim)
 
 
-def active_context() -> Optional[RankContext]:
-    """The current context, or None outside one (shape-only tracing of the global graph)."""
-    try:
-        return current()
-    except CommunicationError:
-        return None
-
-
-@contextlib.contextmanager
-def entered(rc: Optional[RankContext]) -> Iterator[None]:
-    """Re-enter the forward's context for an adjoint, unless it is already current here."""
-    if rc is None or active_context() is rc:
-        yield
-    else:
-        with rank_context(rc):
-            yield
-
-
 def _resized(x: Tensor, dim: int, size: int) -> Tensor:
     """A contiguous tensor like ``x`` with ``size`` at ``dim`` (every real op returns contiguous
     tensors, so traced graphs' views hold at run time)."""
@@ -100,113 +82,102 @@ def _resized(x: Tensor, dim: int, size: int) -> Tensor:
     return x.new_empty(shape)
 
 
-def group_size(mesh_dim: str) -> int:
-    return current().size(mesh_dim)
-
-
 # ----------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("hgraph::all_reduce", mutates_args=())
-def _all_reduce(x: Tensor, mesh_dim: str) -> Tensor:
-    rc = current()
+def _all_reduce(x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     return rc.comm.all_reduce(x, rc.group(mesh_dim)).contiguous()
 
 
 @torch.library.custom_op("hgraph::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
-    return _scatter_sum(current(), x, mesh_dim, dim)
+def _reduce_scatter(x: Tensor, mesh_dim: str, dim: int, rc: RankContext) -> Tensor:
+    return _scatter_sum(rc, x, mesh_dim, dim)
 
 
 @torch.library.custom_op("hgraph::all_gather", mutates_args=())
-def _all_gather(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool) -> Tensor:
-    return _gather(current(), x, mesh_dim, dim)
+def _all_gather(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool, rc: RankContext) -> Tensor:
+    return _gather(rc, x, mesh_dim, dim)
 
 
 @torch.library.custom_op("hgraph::split", mutates_args=())
-def _split(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
-    return _own_chunk(current(), x, mesh_dim, dim)
+def _split(x: Tensor, mesh_dim: str, dim: int, rc: RankContext) -> Tensor:
+    return _own_chunk(rc, x, mesh_dim, dim)
 
 
 @torch.library.custom_op("hgraph::all_to_all", mutates_args=())
-def _all_to_all(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
-    return _exchange(current(), x, mesh_dim, split_dim, cat_dim)
+def _all_to_all(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int, rc: RankContext) -> Tensor:
+    return _exchange(rc, x, mesh_dim, split_dim, cat_dim)
 
 
 @torch.library.custom_op("hgraph::all_reduce_max", mutates_args=())
-def _all_reduce_max(x: Tensor, mesh_dim: str) -> Tensor:
-    rc = current()
+def _all_reduce_max(x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     return rc.comm.all_gather(x.contiguous(), rc.group(mesh_dim)).amax(dim=0)
 
 
 @_all_reduce.register_fake
-def _(x: Tensor, mesh_dim: str) -> Tensor:
+def _(x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     return x.new_empty(x.shape)
 
 
 @_all_reduce_max.register_fake
-def _(x: Tensor, mesh_dim: str) -> Tensor:
+def _(x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     return x.new_empty(x.shape)
 
 
 @_reduce_scatter.register_fake
-def _(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
-    n = group_size(mesh_dim)
+def _(x: Tensor, mesh_dim: str, dim: int, rc: RankContext) -> Tensor:
+    n = rc.size(mesh_dim)
     _even_chunks(x, n, dim, f"reduce_scatter over '{mesh_dim}'")
     return _resized(x, dim, x.shape[dim] // n)
 
 
 @_all_gather.register_fake
-def _(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool) -> Tensor:
-    return _resized(x, dim, x.shape[dim] * group_size(mesh_dim))
+def _(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool, rc: RankContext) -> Tensor:
+    return _resized(x, dim, x.shape[dim] * rc.size(mesh_dim))
 
 
 @_split.register_fake
-def _(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
-    n = group_size(mesh_dim)
+def _(x: Tensor, mesh_dim: str, dim: int, rc: RankContext) -> Tensor:
+    n = rc.size(mesh_dim)
     _even_chunks(x, n, dim, f"split over '{mesh_dim}'")
     return _resized(x, dim, x.shape[dim] // n)
 
 
 @_all_to_all.register_fake
-def _(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
-    n = group_size(mesh_dim)
+def _(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int, rc: RankContext) -> Tensor:
+    n = rc.size(mesh_dim)
     _even_chunks(x, n, split_dim, f"all_to_all over '{mesh_dim}'")
     out = _resized(x, split_dim, x.shape[split_dim] // n)
     return _resized(out, cat_dim, out.shape[cat_dim] * n)
 
 
 def _save_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
-    ctx.args = inputs[1:]
+    ctx.args = inputs[1:]  # the mesh dim, dims and flags, then the rank context
 
 
 def _all_reduce_backward(ctx: Any, grad: Tensor) -> tuple:
-    return grad, None
+    return grad, None, None
 
 
 def _reduce_scatter_backward(ctx: Any, grad: Tensor) -> tuple:
-    mesh_dim, dim = ctx.args
-    with entered(ctx.rc):
-        return torch.ops.hgraph.all_gather(grad, mesh_dim, dim, False), None, None
+    mesh_dim, dim, rc = ctx.args
+    return torch.ops.hgraph.all_gather(grad, mesh_dim, dim, False, rc), None, None, None
 
 
 def _all_gather_backward(ctx: Any, grad: Tensor) -> tuple:
-    mesh_dim, dim, grad_partial = ctx.args
-    with entered(ctx.rc):
-        if grad_partial:
-            return torch.ops.hgraph.reduce_scatter(grad, mesh_dim, dim), None, None, None
-        return torch.ops.hgraph.split(grad, mesh_dim, dim), None, None, None
+    mesh_dim, dim, grad_partial, rc = ctx.args
+    if grad_partial:
+        return torch.ops.hgraph.reduce_scatter(grad, mesh_dim, dim, rc), None, None, None, None
+    return torch.ops.hgraph.split(grad, mesh_dim, dim, rc), None, None, None, None
 
 
 def _split_backward(ctx: Any, grad: Tensor) -> tuple:
-    mesh_dim, dim = ctx.args
-    with entered(ctx.rc):
-        return torch.ops.hgraph.all_gather(grad, mesh_dim, dim, False), None, None
+    mesh_dim, dim, rc = ctx.args
+    return torch.ops.hgraph.all_gather(grad, mesh_dim, dim, False, rc), None, None, None
 
 
 def _all_to_all_backward(ctx: Any, grad: Tensor) -> tuple:
-    mesh_dim, split_dim, cat_dim = ctx.args
-    with entered(ctx.rc):
-        return torch.ops.hgraph.all_to_all(grad, mesh_dim, cat_dim, split_dim), None, None, None
+    mesh_dim, split_dim, cat_dim, rc = ctx.args
+    return torch.ops.hgraph.all_to_all(grad, mesh_dim, cat_dim, split_dim, rc), None, None, None, None
 
 
 _all_reduce.register_autograd(_all_reduce_backward, setup_context=_save_context)
@@ -218,52 +189,54 @@ _all_to_all.register_autograd(_all_to_all_backward, setup_context=_save_context)
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, mesh_dim: str) -> Tensor:
-        ctx.rc, ctx.mesh_dim = active_context(), mesh_dim
+    def forward(ctx: Any, x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
+        ctx.rc, ctx.mesh_dim = rc, mesh_dim
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        with entered(ctx.rc):
-            return torch.ops.hgraph.all_reduce(grad, ctx.mesh_dim), None
+        return torch.ops.hgraph.all_reduce(grad, ctx.mesh_dim, ctx.rc), None, None
 
 
 # ----------------------------------------------------------------------------- entry points
-def all_reduce(x: Tensor, mesh_dim: str) -> Tensor:
+# ``rank_context``: the calling rank's ``RankContext`` (a bound program passes its last argument).
+def all_reduce(x: Tensor, mesh_dim: str, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """P -> R: sum over the group; backward passes the (replicated) gradient through."""
-    return torch.ops.hgraph.all_reduce(x, mesh_dim)
+    return torch.ops.hgraph.all_reduce(x, mesh_dim, required(rank_context, "all_reduce"))
 
 
-def reduce_scatter(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
+def reduce_scatter(x: Tensor, mesh_dim: str, dim: int, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """P -> S(dim): sum over the group and keep this rank's chunk; backward all-gathers."""
-    return torch.ops.hgraph.reduce_scatter(x, mesh_dim, dim)
+    return torch.ops.hgraph.reduce_scatter(x, mesh_dim, dim, required(rank_context, "reduce_scatter"))
 
 
-def all_gather(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool = False) -> Tensor:
+def all_gather(x: Tensor, mesh_dim: str, dim: int, grad_partial: bool = False, *,
+               rank_context: Optional[RankContext] = None) -> Tensor:
     """S(dim) -> R: concatenate every rank's chunk along ``dim``.
 
     Backward keeps this rank's chunk of the gradient, or — when the consumers produce *partial*
     gradients (Megatron sequence parallelism: the gathered input feeds a column-parallel matmul) —
     reduce-scatters it.
     """
-    return torch.ops.hgraph.all_gather(x, mesh_dim, dim, grad_partial)
+    return torch.ops.hgraph.all_gather(x, mesh_dim, dim, grad_partial, required(rank_context, "all_gather"))
 
 
-def split(x: Tensor, mesh_dim: str, dim: int) -> Tensor:
+def split(x: Tensor, mesh_dim: str, dim: int, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """R -> S(dim): keep this rank's chunk; backward all-gathers."""
-    return torch.ops.hgraph.split(x, mesh_dim, dim)
+    return torch.ops.hgraph.split(x, mesh_dim, dim, required(rank_context, "split"))
 
 
-def all_to_all(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int) -> Tensor:
+def all_to_all(x: Tensor, mesh_dim: str, split_dim: int, cat_dim: int, *,
+               rank_context: Optional[RankContext] = None) -> Tensor:
     """S(cat_dim) -> S(split_dim): send chunk i of ``split_dim`` to rank i, concatenate along ``cat_dim``."""
-    return torch.ops.hgraph.all_to_all(x, mesh_dim, split_dim, cat_dim)
+    return torch.ops.hgraph.all_to_all(x, mesh_dim, split_dim, cat_dim, required(rank_context, "all_to_all"))
 
 
-def grad_all_reduce(x: Tensor, mesh_dim: str) -> Tensor:
+def grad_all_reduce(x: Tensor, mesh_dim: str, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """Identity forward, all-reduce backward: a replicated activation consumed by sharded ops."""
-    return _GradAllReduce.apply(x, mesh_dim)
+    return _GradAllReduce.apply(x, mesh_dim, required(rank_context, "grad_all_reduce"))
 
 
-def all_reduce_max(x: Tensor, mesh_dim: str) -> Tensor:
+def all_reduce_max(x: Tensor, mesh_dim: str, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """Element-wise max over the group (no gradient: used for numerical stabilisers only)."""
-    return torch.ops.hgraph.all_reduce_max(x.detach(), mesh_dim)
+    return torch.ops.hgraph.all_reduce_max(x.detach(), mesh_dim, required(rank_context, "all_reduce_max"))

@@ -76,6 +76,8 @@ class Communicator:
     world_size: int
     # Where this communicator's tensors live: NCCL needs every tensor on the rank's GPU.
     device: torch.device = torch.device("cpu")
+    # Per plan, the calls this rank issues (``reshard.comm_steps``): the cache of the plans it runs.
+    plan_calls: dict
 
     def start_all_reduce(self, tensor: torch.Tensor, group: Group) -> Handle:
         raise NotImplementedError

@@ -1,32 +1,34 @@
-"""The rank a program runs as: its communicator and its groups, set per thread/process.
+"""The rank a program runs as: its communicator and its groups, passed to the program as an argument.
 
-Compiled stage programs are shared by every rank of a (pipeline, stage); their communication nodes
-name *logical* mesh dims (``"tp"``, ``"cp"``) and look up the concrete group of the calling rank here.
-The runtime enters ``rank_context(...)`` around a program; ``compiled.simulate`` does the same in each
-simulated-rank thread.
+Compiled stage programs are shared by every rank of a (pipeline, stage) — on simulated ranks, by
+threads at once — and their communication nodes name *logical* mesh dims (``"tp"``, ``"cp"``). So the
+calling rank is an argument of every call: the runtime passes a ``RankContext`` as the program's last
+argument (``passes/bind_rank.py`` adds that placeholder), and each communication node receives it as
+its ``rank_context`` keyword, which the custom ops take as an (opaque) argument of their schema.
+Adjoints keep the context their forward saw, whatever thread autograd runs them on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Optional
+
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from hgraph.core.errors import CommunicationError
 from hgraph.runtime.kernels.comm import Communicator, Group
 
+INPUT = "rank_context"  # the name of a bound program's last placeholder
 
-@dataclass(frozen=True)
-class RankContext:
-    """Who is running: global rank, communicator, and this rank's group and index per mesh dim name.
-    ``routing``: when a list, every expert dispatch appends the rows this rank routed to each expert
-    (``[E]``, in call order): router statistics for the planner (``Trainer.history``)."""
 
-    rank: int
-    comm: Communicator
-    groups: dict[str, Group] = field(default_factory=dict)
-    routing: Optional[list] = None
+@dataclass(frozen=True, eq=False)
+class RankContext(OpaqueBase):
+    """Who is running: global rank, communicator, and this rank's group per mesh dim name."""
+
+    rank: int  # the global rank
+    comm: Optional[Communicator]  # None when nothing is sent (shape-only tracing, ``passes/backward.py``)
+    groups: dict[str, Group] = field(default_factory=dict)  # mesh dim name -> the ranks of this rank's group
 
     def group(self, mesh_dim: str) -> Group:
         try:
@@ -44,25 +46,18 @@ class RankContext:
         return len(self.group(mesh_dim))
 
 
-_local = threading.local()
-
-
-def current() -> RankContext:
-    """The context of the running program; raises when called outside one."""
-    ctx: Optional[RankContext] = getattr(_local, "ctx", None)
-    if ctx is None:
+def required(rank_context: Any, what: str) -> RankContext:
+    """``rank_context``, or the error saying that ``what`` runs only with one."""
+    if not isinstance(rank_context, RankContext):
         raise CommunicationError(
-            "no hgraph rank context is active; run programs through the hgraph runtime or compiled.simulate"
+            f"{what} needs the calling rank's RankContext (got {type(rank_context).__name__}): run the program "
+            "through the hgraph runtime or compiled.simulate, or pass rank_context= (a bound program takes it "
+            "as its last argument, passes/bind_rank.py)"
         )
-    return ctx
+    return rank_context
 
 
-@contextlib.contextmanager
-def rank_context(ctx: RankContext) -> Iterator[RankContext]:
-    """Make ``ctx`` current in this thread for the duration of the block."""
-    previous = getattr(_local, "ctx", None)
-    _local.ctx = ctx
-    try:
-        yield ctx
-    finally:
-        _local.ctx = previous
+# A traced program (``make_fx``) reads the rank's coordinates at trace time: they are baked in.
+register_opaque_type(RankContext, typ="reference", members={
+    name: MemberType.USE_REAL for name in ("rank", "comm", "groups", "group", "index", "size")
+})

@@ -26,17 +26,17 @@ and restore this rank's share of tokens replicated on tp (``torch.tensor_split``
 
 The functions without a rank context (``permute_tokens``, ``unpermute_tokens`` and the global forms
 ``dispatch``/``combine``, identities on one device) are what the global graph computes; the custom
-ops (``torch.ops.hgraph.expert_*``, ``token_*``) are what local programs call.
+ops (``torch.ops.hgraph.expert_*``, ``token_*``, whose last argument is the calling rank's
+``RankContext``) are what local programs call.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.runtime.kernels.collectives import entered, active_context
-from hgraph.runtime.kernels.context import RankContext, current
+from hgraph.runtime.kernels.context import RankContext, required
 
 Tensor = torch.Tensor
 
@@ -153,34 +153,30 @@ def _agree_layout(rc: RankContext, counts: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("hgraph::expert_dispatch", mutates_args=())
-def _expert_dispatch(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    rc = current()
-    if rc.routing is not None:
-        rc.routing.append(counts.detach().to("cpu", torch.int64))
+def _expert_dispatch(rows: Tensor, counts: Tensor, rc: RankContext) -> tuple[Tensor, Tensor, Tensor]:
     layout = _agree_layout(rc, counts)
     rows_e = _to_experts(rc, rows, counts, layout)
     return rows_e, torch.cumsum(layout.sum((0, 1)), 0, dtype=torch.int32), layout
 
 
 @torch.library.custom_op("hgraph::expert_scatter", mutates_args=())
-def _expert_scatter(rows: Tensor, counts: Tensor, layout: Tensor) -> Tensor:
-    return _to_experts(current(), rows, counts, layout)
+def _expert_scatter(rows: Tensor, counts: Tensor, layout: Tensor, rc: RankContext) -> Tensor:
+    return _to_experts(rc, rows, counts, layout)
 
 
 @torch.library.custom_op("hgraph::expert_combine", mutates_args=())
-def _expert_combine(rows_e: Tensor, order: Tensor, counts: Tensor, layout: Tensor, partial: bool) -> Tensor:
-    return _from_experts(current(), rows_e, counts, layout, partial)
+def _expert_combine(rows_e: Tensor, order: Tensor, counts: Tensor, layout: Tensor, partial: bool,
+                    rc: RankContext) -> Tensor:
+    return _from_experts(rc, rows_e, counts, layout, partial)
 
 
 @torch.library.custom_op("hgraph::token_chunk", mutates_args=())
-def _token_chunk(x: Tensor, mesh_dim: str) -> Tensor:
-    rc = current()
+def _token_chunk(x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     return x.tensor_split(rc.size(mesh_dim))[rc.index(mesh_dim)].clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("hgraph::token_gather", mutates_args=())
-def _token_gather(x: Tensor, like: Tensor, mesh_dim: str) -> Tensor:
-    rc = current()
+def _token_gather(x: Tensor, like: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     sizes = [len(part) for part in torch.arange(like.shape[0]).tensor_split(rc.size(mesh_dim))]
     return _gather_uneven(rc, x, mesh_dim, sizes)
 
@@ -196,8 +192,7 @@ def _dynamic_rows(like: Tensor, balanced: Any) -> Tensor:
 
 
 @_expert_dispatch.register_fake
-def _(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    rc = current()
+def _(rows: Tensor, counts: Tensor, rc: RankContext) -> tuple[Tensor, Tensor, Tensor]:
     ep, etp = rc.size("ep"), rc.size("etp")
     local = counts.shape[0] // ep
     rows_e = _dynamic_rows(rows, rows.shape[0] * etp)
@@ -205,83 +200,77 @@ def _(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @_expert_scatter.register_fake
-def _(rows: Tensor, counts: Tensor, layout: Tensor) -> Tensor:
+def _(rows: Tensor, counts: Tensor, layout: Tensor, rc: RankContext) -> Tensor:
     return _dynamic_rows(rows, rows.shape[0] * layout.shape[0])
 
 
 @_expert_combine.register_fake
-def _(rows_e: Tensor, order: Tensor, counts: Tensor, layout: Tensor, partial: bool) -> Tensor:
+def _(rows_e: Tensor, order: Tensor, counts: Tensor, layout: Tensor, partial: bool, rc: RankContext) -> Tensor:
     return rows_e.new_empty((order.shape[0],) + tuple(rows_e.shape[1:]))
 
 
 @_token_chunk.register_fake
-def _(x: Tensor, mesh_dim: str) -> Tensor:
-    rc = current()
+def _(x: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     n, i = rc.size(mesh_dim), rc.index(mesh_dim)
     size = x.shape[0] // n + (1 if i < x.shape[0] % n else 0)
     return x.new_empty((size,) + tuple(x.shape[1:]))
 
 
 @_token_gather.register_fake
-def _(x: Tensor, like: Tensor, mesh_dim: str) -> Tensor:
+def _(x: Tensor, like: Tensor, mesh_dim: str, rc: RankContext) -> Tensor:
     return x.new_empty((like.shape[0],) + tuple(x.shape[1:]))
 
 
 def _save_dispatch(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
+    ctx.rc = inputs[-1]
     ctx.save_for_backward(inputs[1], output[2])
     ctx.rows = inputs[0].shape[0]
 
 
 def _dispatch_backward(ctx: Any, grad_rows: Tensor, grad_offsets: Any, grad_layout: Any) -> tuple:
     counts, layout = ctx.saved_tensors
-    with entered(ctx.rc):
-        order = grad_rows.new_empty((ctx.rows,), dtype=torch.int64)
-        return torch.ops.hgraph.expert_combine(grad_rows, order, counts, layout, False), None
+    order = grad_rows.new_empty((ctx.rows,), dtype=torch.int64)
+    return torch.ops.hgraph.expert_combine(grad_rows, order, counts, layout, False, ctx.rc), None, None
 
 
 def _save_scatter(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
+    ctx.rc = inputs[-1]
     ctx.save_for_backward(inputs[1], inputs[2])
     ctx.rows = inputs[0].shape[0]
 
 
 def _scatter_backward(ctx: Any, grad: Tensor) -> tuple:
     counts, layout = ctx.saved_tensors
-    with entered(ctx.rc):
-        order = grad.new_empty((ctx.rows,), dtype=torch.int64)
-        return torch.ops.hgraph.expert_combine(grad, order, counts, layout, False), None, None
+    order = grad.new_empty((ctx.rows,), dtype=torch.int64)
+    return torch.ops.hgraph.expert_combine(grad, order, counts, layout, False, ctx.rc), None, None, None
 
 
 def _save_combine(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
+    ctx.rc = inputs[-1]
     ctx.save_for_backward(inputs[2], inputs[3])
 
 
 def _combine_backward(ctx: Any, grad: Tensor) -> tuple:
     counts, layout = ctx.saved_tensors
-    with entered(ctx.rc):
-        return torch.ops.hgraph.expert_scatter(grad, counts, layout), None, None, None, None
+    return torch.ops.hgraph.expert_scatter(grad, counts, layout, ctx.rc), None, None, None, None, None
 
 
 def _save_chunk(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
+    ctx.rc = inputs[-1]
     ctx.like, ctx.mesh_dim = inputs[0].new_empty((inputs[0].shape[0], 0)), inputs[1]
 
 
 def _chunk_backward(ctx: Any, grad: Tensor) -> tuple:
-    with entered(ctx.rc):
-        return torch.ops.hgraph.token_gather(grad, ctx.like, ctx.mesh_dim), None
+    return torch.ops.hgraph.token_gather(grad, ctx.like, ctx.mesh_dim, ctx.rc), None, None
 
 
 def _save_gather(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
+    ctx.rc = inputs[-1]
     ctx.mesh_dim = inputs[2]
 
 
 def _gather_backward(ctx: Any, grad: Tensor) -> tuple:
-    with entered(ctx.rc):
-        return torch.ops.hgraph.token_chunk(grad, ctx.mesh_dim), None, None
+    return torch.ops.hgraph.token_chunk(grad, ctx.mesh_dim, ctx.rc), None, None, None
 
 
 _expert_dispatch.register_autograd(_dispatch_backward, setup_context=_save_dispatch)
@@ -292,27 +281,31 @@ _token_gather.register_autograd(_gather_backward, setup_context=_save_gather)
 
 
 # ----------------------------------------------------------------------------- entry points
-def expert_dispatch(rows: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+# ``rank_context``: the calling rank's ``RankContext`` (a bound program passes its last argument).
+def expert_dispatch(rows: Tensor, counts: Tensor, *,
+                    rank_context: Optional[RankContext] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Rows (sorted by expert) to the ranks of their experts: ``(rows_e, offsets, layout)``."""
-    return torch.ops.hgraph.expert_dispatch(rows, counts)
+    return torch.ops.hgraph.expert_dispatch(rows, counts, required(rank_context, "expert_dispatch"))
 
 
-def expert_combine(rows_e: Tensor, order: Tensor, counts: Tensor, layout: Tensor, partial: bool = False) -> Tensor:
+def expert_combine(rows_e: Tensor, order: Tensor, counts: Tensor, layout: Tensor, partial: bool = False, *,
+                   rank_context: Optional[RankContext] = None) -> Tensor:
     """The experts' results back to the ranks their rows came from, in the order ``dispatch`` took
     them (``order`` gives the row count). ``rows_e`` is replicated over etp, or with ``partial`` a
     pending sum there (row-parallel experts), reduce-scattered to each member's own rows."""
-    return torch.ops.hgraph.expert_combine(rows_e, order, counts, layout, partial)
+    return torch.ops.hgraph.expert_combine(rows_e, order, counts, layout, partial,
+                                           required(rank_context, "expert_combine"))
 
 
-def token_chunk(x: Tensor, mesh_dim: str) -> Tensor:
+def token_chunk(x: Tensor, mesh_dim: str, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """This rank's share of rows replicated over ``mesh_dim`` (``tensor_split``); backward gathers."""
-    return torch.ops.hgraph.token_chunk(x, mesh_dim)
+    return torch.ops.hgraph.token_chunk(x, mesh_dim, required(rank_context, "token_chunk"))
 
 
-def token_gather(x: Tensor, like: Tensor, mesh_dim: str) -> Tensor:
+def token_gather(x: Tensor, like: Tensor, mesh_dim: str, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """Every member's share (``token_chunk`` of ``like``'s rows) concatenated; backward keeps this
     rank's share."""
-    return torch.ops.hgraph.token_gather(x, like, mesh_dim)
+    return torch.ops.hgraph.token_gather(x, like, mesh_dim, required(rank_context, "token_gather"))
 
 
 __all__ = [

@@ -20,33 +20,32 @@ from hgraph.core.batch import load_balance_indices
 from hgraph.core.errors import ShardingRuleError
 from hgraph.runtime.kernels import attention_kernels
 from hgraph.runtime.kernels.attention_kernels import VARIANT_SCHEMA, AttentionVariant
-from hgraph.runtime.kernels.collectives import active_context, all_gather, entered
-from hgraph.runtime.kernels.context import current
+from hgraph.runtime.kernels.collectives import all_gather
+from hgraph.runtime.kernels.context import RankContext, required
 from hgraph.runtime.kernels.custom_op_autograd import autograd_inside_op
 
 Tensor = torch.Tensor
 
 
-def own_kv_heads(kv: Tensor, mesh_dim: str) -> Tensor:
+def own_kv_heads(kv: Tensor, mesh_dim: str, *, rank_context: Optional[RankContext] = None) -> Tensor:
     """The key/value head (dim 1) the query heads of this rank read, when tp exceeds the kv heads.
 
     Query heads are split contiguously over ``mesh_dim``; with ``kv`` heads and ``tp`` ranks
     (``tp % kv == 0``) rank ``r`` reads head ``r·kv // tp``. ``kv`` is replicated, so the gradient
     of each rank is partial and summed by the caller's adjoint.
     """
-    rc = current()
+    rc = required(rank_context, "own_kv_heads")
     size, index = rc.size(mesh_dim), rc.index(mesh_dim)
     return kv.narrow(1, index * kv.shape[1] // size, 1)
 
 
 def _packed_attention_local(
-    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
-    variant: AttentionVariant,
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, size: int, index: int,
+    enable_gqa: bool, variant: AttentionVariant,
 ) -> Tensor:
-    """Attention of the local queries; with ``cp`` k, v and positions are the cp-gathered ones."""
+    """Attention of the local queries; with ``cp`` k, v and positions are the cp-gathered ones, and this
+    rank is ``index`` of the ``size`` cp ranks."""
     if cp:
-        rc = current()
-        size, index = rc.size("cp"), rc.index("cp")
         total = position_ids.shape[1]
         layout = torch.cat([load_balance_indices(total, size, r) for r in range(size)])
         order = torch.argsort(layout).to(q.device)  # gathered slot of each stream index
@@ -62,7 +61,8 @@ def _packed_attention_local(
 
 # The ops take the variant's fields as trailing arguments (their schema comes from AttentionVariant,
 # so a new variant field needs no change here).
-_HEAD = "Tensor q, Tensor k, Tensor v, Tensor position_ids, float? scale, bool cp, bool enable_gqa"
+# Under ``cp`` the op is told its rank's place in the cp group (``cp_size``, ``cp_index``).
+_HEAD = "Tensor q, Tensor k, Tensor v, Tensor position_ids, float? scale, bool cp, int cp_size, int cp_index, bool enable_gqa"
 torch.library.define("hgraph::packed_attention", f"({_HEAD}, {VARIANT_SCHEMA}) -> Tensor")
 torch.library.define(  # dq, dk, dv and the gradients of the variant's tensor fields (sinks) in field order
     "hgraph::packed_attention_backward", f"(Tensor grad, {_HEAD}, {VARIANT_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor[])"
@@ -71,26 +71,26 @@ torch.library.define(  # dq, dk, dv and the gradients of the variant's tensor fi
 
 @torch.library.impl("hgraph::packed_attention", "CompositeExplicitAutograd")
 def _packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, enable_gqa: bool,
-    *variant: Any,
+    q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool, cp_size: int,
+    cp_index: int, enable_gqa: bool, *variant: Any,
 ) -> Tensor:
     with torch.no_grad():
         return _packed_attention_local(
-            q, k, v, position_ids, scale, cp, enable_gqa, AttentionVariant(*variant)
+            q, k, v, position_ids, scale, cp, cp_size, cp_index, enable_gqa, AttentionVariant(*variant)
         ).contiguous()
 
 
 @torch.library.impl("hgraph::packed_attention_backward", "CompositeExplicitAutograd")
 def _packed_attention_backward(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, position_ids: Tensor, scale: Optional[float], cp: bool,
-    enable_gqa: bool, *variant: Any,
+    cp_size: int, cp_index: int, enable_gqa: bool, *variant: Any,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     learned = {name: getattr(AttentionVariant(*variant), name).detach().requires_grad_(True)
                for name in AttentionVariant(*variant).tensors()}
     with autograd_inside_op():
         chosen = dataclasses.replace(AttentionVariant(*variant), **learned)
-        out = _packed_attention_local(*leaves, position_ids, scale, cp, enable_gqa, chosen)
+        out = _packed_attention_local(*leaves, position_ids, scale, cp, cp_size, cp_index, enable_gqa, chosen)
         dq, dk, dv, *rest = torch.autograd.grad(out, [*leaves, *learned.values()], grad, allow_unused=True)
     rest = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(rest, learned.values())]
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), rest
@@ -103,22 +103,20 @@ def _(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> Tensor:
 
 @torch.library.register_fake("hgraph::packed_attention_backward")
 def _(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    variant = AttentionVariant(*args[4:])
+    variant = AttentionVariant(*args[6:])
     learned = [getattr(variant, name).new_empty(getattr(variant, name).shape) for name in variant.tensors()]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), learned
 
 
 def _save_attention(ctx: Any, inputs: tuple, output: Any) -> None:
-    ctx.rc = active_context()
     ctx.save_for_backward(*inputs[:4])
     ctx.args = inputs[4:]
 
 
 def _attention_backward(ctx: Any, grad: Tensor) -> tuple:
-    with entered(ctx.rc):
-        dq, dk, dv, learned = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
-    grads = dict(zip(AttentionVariant(*ctx.args[3:]).tensors(), learned))  # the learned fields' gradients
-    return (dq, dk, dv, None, None, None, None,
+    dq, dk, dv, learned = torch.ops.hgraph.packed_attention_backward(grad, *ctx.saved_tensors, *ctx.args)
+    grads = dict(zip(AttentionVariant(*ctx.args[5:]).tensors(), learned))  # the learned fields' gradients
+    return (dq, dk, dv, None, None, None, None, None, None,
             *(grads.get(f.name) for f in dataclasses.fields(AttentionVariant)))
 
 
@@ -134,6 +132,7 @@ def packed_attention(
     scale: float | None = None,
     cp: bool = False,
     enable_gqa: bool = False,
+    rank_context: Optional[RankContext] = None,
     **variant: Any,
 ) -> Tensor:
     """Causal attention inside each packed sequence; a sequence starts where ``position_ids == 0``.
@@ -150,8 +149,9 @@ def packed_attention(
     sequence boundary, and each sequence is computed on its own (cost Σ lᵢ², never a (Σ lᵢ)² mask).
     With ``cp=True`` the sequence dim is split over the ``"cp"`` group with the load-balanced layout
     of ``load_balance_indices``; K, V and positions are gathered here (``hgraph.all_gather``; dK, dV
-    are reduce-scattered back by its adjoint). On fake tensors without a rank context (shape
-    propagation of the global graph) only the output's shape and dtype are computed.
+    are reduce-scattered back by its adjoint); ``rank_context`` is the calling rank's. On fake tensors
+    without a rank context (shape propagation of the global graph) only the output's shape and dtype
+    are computed.
     """
     unknown = sorted(set(variant) - {f.name for f in dataclasses.fields(AttentionVariant)})
     if unknown:
@@ -160,7 +160,7 @@ def packed_attention(
             f"{', '.join(f.name for f in dataclasses.fields(AttentionVariant))}"
         )
     chosen = AttentionVariant(**variant)
-    shape_only = is_fake(q) and active_context() is None
+    shape_only = is_fake(q) and rank_context is None
     if chosen.alibi is not None and not is_fake(q) and chosen.alibi.shape != (q.shape[1],):
         raise ShardingRuleError(
             f"packed_attention: {tuple(chosen.alibi.shape)} ALiBi slopes for {q.shape[1]} query heads (need one per head)"
@@ -170,10 +170,13 @@ def packed_attention(
             f"packed_attention: position_ids {tuple(position_ids.shape)} do not match q {tuple(q.shape)} "
             "(need [batch, seq])"
         )
+    size, index = 1, 0
     if cp and not shape_only:
-        k = all_gather(k, "cp", 2, grad_partial=True)
-        v = all_gather(v, "cp", 2, grad_partial=True)
-        position_ids = torch.ops.hgraph.all_gather(position_ids.detach(), "cp", 1, False)
+        rc = required(rank_context, "packed_attention(cp=True)")
+        size, index = rc.size("cp"), rc.index("cp")
+        k = all_gather(k, "cp", 2, grad_partial=True, rank_context=rc)
+        v = all_gather(v, "cp", 2, grad_partial=True, rank_context=rc)
+        position_ids = torch.ops.hgraph.all_gather(position_ids.detach(), "cp", 1, False, rc)
     return torch.ops.hgraph.packed_attention(
-        q, k, v, position_ids, scale, cp and not shape_only, enable_gqa, *chosen.op_args()
+        q, k, v, position_ids, scale, cp and not shape_only, size, index, enable_gqa, *chosen.op_args()
     )

@@ -36,6 +36,7 @@ class ProcessGroupComm(Communicator):
         self.dist = dist
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.plan_calls: dict = {}
         self._groups: dict[Group, Any] = {}
         if dist.get_backend() == "nccl":
             self.device = torch.device("cuda", local_device_index(self.rank))

@@ -15,8 +15,9 @@ decides per op whether its output is stored in forward or recomputed in backward
   its scores (its backward recomputes them, like flash attention), so keeping its output is the
   Megatron choice of not materialising the attention core.
 
-Recomputation replays the layer with the forward's RNG state, so dropout masks match, and re-enters
-the forward's rank context (the backward may run on an autograd device thread).
+Recomputation replays the layer with the forward's RNG state, so dropout masks match, and with the
+forward's arguments, the rank context among them (a bound program passes it to each region as its
+last argument; the backward may run on an autograd device thread).
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hgraph.runtime.kernels.collectives import active_context, entered
+from hgraph.runtime.kernels.context import INPUT
 
 MODES = ("none", "selective", "full")
 
-_MATMULS = {
+_MATMULS = frozenset({
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
-}
+})
 
 
 def _is_communication(op: Any) -> bool:
@@ -60,11 +61,6 @@ def _policy(mode: str, keep: bool, ctx: Any, op: Any, *args: Any, **kwargs: Any)
     return CheckpointPolicy.MUST_SAVE if kept_op(mode, op, keep) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _run_in(rc: Any, body: nn.Module, *args: Any) -> Any:
-    with entered(rc):
-        return body(*args)
-
-
 class RecomputedRegion(nn.Module):
     """One layer's nodes (``body``, an fx graph) run under checkpointing with the ``mode`` policy."""
 
@@ -81,9 +77,7 @@ class RecomputedRegion(nn.Module):
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.body(*args)
-        return checkpoint(
-            _run_in, active_context(), self.body, *args, use_reentrant=False, context_fn=self._contexts
-        )
+        return checkpoint(self.body, *args, use_reentrant=False, context_fn=self._contexts)
 
     def summary(self) -> str:
         """What the region stores in forward: its inputs and the outputs of the kept ops."""
@@ -97,7 +91,7 @@ class RecomputedRegion(nn.Module):
             kept.append(f"{sum('linear' in t or t.startswith(('mm', 'addmm', 'bmm', 'matmul')) for t in names)} "
                         "matmul outputs")
             kept.append(f"{sum('attention' in t for t in names)} attention outputs")
-        inputs = sum(1 for n in self.body.graph.nodes if n.op == "placeholder")
+        inputs = sum(1 for n in self.body.graph.nodes if n.op == "placeholder" and n.name != INPUT)
         return f"{len(nodes)} ops, keeps its {inputs} inputs" + "".join(f", {k}" for k in kept)
 
     def extra_repr(self) -> str:

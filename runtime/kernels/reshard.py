@@ -1,9 +1,9 @@
 """Run a ``ReshardPlan`` on the calling rank: the one interpreter of plan steps.
 
-Every rank of the plan calls ``execute(plan, local)`` with its source tensor (``None`` when it holds
+Every rank of the plan calls ``execute(plan, local, comm)`` with its source tensor (``None`` when it holds
 none) and gets its destination tensor back (``None`` when it is not a destination); ``start`` is the
 asynchronous form (a handle whose ``wait()`` returns the same). The same code
-runs on real processes (``ProcessGroupComm``, the default) and on simulated ranks (``ThreadComm``;
+runs on real processes (``ProcessGroupComm``) and on simulated ranks (``ThreadComm``;
 ``hgraph.runtime.kernels.simulate``). Gloo needs equal sizes in all_gather/reduce_scatter, so uneven chunks are
 padded to the largest one and trimmed after; the plan's byte counts stay the logical ones.
 """
@@ -18,17 +18,6 @@ from hgraph.core.errors import CommunicationError
 from hgraph.core.layout import Box, box_numel
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, LocalCopy, ReduceScatter, ReshardPlan, Transfer
 from hgraph.runtime.kernels.comm import Communicator, Handle
-from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
-
-_default_comm: Optional[ProcessGroupComm] = None
-
-
-def default_comm() -> ProcessGroupComm:
-    """The process-wide torch.distributed communicator (created once, so subgroups are reused)."""
-    global _default_comm
-    if _default_comm is None:
-        _default_comm = ProcessGroupComm()
-    return _default_comm
 
 
 def _view(tensor: torch.Tensor, box: Box, region: Box) -> torch.Tensor:
@@ -54,7 +43,7 @@ def _shape(box: Box) -> tuple[int, ...]:
 def execute(
     plan: ReshardPlan,
     local: Optional[torch.Tensor],
-    comm: Optional[Communicator] = None,
+    comm: Communicator,
     *,
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device] = None,
@@ -70,7 +59,7 @@ def execute(
 def start(
     plan: ReshardPlan,
     local: Optional[torch.Tensor],
-    comm: Optional[Communicator] = None,
+    comm: Communicator,
     *,
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device] = None,
@@ -85,13 +74,12 @@ def start(
     ``local`` must stay unchanged until the wait. Point-to-point steps use ``tag``, so plans in
     flight together with other point-to-point traffic (started in another order) match apart.
     """
-    comm = comm or default_comm()
     steps = run_steps(plan, local, comm, dtype, device, tag)
     try:
         pending = next(steps)
     except StopIteration as stop:
         return Handle.completed(stop.value)
-    calls = comm_steps(plan, comm.rank)
+    calls = comm_steps(plan, comm.rank, comm.plan_calls)
     # With a single call, issued here, the rest of the plan is local work: ready when the call is.
     ready = pending.ready if len(calls) == 1 and calls[0][0] else None
 
@@ -107,16 +95,20 @@ def start(
     return Handle(finish, ready)
 
 
-def comm_steps(plan: ReshardPlan, rank: int) -> tuple[tuple, ...]:
+def comm_steps(plan: ReshardPlan, rank: int, cache: Optional[dict] = None) -> tuple[tuple, ...]:
     """The communication calls ``rank`` issues for ``plan``, in order, as the interpreter batches them:
     ``(at_start, ("collective", kind, group))`` or ``(at_start, ("p2p", send peers, receive peers))``;
-    ``at_start``: issued by ``start`` rather than by ``wait``. Used by dry runs."""
+    ``at_start``: issued by ``start`` rather than by ``wait``. Used by dry runs.
+    ``cache``: where to keep the lists (``Communicator.plan_calls``: ``start`` runs a plan every iteration)."""
     if plan.noop:
         return ()
-    key = ("comm_steps", rank)
-    if key not in plan.memo:
-        plan.memo[key] = _comm_steps(plan, rank)
-    return plan.memo[key]
+    if cache is None:
+        return _comm_steps(plan, rank)
+    key = (id(plan), rank)
+    hit = cache.get(key)
+    if hit is None or hit[0] is not plan:  # the plan is kept with its list, so its id is not reused
+        hit = cache[key] = (plan, _comm_steps(plan, rank))
+    return hit[1]
 
 
 def late_peers(plan: ReshardPlan, rank: int) -> tuple[int, ...]:

@@ -58,6 +58,7 @@ class ThreadComm(Communicator):
         self.world = world
         self.rank = rank
         self.world_size = world.world_size
+        self.plan_calls: dict = {}
         self.calls: dict[Group, int] = defaultdict(int)
         self.received: dict[tuple[int, int], int] = defaultdict(int)  # receives started, per (source, tag)
 

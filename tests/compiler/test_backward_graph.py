@@ -16,7 +16,7 @@ from hgraph.passes.backward import backward_graph, comm_counts, comm_nodes
 from hgraph.runtime.kernels.collectives import all_gather, all_to_all, grad_all_reduce, reduce_scatter, split
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.context import RankContext
 from hgraph.runtime.executor import pull_parameters
 from hgraph.core.batch import next_token_targets
 from hgraph.runtime.thread_oracle import micro_batches_for, shard_parameters
@@ -101,38 +101,40 @@ def test_backward_graph_needs_an_argument_that_requires_grad_and_the_rank_groups
     batch.update({ph: c.traced.buffers()[fqn] for ph, fqn in c.traced.buffer_names.items()})
     args = [torch.zeros(placeholders[p].meta["hgraph_local_shape"], requires_grad=True) for p in program.stage_graph.params]
     args += [batch[n] for n in program.stage_graph.inputs]
-    with pytest.raises(TraceError, match="rank_context"):
-        backward_graph(program.stage_graph.gm, args)  # no rank context: group sizes unknown
-    with rank_context(RankContext(0, None, program.groups)):
-        assert comm_counts(backward_graph(program.stage_graph.gm, args)) == comm_counts(c.backward_program(0, 0, SEQ))
+    with pytest.raises(TraceError, match="RankContext"):
+        backward_graph(program.stage_graph.gm, [*args, None])  # no rank context: group sizes unknown
+    traced = backward_graph(program.stage_graph.gm, [*args, RankContext(0, None, program.groups)])
+    assert comm_counts(traced) == comm_counts(c.backward_program(0, 0, SEQ))
 
 
-def _rank_gradients(c: hgraph.CompiledModel, rank: int, ids: torch.Tensor) -> tuple:
+def _rank_gradients(c: hgraph.CompiledModel, comm, ids: torch.Tensor) -> tuple:
     """Gradients of one rank's stage by autograd through its forward program and by running the
     traced forward + backward graphs on the same inputs and output gradients."""
+    rank = comm.rank
     program = c.program(0, rank)
     sg = program.stage_graph
     joint = c.joint_program(0, rank, SEQ)
     rows = [{"input_ids": ids, "position_ids": torch.arange(SEQ).unsqueeze(0), "targets": next_token_targets(ids)}]
     batch = micro_batches_for(c, rank, 0, rows)[0]
-    params = pull_parameters(program, shard_parameters(c, rank, c.traced.params()))
+    params = pull_parameters(program, shard_parameters(c, rank, c.traced.params()), comm)
     forward_inputs = [n for n in joint.forward.graph.nodes if n.op == "placeholder"]
     n_fixed = len(sg.params) + len(sg.inputs)
     generator = torch.Generator().manual_seed(7)  # the same boundary values on every rank of a stage
-    received = [
-        torch.randn(ph.meta["val"].shape, generator=generator) for ph in forward_inputs[n_fixed:]
+    received = [  # the forward graph's last input is the rank context, as the stage program's
+        torch.randn(ph.meta["val"].shape, generator=generator) for ph in forward_inputs[n_fixed:-1]
     ]
     args = [params[program.param_of_placeholder[p]] for p in sg.params] + [batch[n] for n in sg.inputs]
     args += [r.requires_grad_(True) for r in received]
 
-    outs = sg.gm(*args)
+    rank_context = RankContext(rank, comm, program.groups)
+    outs = sg.gm(*args, rank_context)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     tangents = [torch.randn(outs[i].shape, generator=generator) for i in joint.tangent_outputs]
     torch.autograd.backward([outs[i] for i in joint.tangent_outputs], tangents)
     reference = [args[i].grad for i in joint.grad_inputs]
 
     with torch.no_grad():
-        values = joint.forward(*[a.detach() for a in args])
+        values = joint.forward(*[a.detach() for a in args], rank_context)
         grads = joint.backward(*values[joint.num_outputs :], *tangents)
     return [o.detach() for o in outs], list(values[: joint.num_outputs]), reference, list(grads)
 
@@ -145,8 +147,7 @@ def test_running_the_backward_graph_gives_the_autograd_gradients(strategy):
     ids = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(3))
 
     def body(comm):
-        with rank_context(RankContext(comm.rank, comm, c.program(0, comm.rank).groups)):
-            return _rank_gradients(c, comm.rank, ids)
+        return _rank_gradients(c, comm, ids)
 
     for rank, (outs, traced_outs, reference, grads) in enumerate(run_threads(body, c.world_size, timeout=60)):
         assert len(grads) == len(reference) > 0

@@ -20,11 +20,12 @@ from hgraph.core.errors import ShardingRuleError
 from hgraph.frontend import trace
 from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate
+from hgraph.passes.bind_rank import bind_rank
 from hgraph.passes.localize import localize
 from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.sharding_utils import assemble_grad, mesh_coord, mesh_groups, shard_for_rank
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.context import RankContext
 
 BATCH, SEQ, VOCAB = 2, 16, 256
 MESHES = [(1, 1, False), (1, 2, False), (1, 4, False), (2, 1, False), (2, 2, False), (1, 2, True), (2, 2, True)]
@@ -70,6 +71,7 @@ def run_program(program, mesh: tuple[int, int], values: dict[str, torch.Tensor],
     """Run ``program`` on every rank of ``mesh`` from full placeholder ``values``; returns every rank's
     loss and, per parameter placeholder, the full gradient reassembled from its grad spec."""
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    bound = bind_rank(copy.deepcopy(program))
 
     def body(comm):
         coord = mesh_coord(comm.rank, mesh)
@@ -82,11 +84,10 @@ def run_program(program, mesh: tuple[int, int], values: dict[str, torch.Tensor],
                 args.append(local)
             else:
                 args.append(shard_for_rank(values[ph.name], ph.meta["hgraph_spec"], mesh, coord, token_order=True))
-        with rank_context(RankContext(comm.rank, comm, groups=mesh_groups(comm.rank, mesh))):
-            loss = program(*args)
-            if isinstance(loss, tuple):  # torch.export graphs return a tuple
-                (loss,) = loss
-            loss.backward()
+        loss = bound(*args, RankContext(comm.rank, comm, groups=mesh_groups(comm.rank, mesh)))
+        if isinstance(loss, tuple):  # torch.export graphs return a tuple
+            (loss,) = loss
+        loss.backward()
         return loss.detach(), {name: leaf.grad for name, leaf in leaves.items()}
 
     results = run_threads(body, mesh[0] * mesh[1])

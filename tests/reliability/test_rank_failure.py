@@ -73,9 +73,9 @@ def stuck_in_subgroup(seconds):
     import torch.distributed as dist
 
     from hgraph.runtime.kernels.failures import comm_step
-    from hgraph.runtime.kernels.reshard import default_comm
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 
-    comm = default_comm()
+    comm = ProcessGroupComm()
     rank = dist.get_rank()
     if rank == 2:
         time.sleep(seconds)

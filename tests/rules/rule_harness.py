@@ -35,13 +35,14 @@ import torch.fx as fx
 from hgraph.core.errors import HGraphError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.passes.annotate import _decide, _partial_uses
+from hgraph.passes.bind_rank import bind_rank
 from hgraph.passes.localize import localize
 from hgraph.rules import lookup
 from hgraph.rules.base import CP, RuleInput, Spec, spec_str, TP
 from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.sharding_utils import mesh_coord, mesh_groups
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.context import RankContext
 from hgraph.core.batch import load_balance_indices
 
 MESH = (2, 2)
@@ -254,7 +255,7 @@ def check(target: Any, sample: Sample, specs: dict[str, Spec], seed: int = 0) ->
             if item is not op_node:
                 item.meta["hgraph_grad_reduce"] = {}
         gm = fx.GraphModule(torch.nn.Module(), graph)
-        local = localize(gm, options)
+        local = bind_rank(localize(gm, options))
     except HGraphError:
         return False
     _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, params, local, seed)
@@ -278,14 +279,13 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
         rank = comm.rank
         groups = mesh_groups(rank, MESH)
         xs = [li[rank].clone().requires_grad_(_inexact(li[rank]) and not sample.inplace) for li in local_inputs]
-        with rank_context(RankContext(rank, comm, groups)):
-            result = local(*xs)
-            pairs = []
-            for o, v, c in zip(outputs, result, cots):
-                if c is not None and isinstance(v, torch.Tensor) and v.requires_grad:
-                    pairs.append((v, cut(c, all_specs[o], COORDS[rank], True)))
-            if pairs:
-                torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
+        result = local(*xs, RankContext(rank, comm, groups))
+        pairs = []
+        for o, v, c in zip(outputs, result, cots):
+            if c is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                pairs.append((v, cut(c, all_specs[o], COORDS[rank], True)))
+        if pairs:
+            torch.autograd.backward([a for a, _ in pairs], [b for _, b in pairs])
         return [v.detach() if isinstance(v, torch.Tensor) else v for v in result], [x.grad for x in xs]
 
     results = run_threads(body, WORLD, timeout=30.0)

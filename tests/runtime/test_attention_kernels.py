@@ -19,7 +19,7 @@ from hgraph.runtime.kernels import attention_kernels as kernels
 from hgraph.core.batch import load_balance_indices
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.context import RankContext
 from hgraph.models.zoo import zoo_model
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -139,12 +139,12 @@ def test_context_parallel_attention_with_a_variant_on_two_ranks(window, softcap,
     positions = positions_of(packing)
 
     def body(comm):
-        with rank_context(RankContext(comm.rank, comm, {"cp": (0, 1)})):
-            idx = load_balance_indices(16, 2, comm.rank)
-            lq, lk, lv = (t.detach()[:, :, idx].requires_grad_(True) for t in (q, k, v))
-            out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True,
-                                       **variant_kwargs(window, softcap, alibi))
-            return (idx, out, *torch.autograd.grad(out, (lq, lk, lv), grad[:, :, idx]))
+        rc = RankContext(comm.rank, comm, {"cp": (0, 1)})
+        idx = load_balance_indices(16, 2, comm.rank)
+        lq, lk, lv = (t.detach()[:, :, idx].requires_grad_(True) for t in (q, k, v))
+        out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True, rank_context=rc,
+                               **variant_kwargs(window, softcap, alibi))
+        return (idx, out, *torch.autograd.grad(out, (lq, lk, lv), grad[:, :, idx]))
 
     for idx, out, gq, gk, gv in run_threads(body, 2, timeout=60):
         torch.testing.assert_close(out, want[:, :, idx])

@@ -54,19 +54,18 @@ class CallCounter:
 
 
 def _both_ways(comm=None):
-    """Every case alone, then all cases as one coalesced bucket; returns both output lists."""
-    import torch.distributed as dist
+    """Every case alone, then all cases as one coalesced bucket; returns both output lists
+    (``comm``: a simulated rank's, else the torch.distributed one)."""
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 
-    rank = comm.rank if comm is not None else dist.get_rank()
-    world = comm.world_size if comm is not None else dist.get_world_size()
+    comm = comm if comm is not None else ProcessGroupComm()
+    rank, world = comm.rank, comm.world_size
     plans, sources = [], []
     for src, dst in CASES[world]:
         plans.append(solve(src, dst, itemsize=8))
         sources.append(local_shards(src, _value(src.shape)).get(rank))
     alone = [execute(p, s, comm, dtype=torch.float64) for p, s in zip(plans, sources)]
-    from hgraph.runtime.kernels.reshard import default_comm
-
-    together = execute_coalesced(plans, sources, comm or default_comm(), dtype=torch.float64)
+    together = execute_coalesced(plans, sources, comm, dtype=torch.float64)
     return alone, together
 
 

@@ -16,7 +16,6 @@ from hgraph.passes.pipeline import PassManager
 from hgraph.profiling.profile_ranks import compute_ms
 from hgraph.runtime.executor import Executor
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
 from hgraph.training.trainer import Trainer
 
 # what building calls: every step of the Builder, the functions the build step runs, the pass manager
@@ -99,8 +98,7 @@ def test_profiling_runs_the_action_list_training_runs(monkeypatch):
         buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
         mbs = [local_micro_batches([pack_micro_batch([s], micro_batch_align(program.groups))], program.groups,
                                    comm.rank, buffers)[0] for s in sequences]
-        with rank_context(RankContext(comm.rank, comm, program.groups)):
-            ms = compute_ms(program, trainer.optimizer.shards, mbs)
+        ms = compute_ms(program, trainer.optimizer.shards, mbs, comm)
         return ms, len(trainer.history[0]["dispatch"][0])
 
     results = run_threads(body, 2)

@@ -21,17 +21,16 @@ from hgraph.core.batch import load_balance_indices
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.kernels.context import RankContext, rank_context
+from hgraph.runtime.kernels.context import RankContext
 
 DT = torch.float64
 
 
-def on_ranks(world: int, fn: Callable[[int], object], mesh_dim: str = "tp") -> list:
-    """Run ``fn(rank)`` on ``world`` simulated ranks forming one ``mesh_dim`` group."""
+def on_ranks(world: int, fn: Callable[[int, RankContext], object], mesh_dim: str = "tp") -> list:
+    """Run ``fn(rank, rank_context)`` on ``world`` simulated ranks forming one ``mesh_dim`` group."""
 
     def body(comm):
-        with rank_context(RankContext(comm.rank, comm, {mesh_dim: tuple(range(world))})):
-            return fn(comm.rank)
+        return fn(comm.rank, RankContext(comm.rank, comm, {mesh_dim: tuple(range(world))}))
 
     return run_threads(body, world, timeout=30)
 
@@ -49,9 +48,9 @@ def test_all_reduce_sums_and_passes_gradient_through(world):
     parts = [rand(3, 4, seed=r) for r in range(world)]
     upstream = rand(3, 4, seed=99)
 
-    def body(rank):
+    def body(rank, rc):
         x = leaf(parts[rank])
-        out = all_reduce(x, "tp")
+        out = all_reduce(x, "tp", rank_context=rc)
         (out * upstream).sum().backward()
         return out, x.grad
 
@@ -66,9 +65,9 @@ def test_reduce_scatter_and_its_all_gather_adjoint(world, dim):
     parts = [rand(4, 8, seed=r) for r in range(world)]
     upstream = rand(4, 8, seed=99)
 
-    def body(rank):
+    def body(rank, rc):
         x = leaf(parts[rank])
-        out = reduce_scatter(x, "tp", dim)
+        out = reduce_scatter(x, "tp", dim, rank_context=rc)
         (out * upstream.chunk(world, dim)[rank]).sum().backward()
         return out, x.grad
 
@@ -83,9 +82,9 @@ def test_all_gather_forward_and_both_backward_modes(world, grad_partial):
     full = rand(8, 3, 2, seed=1)
     upstreams = [rand(8, 3, 2, seed=10 + r) for r in range(world)]
 
-    def body(rank):
+    def body(rank, rc):
         x = leaf(full.chunk(world, 0)[rank])
-        out = all_gather(x, "tp", 0, grad_partial=grad_partial)
+        out = all_gather(x, "tp", 0, grad_partial=grad_partial, rank_context=rc)
         # partial grads differ per rank; replicated grads are the same on every rank
         g = upstreams[rank] if grad_partial else upstreams[0]
         (out * g).sum().backward()
@@ -101,9 +100,9 @@ def test_all_gather_forward_and_both_backward_modes(world, grad_partial):
 def test_split_keeps_own_chunk_and_gathers_gradient(world):
     full, upstream = rand(2, 8, seed=1), rand(2, 8, seed=2)
 
-    def body(rank):
+    def body(rank, rc):
         x = leaf(full)
-        out = split(x, "tp", -1)
+        out = split(x, "tp", -1, rank_context=rc)
         (out * upstream.chunk(world, -1)[rank]).sum().backward()
         return out, x.grad
 
@@ -116,9 +115,9 @@ def test_split_keeps_own_chunk_and_gathers_gradient(world):
 def test_all_to_all_reshards_and_its_adjoint_reshards_back(world):
     full, upstream = rand(8, 4, 12, seed=1), rand(8, 4, 12, seed=2)
 
-    def body(rank):
+    def body(rank, rc):
         x = leaf(full.chunk(world, 0)[rank])  # S(0)
-        out = all_to_all(x, "tp", split_dim=2, cat_dim=0)  # -> S(2)
+        out = all_to_all(x, "tp", split_dim=2, cat_dim=0, rank_context=rc)  # -> S(2)
         (out * upstream.chunk(world, 2)[rank]).sum().backward()
         return out, x.grad
 
@@ -132,9 +131,9 @@ def test_grad_all_reduce_is_identity_forward_and_sums_gradients(world):
     full = rand(3, 5, seed=1)
     upstreams = [rand(3, 5, seed=10 + r) for r in range(world)]
 
-    def body(rank):
+    def body(rank, rc):
         x = leaf(full)
-        out = grad_all_reduce(x, "tp")
+        out = grad_all_reduce(x, "tp", rank_context=rc)
         (out * upstreams[rank]).sum().backward()
         return out, x.grad
 
@@ -144,8 +143,8 @@ def test_grad_all_reduce_is_identity_forward_and_sums_gradients(world):
 
 
 def test_uneven_split_raises_sharding_rule_error():
-    def body(rank):
-        reduce_scatter(torch.ones(3, 5, dtype=DT), "tp", 1)
+    def body(rank, rc):
+        reduce_scatter(torch.ones(3, 5, dtype=DT), "tp", 1, rank_context=rc)
 
     with pytest.raises(ShardingRuleError, match="size 5"):
         on_ranks(2, body)
@@ -160,9 +159,9 @@ def test_vocab_parallel_embedding_matches_embedding(world):
     ref = F.embedding(ids, ref_weight)
     (ref * upstream).sum().backward()
 
-    def body(rank):
+    def body(rank, rc):
         shard = leaf(weight.chunk(world, 0)[rank])
-        out = all_reduce(vocab_parallel_embedding(ids, shard, "tp"), "tp")
+        out = all_reduce(vocab_parallel_embedding(ids, shard, "tp", rank_context=rc), "tp", rank_context=rc)
         (out * upstream).sum().backward()
         return out, shard.grad
 
@@ -180,9 +179,9 @@ def test_vocab_parallel_cross_entropy_matches_cross_entropy(world, offset):
     ref = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
     ref.backward()
 
-    def body(rank):
+    def body(rank, rc):
         shard = leaf(logits.chunk(world, -1)[rank])
-        loss = vocab_parallel_cross_entropy(shard, targets, "tp")
+        loss = vocab_parallel_cross_entropy(shard, targets, "tp", rank_context=rc)
         loss.backward()
         return loss, shard.grad
 
@@ -261,10 +260,10 @@ def test_context_parallel_packed_attention_matches_per_sequence(cp, lengths):
     ref = per_sequence_reference(rq, rk, rv, lengths, gqa=True)
     (ref * upstream).sum().backward()
 
-    def body(rank):
+    def body(rank, rc):
         idx = load_balance_indices(seq, cp, rank)
         lq, lk, lv = (leaf(t[:, :, idx]) for t in (q, k, v))
-        out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True)
+        out = packed_attention(lq, lk, lv, positions[:, idx], cp=True, enable_gqa=True, rank_context=rc)
         (out * upstream[:, :, idx]).sum().backward()
         return idx, out, lq.grad, lk.grad, lv.grad
 
@@ -291,36 +290,36 @@ def test_packed_attention_propagates_fake_tensors_without_a_rank_context():
     assert out.shape == (1, 4, 8, 8) and out.dtype == DT
 
 
-def every_op(rank: int, world: int) -> dict[str, torch.Tensor]:
+def every_op(rc: RankContext, world: int) -> dict[str, torch.Tensor]:
     """Forward and backward of every op on one rank (its group is the whole world, named tp and cp)."""
-    results = {}
+    results, rank = {}, rc.rank
     x = leaf(rand(4, 8, seed=rank))
-    all_reduce(x, "tp").pow(2).sum().backward()
+    all_reduce(x, "tp", rank_context=rc).pow(2).sum().backward()
     results["all_reduce"] = x.grad
     x = leaf(rand(4, 8, seed=rank))
-    y = reduce_scatter(x, "tp", 1)
+    y = reduce_scatter(x, "tp", 1, rank_context=rc)
     results["reduce_scatter"] = y
     (y * y).sum().backward()
     results["reduce_scatter.grad"] = x.grad
     for partial in (False, True):
         x = leaf(rand(2, 4, seed=rank))
-        y = all_gather(x, "tp", 0, grad_partial=partial)
+        y = all_gather(x, "tp", 0, grad_partial=partial, rank_context=rc)
         (y * rand(2 * world, 4, seed=rank if partial else 0)).sum().backward()
         results[f"all_gather{partial}"], results[f"all_gather{partial}.grad"] = y, x.grad
     x = leaf(rand(8, 4, seed=0))
-    y = all_to_all(split(x, "tp", 0), "tp", split_dim=1, cat_dim=0)
+    y = all_to_all(split(x, "tp", 0, rank_context=rc), "tp", split_dim=1, cat_dim=0, rank_context=rc)
     (y * rand(*y.shape, seed=rank)).sum().backward()
     results["split_all_to_all"], results["split_all_to_all.grad"] = y, x.grad
     x = leaf(rand(3, 3, seed=0))
-    (grad_all_reduce(x, "tp") * rank).sum().backward()
+    (grad_all_reduce(x, "tp", rank_context=rc) * rank).sum().backward()
     results["grad_all_reduce.grad"] = x.grad
     logits = leaf(rand(6, 4, seed=rank))
-    loss = vocab_parallel_cross_entropy(logits, torch.tensor([0, 5, 7, -100, 2, 1]), "tp")
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([0, 5, 7, -100, 2, 1]), "tp", rank_context=rc)
     loss.backward()
     results["cross_entropy"], results["cross_entropy.grad"] = loss, logits.grad
     q, k, v = (leaf(t[:, :, load_balance_indices(16, world, rank)]) for t in qkv(1, 16))
     positions = packed_positions([[5, 1, 7, 3]])[:, load_balance_indices(16, world, rank)]
-    out = packed_attention(q, k, v, positions, cp=True, enable_gqa=True)
+    out = packed_attention(q, k, v, positions, cp=True, enable_gqa=True, rank_context=rc)
     out.pow(2).sum().backward()
     results.update(attention=out, q_grad=q.grad, k_grad=k.grad, v_grad=v.grad)
     return results
@@ -331,8 +330,7 @@ def _gloo_every_op(world: int) -> dict[str, torch.Tensor]:
 
     comm = ProcessGroupComm()
     group = tuple(range(world))
-    with rank_context(RankContext(comm.rank, comm, {"tp": group, "cp": group})):
-        return every_op(comm.rank, world)
+    return every_op(RankContext(comm.rank, comm, {"tp": group, "cp": group}), world)
 
 
 def test_ops_give_identical_results_on_gloo_processes_and_threads():
@@ -342,8 +340,7 @@ def test_ops_give_identical_results_on_gloo_processes_and_threads():
 
     def threads(comm):
         group = tuple(range(world))
-        with rank_context(RankContext(comm.rank, comm, {"tp": group, "cp": group})):
-            return every_op(comm.rank, world)
+        return every_op(RankContext(comm.rank, comm, {"tp": group, "cp": group}), world)
 
     expected = run_threads(threads, world, timeout=30)
     got = launch(_gloo_every_op, world, args=(world,), timeout=120)

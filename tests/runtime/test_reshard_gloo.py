@@ -82,17 +82,18 @@ def spread_shards(layout, value):
 
 
 def _run_cases(world_size):
-    """On every rank: execute each case with the default (torch.distributed) communicator."""
+    """On every rank: execute each case with the torch.distributed communicator."""
     import torch.distributed as dist
 
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
     from hgraph.runtime.kernels.reshard import execute
 
-    rank = dist.get_rank()
+    rank, comm = dist.get_rank(), ProcessGroupComm()
     out = []
     for src, dst in CASES[world_size]:
         plan = solve(src, dst, itemsize=8)
         shards = spread_shards(src, _value(src.shape))
-        out.append(execute(plan, shards.get(rank), dtype=torch.float64))
+        out.append(execute(plan, shards.get(rank), comm, dtype=torch.float64))
     return out
 
 
