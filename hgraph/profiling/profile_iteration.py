@@ -91,7 +91,7 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     from hgraph.compiler.entry import compile as compile_model
     from hgraph.planner.assign import Planner
     from hgraph.core.model_info import embedding_of
-    from hgraph.runtime.kernels.comm import ProcessGroupComm
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
     from hgraph.runtime.timeline import exposed_communication
     from hgraph.training.trainer import Trainer
 

@@ -173,7 +173,7 @@ def _rank_main(
     import torch
 
     from hgraph.compiler.entry import compile as compile_model
-    from hgraph.runtime.kernels.comm import ProcessGroupComm
+    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
     from hgraph.core.strategy import homogeneous
 
     comm = ProcessGroupComm()

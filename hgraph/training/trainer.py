@@ -35,7 +35,8 @@ from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
-from hgraph.runtime.kernels.comm import Communicator, ProcessGroupComm
+from hgraph.runtime.kernels.comm import Communicator
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_evaluation, run_iteration
 from hgraph.runtime.initial_shards import PathLike, initial_shards
