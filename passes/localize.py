@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import (
     CP,

@@ -86,9 +86,9 @@ def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, con
 
 
 def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Outline the layers ``ctx.recompute`` (else ``ctx.options.recompute``) chooses into
-    ``RecomputedRegion`` calls."""
-    config = RecomputeConfig.of(getattr(ctx, "recompute", None) or getattr(ctx.options, "recompute", None))
+    """Outline the layers ``ctx.recompute`` (else ``ctx.options.recompute_for`` the context's pipeline
+    shape) chooses into ``RecomputedRegion`` calls."""
+    config = RecomputeConfig.of(getattr(ctx, "recompute", None) or ctx.options.recompute_for(ctx.cp, ctx.tp, ctx.pp))
     if config.mode == "none":
         return gm
     for i, (layer, run) in enumerate(_runs(gm, config)):

@@ -13,7 +13,7 @@ import torch
 
 from hgraph.runtime.kernels.context import current
 from hgraph.schedule.actions import pipeline_peers
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.program.rank_program import RankProgram
 from hgraph.runtime.executor import pull_parameters
 from hgraph.runtime.stage import HEADER, from_header, send_header, shards_device

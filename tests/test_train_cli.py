@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.strategy import Strategy
 from hgraph.cli.train_cli import choose_backend
 from hgraph.training.train_config import TrainConfig

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),

@@ -42,7 +42,7 @@ from typing import Any, Optional
 import torch
 
 from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
-from hgraph.core.errors import CommunicationError, HGraphError, InputError
+from hgraph.errors import CommunicationError, HGraphError, InputError
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
 from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
@@ -336,8 +336,9 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
         "device": str(trainer.device), "options": {
             "compute_dtype": str(compiled.options.compute_dtype or torch.float32).removeprefix("torch."),
             "reduce_dtype": str(compiled.options.reduce_dtype).removeprefix("torch."),
-            "recompute": compiled.options.recompute.mode, "schedule": compiled.options.schedule,
-            "pipeline_schedule": compiled.options.pipeline_schedule}}}
+            "recompute": compiled.options.recompute.mode,
+            "schedule": "none" if compiled.options.schedule.overlap is None else "overlap",
+            "pipeline_schedule": compiled.options.schedule.pipeline}}}
 
 
 def metrics_config(cfg: TrainConfig) -> Any:

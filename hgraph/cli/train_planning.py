@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from hgraph.core.errors import CostModelError, InputError
+from hgraph.errors import CostModelError, InputError
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel, Scheme, load_cost_model
 from hgraph.profiling.profile import profile_cost_model

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 ENV = "HGRAPH_COMPILE_CACHE"
 FORMAT = 2  # 1: a pickle (before 0.2); 2: JSON data

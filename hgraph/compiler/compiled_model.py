@@ -14,7 +14,7 @@ steps compute products with the typed functions named; results cached; see docs/
                                 + pipeline schedule; schedule step (``rank_schedule``): its overlap order
 
 Shared products (trace, local programs, stage partitions, layouts) are built once in ``compile``;
-per-rank products for the compiled ``rank`` (default: the process's own under ``hgraph.launch`` /
+per-rank products for ``options.build.rank`` (default: the process's own under ``hgraph.launch`` /
 torchrun; ``None``: every rank) are built in ``compile`` too, any other rank's on first use, so a
 rank of a 1,024-rank job plans only its own transfers. Everything is cached, so switching strategies
 between iterations costs nothing but the Pulls the new strategy needs. Optimizer state lives in the
@@ -30,7 +30,7 @@ import time
 import warnings
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -51,7 +51,7 @@ from hgraph.compiler.parameter_plans import (
 from hgraph.compiler.show import activation_subgraphs, explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
-from hgraph.core.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
+from hgraph.errors import HGraphError, InputError, PackingError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
@@ -102,13 +102,7 @@ class CompiledModel:
         traced: TracedModel,
         strategies: list[Strategy],
         options: CompileOptions,
-        user_passes: Sequence[Any] = (),
-        disabled: Iterable[str] = (),
         rank: Optional[int] = None,
-        verify: Optional[bool] = None,
-        cache_dir: Optional[str] = None,
-        trust_shared_cache: bool = False,
-        packing: str = "auto",
     ) -> None:
         self.model = model
         self.traced = traced
@@ -116,12 +110,13 @@ class CompiledModel:
         self.options = options
         self.world_size = strategies[0].world_size
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.world_size):
-            raise StrategyError(f"compile(rank={rank!r}): expected None or a rank in 0..{self.world_size - 1}")
+            raise StrategyError(f"build.rank={rank!r}: expected 'auto', None or a rank in 0..{self.world_size - 1}")
         self.rank = rank
+        verify = options.build.verify
         self.verify = self.world_size <= VERIFY_WORLD if verify is None else bool(verify)
         self.pass_history: list[PassRecord] = []
-        user = checked_user_passes(user_passes)
-        off = checked_disabled(disabled, user)
+        user = checked_user_passes(options.passes)
+        off = checked_disabled(options.disable, user)
         self._passes = {level: PassManager.for_level(level, {n: BUILTIN_PASSES[n] for n in names if n in BUILTIN_PASSES},
                                                      user, off)
                         for level, names in LEVELS}
@@ -143,7 +138,7 @@ class CompiledModel:
         self.optimizer_layouts: dict[str, Layout] = optimizer_layouts(self.param_shapes, self.world_size, mesh_specs,
                                                                       experts)
         own = [(i, r) for i in range(len(strategies)) for r in (range(self.world_size) if rank is None else (rank,))]
-        cache = self._cache(cache_directory(cache_dir), own, trust_shared_cache)
+        cache = self._cache(cache_directory(options.build.cache_dir), own, options.build.trust_shared_cache)
         self.cache_hit = False
         if cache is not None:
             with gc_paused():  # decoding builds many small objects, as planning does
@@ -159,17 +154,17 @@ class CompiledModel:
         if cache is not None and not self.cache_hit:
             with gc_paused():
                 cache.store(encode_plans({key: self._param_comm[key] for key in own}))
-        if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
+        if self.verify and (options.schedule.pipeline != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
             for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
                 self.check_actions(i, [2 * p.pp for p in s.pipelines])
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
-        if options.schedule == "overlap" and self.verify:
+        if options.schedule.overlap is not None and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
                 for counts in typical_dispatches(len(strategies[i].pipelines)):
                     self.check_overlap(i, counts)
         # How training packs documents (hgraph.compiler.packing_proof): proved once everything else compiled,
         # so a refusal of the model comes first and the probe runs only on a model that compiles.
-        self.packing: PackingProof = prove_packing(traced, packing)
+        self.packing: PackingProof = prove_packing(traced, options.packing)
         _check_padding(self.packing, strategies, options)
         self.compile_seconds = time.perf_counter() - start
 
@@ -407,8 +402,8 @@ class CompiledModel:
             activations=tuple(activation_subgraphs(stages, s, pi)),
             compute_dtype=self.options.compute_dtype,
             reduce_dtype=self.options.reduce_dtype,
-            coalesce=self.options.coalesce,
-            pipeline_schedule=self.options.pipeline_schedule,
+            coalesce=self.options.schedule.coalesce,
+            pipeline_schedule=self.options.schedule.pipeline,
         )
         ctx = self._context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, ep=pipeline.ep, strategy=s, program=program)
         program, records = self._passes["rank"].around(
@@ -419,9 +414,9 @@ class CompiledModel:
 
     def _scheduled(self, program: RankProgram) -> RankProgram:
         """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order)."""
-        if self.options.overlap is None:
+        if self.options.schedule.overlap is None:
             return program
-        return replace(program, overlap=rank_schedule(program, self.options.overlap))
+        return replace(program, overlap=rank_schedule(program, self.options.schedule.overlap))
 
     # ------------------------------------------------------------------ inspection (show.py)
     def subgraphs(self, strategy: StrategyLike, rank: int) -> list[CommSubgraph]:
@@ -496,7 +491,7 @@ def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options:
                 raise PackingError(
                     f"strategy '{s}' pads every micro-batch (it {why}), so each document shares its micro-batch "
                     f"with padding, which needs packing proved exact; {proof}. Use strategies without cp"
-                    + (" or sequence_parallel=False" if options.sequence_parallel else "")
+                    + (" or CompileOptions(sequence_parallel=False)" if options.sequence_parallel else "")
                 )
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.core.layout import AnyLayout, InterleavedShard, Layout, LayoutUnion
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.core.zero import optimizer_layout

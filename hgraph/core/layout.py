@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 
 Box = tuple[tuple[int, int], ...]
 """A hyper-rectangle of a global tensor: one ``(start, stop)`` per tensor dim."""

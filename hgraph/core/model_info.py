@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from hgraph.core.errors import CostModelError, StrategyError
+from hgraph.errors import CostModelError, StrategyError
 from hgraph.core.strategy import Strategy
 
 if TYPE_CHECKING:

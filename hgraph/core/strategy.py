@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Sequence, Union
 
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from hgraph.core.errors import InputError, TraceError
+from hgraph.errors import InputError, TraceError
 from hgraph.core.layer_names import layer_index
 from hgraph.frontend.canonicalize import canonicalize
 from hgraph.frontend.linear_attention import hf_kernels, refuse_unsupported_mixers

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Optional, Union
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.layout import AnyLayout, Box, box_numel, chunk_bounds
 from hgraph.lnk.collectives import collective_steps
 from hgraph.lnk.pieces import is_partial, pieces_of

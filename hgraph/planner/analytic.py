@@ -42,7 +42,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel, Scheme, StageCost
 from hgraph.planner.experts import (
     EVEN_ROUTING,

@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.core.strategy import parse_degrees
 from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
 

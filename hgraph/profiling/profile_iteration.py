@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel
 from hgraph.planner.machine import machine
 from hgraph.profiling.profile_ranks import ModelFactory, factory_name, model_facts, resolve_factory

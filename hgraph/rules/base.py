@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.layout import InterleavedShard, Partial, Placement, Replicate, Shard
 
 MESH_DIMS = ("cp", "tp")

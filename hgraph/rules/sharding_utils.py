@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.layout import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import CP, MESH_DIMS, TP, Spec, spec_str
 from hgraph.core.batch import load_balance_indices

@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 
 
 class ScheduleError(HGraphError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.schedule.actions import Action, Kind, ScheduleError, pipeline_actions, replay, steps, wrapped_chunk
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved")

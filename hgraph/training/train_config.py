@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
 TOP = {"model", "strategies", "world_size", "iterations", "lr", "weight_decay", "grad_clip", "warmup",

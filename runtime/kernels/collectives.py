@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from hgraph.core.errors import CommunicationError, ShardingRuleError
+from hgraph.errors import CommunicationError, ShardingRuleError
 from hgraph.runtime.kernels.context import RankContext, current, rank_context
 
 Tensor = torch.Tensor

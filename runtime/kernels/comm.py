@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.runtime.kernels.failures import comm_timeout
 
 Group = tuple[int, ...]

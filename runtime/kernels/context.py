@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.runtime.kernels.comm import Communicator, Group
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import hgraph
-from hgraph.core.errors import TraceError
+from hgraph.errors import TraceError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.backward import backward_graph, comm_counts, comm_nodes
 from hgraph.runtime.kernels.collectives import all_gather, all_to_all, grad_all_reduce, reduce_scatter, split

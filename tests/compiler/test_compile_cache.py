@@ -15,7 +15,7 @@ import torch
 
 import hgraph
 from hgraph.compiler.compile_cache import ENV, CacheWarning, CompileCache
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.plan_codec import decode_plans
 

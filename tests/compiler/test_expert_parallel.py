@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import hgraph
 from hgraph.cli.zoo_check import reference_gradients
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 from hgraph.core.layout import Replicate, Shard
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.models.zoo import zoo_model

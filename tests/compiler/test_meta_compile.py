@@ -7,7 +7,7 @@ import transformers
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 
 IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import PackingError
+from hgraph.errors import PackingError
 from hgraph.frontend import trace
 from hgraph.compiler.packing_proof import PackingWarning, graph_proof, prove_packing
 from hgraph.runtime.kernels.comm import run_threads

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.passes.recompute import RecomputeConfig, regions
 from hgraph.runtime.kernels import comm as comm_module

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hgraph.runtime.kernels.simulate import simulate
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.layout import InterleavedShard, Layout, LayoutUnion, parse_placement
 from hgraph.lnk import solve
 from hgraph.lnk.pieces import assemble, local_shards

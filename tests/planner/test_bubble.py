@@ -2,7 +2,7 @@
 
 import pytest
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.schedule.bubble import pipeline_time
 
 

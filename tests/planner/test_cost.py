@@ -7,7 +7,7 @@ from importlib import resources
 
 import pytest
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model, stage_cost
 from hgraph.planner.cost import PRESETS, CostModel, Scheme, StageCost, load_cost_model
 

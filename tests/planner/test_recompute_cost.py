@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.recompute import regions
 from hgraph.planner.cost import CostModel, Scheme, choose_recompute

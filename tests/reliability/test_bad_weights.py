@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import hgraph
-from hgraph.core.errors import CheckpointError
+from hgraph.errors import CheckpointError
 from hgraph.runtime.kernels.comm import run_threads
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -125,7 +125,7 @@ def test_no_such_path(compiled, tmp_path):
 
 def _trainer_error(compiled, **per_rank):
     """Each thread rank's TrainingError message (keyword values are per-rank lists)."""
-    from hgraph.core.errors import TrainingError
+    from hgraph.errors import TrainingError
 
     def rank(comm):
         try:

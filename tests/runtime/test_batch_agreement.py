@@ -6,7 +6,7 @@ or hanging; the same batch on both ranks trains, before and after."""
 import torch
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 
 LENGTHS = (37, 12, 90, 25, 64, 8)

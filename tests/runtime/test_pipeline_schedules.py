@@ -9,7 +9,7 @@ from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
 import hgraph.schedule.actions
 from hgraph.schedule.actions import Kind
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.training.trainer import Trainer
 from hgraph.core.batch import next_token_targets

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from adamw_oracle import single_process_adamw
 import hgraph
-from hgraph.core.errors import CommunicationError, TrainingError
+from hgraph.errors import CommunicationError, TrainingError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.runtime.kernels.comm import run_threads
 from hgraph.training.trainer import Trainer

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.timeline import (
