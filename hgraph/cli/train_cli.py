@@ -46,6 +46,7 @@ from hgraph.errors import CommunicationError, HGraphError, InputError
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
 from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
@@ -256,10 +257,13 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
     if cfg.warmup or cfg.lr_schedule != "constant":
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))  # noqa: E731
     # meta-built models: sliced load or layer-wise init; eager ones are released once sharded
-    trainer = Trainer(compiled, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      planner=planner, lr_scheduler=scheduler, metrics=metrics_config(cfg),
-                      weights=spec.weights if is_meta_model(model) else None, init_seed=cfg.seed,
-                      release_model=not is_meta_model(model))
+    trainer = Trainer(compiled,
+                      optimizer=AdamWConfig(lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                            grad_clip=cfg.grad_clip, lr_scheduler=scheduler),
+                      run=RunConfig(metrics=metrics_config(cfg),
+                                    weights=spec.weights if is_meta_model(model) else None,
+                                    init_seed=cfg.seed, release_model=not is_meta_model(model)),
+                      planner=planner)
     log_to_file(Path(cfg.out) / "logs", trainer.rank)
     if trainer.metrics is not None:
         trainer.metrics.iterations = cfg.iterations

@@ -51,7 +51,7 @@ def errors(compiled, paths):
 
     def rank(comm):
         try:
-            hgraph.Trainer(compiled, comm=comm, weights=paths[comm.rank])
+            hgraph.Trainer(compiled, comm=comm, run=hgraph.RunConfig(weights=paths[comm.rank]))
         except CheckpointError as exc:
             return str(exc)
         return None

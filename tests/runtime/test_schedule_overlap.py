@@ -11,6 +11,7 @@ from hgraph.program.options import OverlapConfig
 from hgraph.runtime.kernels.comm import run_threads
 from hgraph.schedule.actions import Action, Kind, ScheduleError, dry_run, format_actions, parse
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
 
@@ -26,7 +27,8 @@ def compiled_pair():
     ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
     none = hgraph.compile(model, WORLD4, example_inputs=ids)
     config = OverlapConfig(prefetch_layers=1, bucket_bytes=4096)
-    overlap = hgraph.compile(model, WORLD4, example_inputs=ids, schedule=config)
+    overlap = hgraph.compile(model, WORLD4, example_inputs=ids,
+                             options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if config == "overlap" else None)))
     return ids, none, overlap
 
 
@@ -45,8 +47,10 @@ def trainer_run(schedule, strategies, iterations, comm=None):
     """Runs on every rank (module level so spawned processes can import it)."""
     model = make_model(layers=2)
     example = torch.randint(0, 256, (1, 16))
-    compiled = hgraph.compile(model, strategies, example_inputs=example, schedule=schedule)
-    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=48, lr=1e-3)
+    compiled = hgraph.compile(model, strategies, example_inputs=example,
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if schedule == "overlap" else None)))
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=1e-3),
+                      run=RunConfig(micro_batch_tokens=48))
     g = torch.Generator().manual_seed(1)
     losses, params = [], []
     for i in range(iterations):
@@ -83,7 +87,7 @@ def test_real_gloo_overlap_equals_none():
 def small_compiled(strategy="2x tp1", **config):
     model = Llama(LlamaConfig(layers=2, kv_heads=4))
     return hgraph.compile(model, [strategy], example_inputs=torch.randint(0, 256, (1, 8)),
-                          schedule=OverlapConfig(**config))
+                          options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig(**config))))
 
 
 def test_golden_order_two_layers():
@@ -179,7 +183,8 @@ def test_bad_config_is_rejected():
     with pytest.raises(InputError, match="prefetch_layers"):
         OverlapConfig(prefetch_layers=-1)
     with pytest.raises(HGraphError, match="schedule"):
-        hgraph.compile(make_model(2), ["tp1"], example_inputs=torch.randint(0, 256, (1, 8)), schedule="fast")
+        hgraph.compile(make_model(2), ["tp1"], example_inputs=torch.randint(0, 256, (1, 8)),
+                       options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if ("fast") == "overlap" else None)))
 
 
 def test_thread_comm_async_start_and_wait():
