@@ -64,7 +64,8 @@ def timed_world(world: int, layers: int, rank: int = 0, schedule: str = "none") 
     ids = torch.randint(0, 256, (1, 16))
     start, cpu = time.perf_counter(), time.process_time()
     compiled = hgraph.compile(model, world_strategies(world), example_inputs=ids,
-                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if schedule == "overlap" else None),
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                                  overlap=OverlapConfig() if schedule == "overlap" else None),
                                                             build=hgraph.BuildConfig(rank=rank)))
     for i in range(len(compiled.strategies)):
         compiled.program(i, rank)

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 import torch
+
 from hgraph.program.options import OverlapConfig
 from hgraph.training.configs import AdamWConfig, RunConfig
 
@@ -76,7 +77,8 @@ def _rank_run(size: str, strategies: list[str], table: dict, batches: list[list[
     terms = terms_of(cost)
     model = model_factory(size)
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 8, (1, 16)),
-                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if schedule == "overlap" else None)))
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                                  overlap=OverlapConfig() if schedule == "overlap" else None)))
     correction = OnlineCorrection()
     single = [Planner(cost, [s], terms=terms, schedule=schedule, correction=correction) for s in compiled.strategies]
     full = Planner(cost, compiled.strategies, terms=terms, schedule=schedule, correction=correction)

@@ -49,7 +49,8 @@ def measure() -> dict:
     trainers = {
         schedule: Trainer(
             hgraph.compile(model, STRATEGIES, example_inputs=example,
-                           options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if schedule == "overlap" else None))),
+                           options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                               overlap=OverlapConfig() if schedule == "overlap" else None))),
             optimizer=AdamWConfig(lr=1e-4), run=RunConfig(micro_batch_tokens=256, timeline=True),
         )
         for schedule in ("none", "overlap")

@@ -123,7 +123,8 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     model = model_factory(cfg.size)
     start = time.perf_counter()
     compiled = entry.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)),
-                                      options=CompileOptions(schedule=ScheduleConfig(overlap=OverlapConfig() if cfg.schedule == "overlap" else None)))
+                                      options=CompileOptions(schedule=ScheduleConfig(
+                                          overlap=OverlapConfig() if cfg.schedule == "overlap" else None)))
     compile_s = time.perf_counter() - start
     cost_model = CostModel.from_table(json.loads(cfg.cost_table))
     planner = Planner(cost_model, compiled.strategies, terms=terms_of(cost_model), schedule=cfg.schedule,

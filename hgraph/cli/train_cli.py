@@ -43,10 +43,11 @@ import torch
 
 from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
 from hgraph.errors import CommunicationError, HGraphError, InputError
+from hgraph.program.options import CompileOptions, OverlapConfig, RecomputeConfig, ScheduleConfig
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
-from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
 from hgraph.training.configs import AdamWConfig, RunConfig
+from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
@@ -227,11 +228,14 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
         return {"error": str(exc)}
 
 
-def compile_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The ``hgraph.compile`` keywords of a config."""
-    return {"compute_dtype": None if cfg.compute_dtype == "float32" else DTYPES[cfg.compute_dtype],
-            "reduce_dtype": DTYPES[cfg.reduce_dtype], "recompute": cfg.recompute, "schedule": cfg.schedule,
-            "pipeline_schedule": cfg.pipeline_schedule}
+def compile_options(cfg: TrainConfig) -> CompileOptions:
+    """The ``CompileOptions`` of a config."""
+    return CompileOptions(
+        compute_dtype=None if cfg.compute_dtype == "float32" else DTYPES[cfg.compute_dtype],
+        reduce_dtype=DTYPES[cfg.reduce_dtype], recompute=RecomputeConfig(cfg.recompute),
+        schedule=ScheduleConfig(pipeline=cfg.pipeline_schedule,
+                                overlap=OverlapConfig() if cfg.schedule == "overlap" else None),
+    )
 
 
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
@@ -246,7 +250,7 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
     model = spec()
     vocab = model_vocab(model) or 256
     compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
-                             **compile_options(cfg))
+                             options=compile_options(cfg))
     planner = None
     if cost_table is not None:
         from hgraph.planner.assign import Planner

@@ -104,7 +104,8 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     vocab = embedding_of(model).num_embeddings
     example = torch.randint(0, vocab, (1, 16))
     trainers = {sc: Trainer(compile_model(model, strategies, example_inputs=example,
-                                          options=CompileOptions(schedule=ScheduleConfig(overlap=OverlapConfig() if sc == "overlap" else None))),
+                                          options=CompileOptions(schedule=ScheduleConfig(
+                                              overlap=OverlapConfig() if sc == "overlap" else None))),
                             optimizer=AdamWConfig(lr=1e-4), run=RunConfig(timeline=True)) for sc in ("none", "overlap")}
     gen = torch.Generator().manual_seed(1)
     sequences = [[torch.randint(0, vocab, (n,), generator=gen) for n in b] for b in batches]

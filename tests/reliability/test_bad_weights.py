@@ -124,12 +124,12 @@ def test_no_such_path(compiled, tmp_path):
 
 
 def _trainer_error(compiled, **per_rank):
-    """Each thread rank's TrainingError message (keyword values are per-rank lists)."""
+    """Each thread rank's TrainingError message (``RunConfig`` keyword values are per-rank lists)."""
     from hgraph.errors import TrainingError
 
     def rank(comm):
         try:
-            hgraph.Trainer(compiled, comm=comm, **{k: v[comm.rank] for k, v in per_rank.items()})
+            hgraph.Trainer(compiled, comm=comm, run=hgraph.RunConfig(**{k: v[comm.rank] for k, v in per_rank.items()}))
         except TrainingError as exc:
             return str(exc)
         return None

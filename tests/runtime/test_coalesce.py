@@ -16,10 +16,10 @@ from hgraph.runtime.kernels.coalesce import execute_coalesced
 from hgraph.runtime.kernels.comm import run_threads
 from hgraph.runtime.launch import launch
 from hgraph.runtime.kernels.reshard import execute
+from hgraph.training.configs import AdamWConfig, RunConfig
 from hgraph.training.trainer import Trainer
 
-from test_reshard_gloo import CASES, _value
-from hgraph.training.configs import AdamWConfig, RunConfig  # the plan cases of every kind (collectives and p2p)
+from test_reshard_gloo import CASES, _value  # the plan cases of every kind (collectives and p2p)
 
 NAMES = ("start_all_reduce", "start_all_gather", "start_reduce_scatter", "start_all_to_all",
          "start_broadcast", "start_exchange")

@@ -38,7 +38,8 @@ def schedule(opt):
 
 def make_trainer(model, overlap=False):
     compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)),
-                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if ("overlap" if overlap else "none") == "overlap" else None)))
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                                  overlap=OverlapConfig() if overlap else None)))
     return hgraph.Trainer(compiled,
                           optimizer=hgraph.AdamWConfig(lr=3e-3, grad_clip=1.0, lr_scheduler=schedule))
 

@@ -138,12 +138,12 @@ def test_pull_bytes_halve_and_gradients_reduce_in_fp32(monkeypatch, strategy):
     ids = torch.randint(0, 256, (4, 16))
     counter = ByteCounter(monkeypatch)
     seen = {}
-    for label, kwargs in {
-        "fp32": {},
-        "bf16": dict(compute_dtype=torch.bfloat16),
-        "bf16 reduce": dict(compute_dtype=torch.bfloat16, reduce_dtype=None),
+    for label, options in {
+        "fp32": hgraph.CompileOptions(),
+        "bf16": hgraph.CompileOptions(compute_dtype=torch.bfloat16),
+        "bf16 reduce": hgraph.CompileOptions(compute_dtype=torch.bfloat16, reduce_dtype=None),
     }.items():
-        compiled = hgraph.compile(model, [strategy], example_inputs=ids, **kwargs)
+        compiled = hgraph.compile(model, [strategy], example_inputs=ids, options=options)
         counter.clear()
         compiled.simulate(0, ids)
         seen[label] = (dict(counter.bytes), {k: set(v) for k, v in counter.dtypes.items()})

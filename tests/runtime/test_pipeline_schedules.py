@@ -127,10 +127,10 @@ def test_new_schedules_on_real_gloo_ranks_equal_adamw():
 
 def test_unsupported_schedule_combinations_are_errors():
     ids = torch.randint(0, 256, (1, 16))
-    with pytest.raises(HGraphError, match="pipeline_schedule='gpipe'; expected one of"):
+    with pytest.raises(HGraphError, match="schedule.pipeline='gpipe'; expected one of"):
         hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=ids,
                        options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(pipeline="gpipe")))
-    with pytest.raises(HGraphError, match="with schedule='overlap' is not supported yet"):
+    with pytest.raises(HGraphError, match="with schedule.overlap is not supported yet"):
         hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=ids,
                        options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig(),
                                                                                     pipeline="zb1p")))
