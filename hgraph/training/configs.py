@@ -1,8 +1,10 @@
-"""The ``Trainer``'s options as values: ``AdamWConfig`` (the optimizer) and ``RunConfig`` (how each
-step runs), each checked where it is made (``__post_init__``)."""
+"""The ``Trainer``'s options as values: ``AdamWConfig`` (the optimizer), ``RunConfig`` (how each
+step runs) and ``LRScheduleConfig`` (the learning-rate schedule of ``hgraph train``), each checked
+where it is made (``__post_init__``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -82,4 +84,41 @@ class RunConfig:
             raise InputError(f"run.metrics={self.metrics!r}; expected None or a MetricsConfig")
 
 
-__all__ = ["AdamWConfig", "RunConfig"]
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScheduleConfig:
+    """A learning-rate schedule over a run of ``iterations``: linear warmup, then constant or cosine."""
+
+    kind: str = "constant"
+    """``"constant"`` or ``"cosine"`` (after warmup, cosine down to ``min_lr_ratio`` at the last iteration)."""
+    warmup: int = 0
+    """Iterations of linear learning-rate warmup."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule's final learning rate, as a fraction of ``lr``."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in LR_SCHEDULES:
+            raise InputError(f"lr_schedule.kind={self.kind!r}; expected one of {', '.join(map(repr, LR_SCHEDULES))}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise InputError(f"lr_schedule.warmup={self.warmup!r}; expected an integer >= 0")
+        if not self.min_lr_ratio >= 0:
+            raise InputError(f"lr_schedule.min_lr_ratio={self.min_lr_ratio!r}; expected >= 0")
+
+    @property
+    def constant(self) -> bool:
+        """Whether the learning rate never changes (no warmup, constant)."""
+        return self.kind == "constant" and not self.warmup
+
+    def factor(self, step: int, iterations: int) -> float:
+        """The learning rate of ``step`` as a fraction of ``lr`` (``torch.optim.lr_scheduler.LambdaLR``'s)."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, iterations - self.warmup))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+__all__ = ["LR_SCHEDULES", "AdamWConfig", "LRScheduleConfig", "RunConfig"]
