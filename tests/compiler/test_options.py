@@ -103,9 +103,12 @@ def test_compile_and_trainer_take_at_most_six_parameters():
     trainer_params = inspect.signature(Trainer.__init__).parameters
     assert list(trainer_params) == ["self", "compiled", "optimizer", "planner", "run", "comm"]
     assert len(compile_params) <= 6 and len(trainer_params) - 1 <= 6
-    with pytest.raises(TypeError):  # the old keywords are gone, not silently ignored
-        hgraph.compile(Llama(LlamaConfig(layers=2, kv_heads=4)), ["tp1"], torch.randint(0, 256, (1, 8)),
-                       schedule="overlap")
+    for old in ("schedule", "rank", "compute_dtype", "pipeline_schedule"):  # gone, not silently ignored
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            inspect.signature(hgraph.compile).bind("model", ["tp1"], None, **{old: None})
+    for old in ("lr", "grad_clip", "micro_batch_tokens", "timeline"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{old}'"):
+            inspect.signature(Trainer).bind("compiled", **{old: None})
 
 
 def test_compile_refuses_a_non_options_value():
