@@ -18,15 +18,16 @@ from hgraph.compiler.compile_cache import ENV, CacheWarning, CompileCache
 from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.plan_codec import decode_plans
-from hgraph.program.options import BuildConfig, CompileOptions
 
 STRATEGIES = ["4x tp2", "tp4 + 2x tp2"]
 
 
-def _compile(**kw):
+def _compile(strategies=STRATEGIES, compute_dtype=None, **build):
+    """The test model compiled with ``build`` (``BuildConfig``'s fields)."""
     model = Llama(LlamaConfig(layers=2, kv_heads=4), seed=0)
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-    return hgraph.compile(model, kw.pop("strategies", STRATEGIES), example_inputs=ids, **kw)
+    options = hgraph.CompileOptions(compute_dtype=compute_dtype, build=hgraph.BuildConfig(**build))
+    return hgraph.compile(model, strategies, ids, options=options)
 
 
 def _products(compiled, rank):
@@ -39,9 +40,9 @@ def _products(compiled, rank):
 
 
 def test_second_compile_hits_the_cache_with_equal_products(tmp_path):
-    fresh = _compile(options=CompileOptions(build=BuildConfig(rank=2)))
-    first = _compile(options=CompileOptions(build=BuildConfig(rank=2, cache_dir=str(tmp_path))))
-    second = _compile(options=CompileOptions(build=BuildConfig(rank=2, cache_dir=str(tmp_path))))
+    fresh = _compile(rank=2)
+    first = _compile(rank=2, cache_dir=str(tmp_path))
+    second = _compile(rank=2, cache_dir=str(tmp_path))
     assert not first.cache_hit and second.cache_hit
     assert len(os.listdir(tmp_path)) == 1
     assert not any(r.name.startswith("plan[") for r in second.pass_history)  # nothing planned
@@ -51,11 +52,11 @@ def test_second_compile_hits_the_cache_with_equal_products(tmp_path):
 
 def test_environment_variable_and_other_keys(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, str(tmp_path))
-    assert not _compile(options=CompileOptions(build=BuildConfig(rank=0))).cache_hit
-    assert _compile(options=CompileOptions(build=BuildConfig(rank=0))).cache_hit
-    assert not _compile(options=CompileOptions(build=BuildConfig(rank=1))).cache_hit  # another rank
-    assert not _compile(options=CompileOptions(build=BuildConfig(rank=0)), strategies=STRATEGIES[:1]).cache_hit  # other strategies
-    assert not _compile(options=CompileOptions(compute_dtype=torch.bfloat16, build=BuildConfig(rank=0))).cache_hit  # other options
+    assert not _compile(rank=0).cache_hit
+    assert _compile(rank=0).cache_hit
+    assert not _compile(rank=1).cache_hit  # another rank
+    assert not _compile(rank=0, strategies=STRATEGIES[:1]).cache_hit  # other strategies
+    assert not _compile(rank=0, compute_dtype=torch.bfloat16).cache_hit  # other options
     assert len(os.listdir(tmp_path)) == 4
 
 
@@ -92,21 +93,21 @@ class _CreatesFile:
 
 def test_a_planted_pickle_with_a_valid_checksum_is_not_run(tmp_path):
     cache, marker = tmp_path / "cache", tmp_path / "ran"
-    fresh = _compile(options=CompileOptions(build=BuildConfig(rank=1)))
-    _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(cache))))
+    fresh = _compile(rank=1)
+    _compile(rank=1, cache_dir=str(cache))
     _plant(_entry(cache), pickle.dumps(_CreatesFile(str(marker))))
     with pytest.warns(CacheWarning, match="ignored and rebuilt"):
-        rebuilt = _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(cache))))
+        rebuilt = _compile(rank=1, cache_dir=str(cache))
     assert not marker.exists()
     assert not rebuilt.cache_hit and _products(rebuilt, 1) == _products(fresh, 1)
-    assert _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(cache)))).cache_hit  # rewritten as data
+    assert _compile(rank=1, cache_dir=str(cache)).cache_hit  # rewritten as data
 
 
 @pytest.mark.parametrize("damage", ["flip", "wrong_shape", pytest.param("truncate", marks=pytest.mark.slow),
                                     pytest.param("garbage", marks=pytest.mark.slow)])
 def test_a_damaged_entry_is_reported_and_rebuilt(tmp_path, damage):
-    fresh = _compile(options=CompileOptions(build=BuildConfig(rank=1)))
-    _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(tmp_path))))
+    fresh = _compile(rank=1)
+    _compile(rank=1, cache_dir=str(tmp_path))
     path = _entry(tmp_path)
     blob = bytearray(open(path, "rb").read())
     if damage == "flip":
@@ -122,9 +123,9 @@ def test_a_damaged_entry_is_reported_and_rebuilt(tmp_path, damage):
     else:
         open(path, "wb").write(bytes(blob))
     with pytest.warns(CacheWarning, match="ignored and rebuilt"):
-        rebuilt = _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(tmp_path))))
+        rebuilt = _compile(rank=1, cache_dir=str(tmp_path))
     assert not rebuilt.cache_hit and _products(rebuilt, 1) == _products(fresh, 1)
-    assert _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(tmp_path)))).cache_hit  # rewritten
+    assert _compile(rank=1, cache_dir=str(tmp_path)).cache_hit  # rewritten
 
 
 # ------------------------------------------------------------------------------------------ fuzzing
@@ -173,7 +174,7 @@ def _mutate(data, rng):
 @pytest.fixture(scope="module")
 def stored_entry(tmp_path_factory):
     directory = tmp_path_factory.mktemp("cache")
-    _compile(options=CompileOptions(build=BuildConfig(rank=1, cache_dir=str(directory))))
+    _compile(rank=1, cache_dir=str(directory))
     path = _entry(directory)
     with open(path, "rb") as fh:
         return directory, os.path.basename(path)[: -len(".json")], fh.read()
@@ -220,19 +221,18 @@ def test_a_directory_others_can_write_is_refused(tmp_path, mode):
     shared.mkdir()
     shared.chmod(mode)
     with pytest.raises(InputError, match=f"chmod go-w {shared}"):
-        _compile(options=CompileOptions(build=BuildConfig(rank=0, cache_dir=str(shared))))
+        _compile(rank=0, cache_dir=str(shared))
     assert os.listdir(shared) == []
-    trusted = _compile(options=CompileOptions(build=BuildConfig(rank=0, cache_dir=str(shared),
-                                                                trust_shared_cache=True)))  # said explicitly
+    trusted = _compile(rank=0, cache_dir=str(shared), trust_shared_cache=True)  # said explicitly
     assert not trusted.cache_hit and len(os.listdir(shared)) == 1
 
 
 def test_an_entry_others_can_write_is_rebuilt_private(tmp_path):
-    _compile(options=CompileOptions(build=BuildConfig(rank=0, cache_dir=str(tmp_path))))
+    _compile(rank=0, cache_dir=str(tmp_path))
     path = _entry(tmp_path)
     os.chmod(tmp_path, 0o755)
     os.chmod(path, 0o666)
     with pytest.warns(CacheWarning, match="writable by its group and others"):
-        assert not _compile(options=CompileOptions(build=BuildConfig(rank=0, cache_dir=str(tmp_path)))).cache_hit
+        assert not _compile(rank=0, cache_dir=str(tmp_path)).cache_hit
     assert os.stat(path).st_mode & 0o777 == 0o644
-    assert _compile(options=CompileOptions(build=BuildConfig(rank=0, cache_dir=str(tmp_path)))).cache_hit
+    assert _compile(rank=0, cache_dir=str(tmp_path)).cache_hit
