@@ -7,8 +7,6 @@ which ``compile`` calls. The passes and the runtime read the same ``CompileOptio
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import cached_property
-from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -205,24 +203,24 @@ class CompileOptions:
             if not isinstance(getattr(self, name), kind):
                 raise HGraphError(f"{name}={getattr(self, name)!r}; expected a {kind.__name__}")
         if isinstance(self.recompute, Mapping):
-            object.__setattr__(self, "recompute", MappingProxyType(dict(self.recompute)))
+            object.__setattr__(self, "recompute", dict(self.recompute))  # a copy: the caller's may change
         elif not isinstance(self.recompute, RecomputeConfig):
             raise HGraphError(f"recompute={self.recompute!r}; expected a RecomputeConfig or a mapping from "
                               "pipeline shape to one, e.g. {'tp2,pp2': RecomputeConfig('full')}")
         self.recompute_by_shape  # checks the mapping's keys and values
 
-    @cached_property
-    def recompute_by_shape(self) -> Mapping[tuple[int, int, int], RecomputeConfig]:
+    @property
+    def recompute_by_shape(self) -> dict[tuple[int, int, int], RecomputeConfig]:
         """The recompute config per pipeline shape ``(cp, tp, pp)`` (empty for one config for all)."""
         if isinstance(self.recompute, RecomputeConfig):
-            return MappingProxyType({})
+            return {}
         out = {}
         for shape, value in self.recompute.items():
             p = Strategy.parse(shape).pipelines[0] if isinstance(shape, str) else shape
             if not all(hasattr(p, d) for d in ("cp", "tp", "pp")):
                 raise HGraphError(f"recompute key {shape!r}; expected a pipeline shape like 'tp2,pp2' or a Pipeline")
             out[(p.cp, p.tp, p.pp)] = RecomputeConfig.of(value)
-        return MappingProxyType(out)
+        return out
 
     def recompute_for(self, cp: int, tp: int, pp: int) -> RecomputeConfig:
         """The recompute config of pipelines with these degrees."""

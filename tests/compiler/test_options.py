@@ -87,6 +87,15 @@ def test_recompute_per_pipeline_shape():
     assert CompileOptions(recompute=RecomputeConfig("full")).recompute_for(2, 1, 1) == RecomputeConfig("full")
 
 
+def test_values_survive_pickling_to_spawned_ranks():
+    import pickle
+
+    options = CompileOptions(recompute={"tp2": "full"}, schedule=ScheduleConfig(overlap=OverlapConfig()))
+    assert pickle.loads(pickle.dumps(options)) == options
+    run = RunConfig(micro_batch_tokens=64)
+    assert pickle.loads(pickle.dumps((AdamWConfig(lr=0.5), run))) == (AdamWConfig(lr=0.5), run)
+
+
 def test_values_are_normalised_and_printed_by_what_changed():
     options = CompileOptions(layer_costs=[1.0, 2.0], disable=["precision"], schedule=ScheduleConfig(coalesce=True))
     assert options.layer_costs == (1.0, 2.0) and options.disable == frozenset({"precision"})
