@@ -162,7 +162,7 @@ class CompileOptions:
     compute_dtype: Optional[torch.dtype] = None
     """Mixed precision as ``torch.autocast`` computes it (e.g. ``torch.bfloat16``: parameters pulled in
     bf16, halving Pull bytes; matmuls and attention in bf16; norms, softmax and the loss in fp32;
-    ``hgraph.passes.precision``); none: fp32."""
+    ``hgraph.passes.precision``); none (``"float32"`` in a config): fp32."""
     reduce_dtype: Optional[torch.dtype] = torch.float32
     """Dtype gradients are reduced in by Push Gradient (fp32, also under a bf16 ``compute_dtype``;
     none: the compute dtype)."""

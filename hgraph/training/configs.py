@@ -29,7 +29,7 @@ class AdamWConfig:
     eps: float = 1e-8
     """Added to the denominator for numerical stability."""
     grad_clip: Optional[float] = None
-    """Clip the global gradient norm to this (none: no clipping)."""
+    """Clip the global gradient norm to this (none: no clipping; in a config, a large value switches it off)."""
     lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None
     """Called with the optimizer, returns a ``torch.optim.lr_scheduler`` stepped once per iteration."""
 
