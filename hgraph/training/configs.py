@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
-from hgraph.errors import InputError
+from hgraph.errors import InputError, TrainingError
 from hgraph.runtime.initial_shards import PathLike
 from hgraph.runtime.metrics import MetricsConfig
 
@@ -35,19 +35,17 @@ class AdamWConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        if not self.lr >= 0:
-            raise InputError(f"optimizer.lr={self.lr!r}; expected a learning rate >= 0")
-        if not self.weight_decay >= 0:
-            raise InputError(f"optimizer.weight_decay={self.weight_decay!r}; expected >= 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise InputError(f"optimizer.betas={self.betas!r}; expected two values in [0, 1)")
-        if not self.eps >= 0:
-            raise InputError(f"optimizer.eps={self.eps!r}; expected >= 0")
+        lr, betas, eps, weight_decay = self.lr, self.betas, self.eps, self.weight_decay
+        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+            raise TrainingError(
+                f"invalid AdamW settings lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}; "
+                "need lr, eps, weight_decay >= 0 and 0 <= beta < 1 (optimizer=AdamWConfig(...))"
+            )
         if self.grad_clip is not None and not self.grad_clip >= 0:
-            raise InputError(f"optimizer.grad_clip={self.grad_clip!r}; expected None (no clipping) or a norm >= 0")
+            raise TrainingError(f"optimizer.grad_clip={self.grad_clip!r}; expected None (no clipping) or a norm >= 0")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
-            raise InputError(f"optimizer.lr_scheduler={self.lr_scheduler!r}; expected None or a callable "
-                             "optimizer -> torch.optim.lr_scheduler")
+            raise TrainingError(f"optimizer.lr_scheduler={self.lr_scheduler!r}; expected None or a callable "
+                                "optimizer -> torch.optim.lr_scheduler")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ import torch
 
 import hgraph
 from hgraph.core.field_docs import field_docs
-from hgraph.errors import HGraphError, InputError, StrategyError
+from hgraph.errors import HGraphError, InputError, StrategyError, TrainingError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.options import BuildConfig, CompileOptions, OverlapConfig, RecomputeConfig, ScheduleConfig
 from hgraph.training.configs import AdamWConfig, RunConfig
@@ -51,9 +51,9 @@ def test_configs_take_keywords_only(cls):
     (lambda: CompileOptions(packing="always"), HGraphError, r"packing='always'; expected one of 'auto', 'require', 'off'"),
     (lambda: CompileOptions(disable="annotate"), HGraphError, r"disable='annotate'; expected a collection .*\('annotate',\)"),
     (lambda: CompileOptions(schedule="overlap"), HGraphError, r"schedule='overlap'; expected a ScheduleConfig"),
-    (lambda: AdamWConfig(lr=-1.0), InputError, r"optimizer.lr=-1.0; expected a learning rate >= 0"),
-    (lambda: AdamWConfig(betas=(0.9, 1.0)), InputError, r"optimizer.betas=\(0.9, 1.0\); expected two values in \[0, 1\)"),
-    (lambda: AdamWConfig(grad_clip=-1.0), InputError, r"optimizer.grad_clip=-1.0; expected None"),
+    (lambda: AdamWConfig(lr=-1.0), TrainingError, r"invalid AdamW settings lr=-1.0.*need lr, eps, weight_decay >= 0"),
+    (lambda: AdamWConfig(betas=(0.9, 1.0)), TrainingError, r"betas=\(0.9, 1.0\).*0 <= beta < 1 \(optimizer=AdamWConfig"),
+    (lambda: AdamWConfig(grad_clip=-1.0), TrainingError, r"optimizer.grad_clip=-1.0; expected None"),
     (lambda: RunConfig(micro_batch_tokens=0), InputError, r"run.micro_batch_tokens=0; expected an integer >= 1"),
     (lambda: RunConfig(metrics="runs/m"), InputError, r"run.metrics='runs/m'; expected None or a MetricsConfig"),
 ])

@@ -51,7 +51,7 @@ def setup_run(tmp_path, **over):
     ({"compile": {"compute_dtype": "fp8"}}, "compile.compute_dtype: 'fp8'; expected one of 'float32', 'bfloat16', 'float16'"),
     ({"compile": {"schedule": {"pipelin": "zb1p"}}}, r"compile.schedule: unknown keys \['pipelin'\]; known: \['coalesce', 'overlap', 'pipeline'\]"),
     ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected float, got 'fast'"),
-    ({"optimizer": {"betas": [0.9, 1.5]}}, r"optimizer: optimizer.betas=\(0.9, 1.5\); expected two values in \[0, 1\)"),
+    ({"optimizer": {"betas": [0.9, 1.5]}}, r"optimizer: invalid AdamW settings .*betas=\(0.9, 1.5\)"),
     ({"lr": 3e-3}, r"lr: now optimizer.lr \(the \[optimizer\] table\)"),
     ({"schedule": "overlap"}, r"schedule: now the \[compile.schedule.overlap\] table"),
     ({"planner": "greedy"}, 'planner: \'greedy\'; expected "auto", "none" or a \\[planner\\] table'),
