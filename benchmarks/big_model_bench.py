@@ -145,10 +145,11 @@ def run_rank(spec: dict) -> dict:
             spec["dir"], dtype=torch.float32, attn_implementation="sdpa", use_cache=False).eval()
     built = rss_now()
     compiled = hgraph.compile(model, [spec["strategy"]], example_inputs=torch.randint(0, 8, (1, 16)),
-                              compute_dtype=dtype)
+                              options=hgraph.CompileOptions(compute_dtype=dtype))
     compiled_rss = rss_now()
     weights = spec["dir"] if spec["path_kind"] == "meta" else None
-    trainer = hgraph.Trainer(compiled, lr=1e-5, weights=weights)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-5),
+                             run=hgraph.RunConfig(weights=weights))
     set_up_rss, set_up_s = rss_now(), time.perf_counter() - start
     batch = sequences(spec["lengths"])
     losses, step_s = [], []
@@ -200,7 +201,8 @@ def scale_child() -> dict:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).eval()
     built = time.perf_counter() - start
-    compiled = hgraph.compile(model, SCALE_STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)), rank=0)
+    compiled = hgraph.compile(model, SCALE_STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)),
+                              options=hgraph.CompileOptions(build=hgraph.BuildConfig(rank=0)))
     for i in range(len(SCALE_STRATEGIES)):
         compiled.program(i, 0)
     return {"model": "Llama-7B shapes (32 layers, hidden 4096, ffn 11008, vocab 32000)",

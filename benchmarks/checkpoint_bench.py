@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
+from hgraph.runtime.checkpoint_manager import CheckpointManager
 
 AFTER = 3  # plain iterations after each save
 
@@ -54,8 +55,8 @@ def _rank(args: argparse.Namespace, directory: str) -> dict:
     model = Llama(config, seed=0)
     strategies = ["2x tp1", "tp2"] if args.world_size == 2 else [f"{args.world_size}x tp1"]
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 8, (1, 16)))
-    trainer = hgraph.Trainer(compiled, lr=1e-4)
-    manager = hgraph.CheckpointManager(directory, keep=1)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-4))
+    manager = CheckpointManager(directory, keep=1)
     times: dict[str, list[float]] = {"plain": [], "sync_checkpoint": [], "async_checkpoint": [],
                                      "after_sync": [], "after_async": []}
     step = 0

@@ -30,6 +30,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
+from hgraph.program.options import OverlapConfig
 
 STRATEGIES = ["8x tp1", "4x tp2", "2x tp4", "tp8", "2x tp2,pp2", "tp4,pp2", "tp4 + 2x tp2", "tp2,pp2 + tp4"]
 
@@ -62,7 +63,10 @@ def timed_world(world: int, layers: int, rank: int = 0, schedule: str = "none") 
     model = Llama(LlamaConfig(layers=layers, hidden=64, heads=8, kv_heads=8, ffn=128))
     ids = torch.randint(0, 256, (1, 16))
     start, cpu = time.perf_counter(), time.process_time()
-    compiled = hgraph.compile(model, world_strategies(world), example_inputs=ids, schedule=schedule, rank=rank)
+    compiled = hgraph.compile(model, world_strategies(world), example_inputs=ids,
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                                  overlap=OverlapConfig() if schedule == "overlap" else None),
+                                                            build=hgraph.BuildConfig(rank=rank)))
     return {"world": world, "layers": layers, "rank": rank, "schedule": schedule,
             "seconds": round(time.perf_counter() - start, 3), "cpu_seconds": round(time.process_time() - cpu, 3),
             "cache_hit": compiled.cache_hit}

@@ -35,6 +35,9 @@ from typing import Any
 
 import torch
 
+from hgraph.program.options import OverlapConfig
+from hgraph.training.configs import AdamWConfig, RunConfig
+
 STRATEGIES = ("4x tp1", "2x tp2", "tp4", "2x tp1,pp2", "tp2 + 2x tp1")
 SIZES = ("tiny", "small")
 LENGTHS = "/work/shared/data/wikipedia_lengths.txt"
@@ -72,11 +75,14 @@ def _rank_run(size: str, strategies: list[str], table: dict, batches: list[list[
     cost = CostModel.from_table(table)
     terms = terms_of(cost)
     model = model_factory(size)
-    compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 8, (1, 16)), schedule=schedule)
+    compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 8, (1, 16)),
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                                  overlap=OverlapConfig() if schedule == "overlap" else None)))
     correction = OnlineCorrection()
     single = [Planner(cost, [s], terms=terms, schedule=schedule, correction=correction) for s in compiled.strategies]
     full = Planner(cost, compiled.strategies, terms=terms, schedule=schedule, correction=correction)
-    trainer = Trainer(compiled, lr=1e-4, device=None if device == "cpu" else device)
+    trainer = Trainer(compiled, optimizer=AdamWConfig(lr=1e-4),
+                      run=RunConfig(device=None if device == "cpu" else device))
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     data = [[torch.randint(0, vocab, (n,), generator=g) for n in b] for b in batches]
@@ -215,7 +221,7 @@ def run_single(args: argparse.Namespace) -> dict[str, Any]:
         def body(comm: Any) -> list[dict]:
             compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 8, (1, 16)))
             planner = Planner(cost, compiled.strategies, terms=terms, correction=OnlineCorrection())
-            trainer = Trainer(compiled, lr=1e-4, comm=comm, planner=planner, device=args.device)
+            trainer = Trainer(compiled, optimizer=AdamWConfig(lr=1e-4), run=RunConfig(device=args.device), comm=comm, planner=planner)
             g = torch.Generator().manual_seed(0)
             data = [[torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in b] for b in batches]
             trainer.step(data[0])  # warm-up

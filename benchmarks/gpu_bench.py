@@ -47,6 +47,7 @@ from hgraph.runtime.kernels import attention_kernels
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.thread_comm import ThreadComm, ThreadWorld
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 SHARED_LENGTHS = Path("/work/shared/data/wikipedia_lengths.txt")
 BIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -145,9 +146,10 @@ def hand_loop(config: dict, batches: list, budget: int, device: torch.device) ->
 def hgraph_loop(config: dict, batches: list, budget: int, device: torch.device) -> dict:
     model = tiny_hf_llama(**config).train()
     dtype = torch.bfloat16 if device.type == "cuda" else None  # the hand loop's autocast is CUDA-only here
-    compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 100, (1, 16)), compute_dtype=dtype)
-    trainer = Trainer(compiled, comm=ThreadComm(ThreadWorld(1), 0), micro_batch_tokens=budget, device=device,
-                      **OPT)
+    compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 100, (1, 16)),
+                              options=hgraph.CompileOptions(compute_dtype=dtype))
+    trainer = Trainer(compiled, comm=ThreadComm(ThreadWorld(1), 0), optimizer=AdamWConfig(**OPT),
+                      run=RunConfig(micro_batch_tokens=budget, device=device))
     losses, times = [], []
     for batch in batches:
         _sync(device)
@@ -198,8 +200,8 @@ def throughput(config: dict, steps: int, tokens: int, budget: int, device: torch
 # ----------------------------------------------------------------------------- memory model (GPU)
 def _one_step_peak(compiled: Any, tokens: int, device: torch.device) -> tuple[int, int]:
     """(memory before, peak during) one training step on one sequence of ``tokens`` tokens."""
-    trainer = Trainer(compiled, comm=ThreadComm(ThreadWorld(1), 0), micro_batch_tokens=tokens, device=device,
-                      **OPT)
+    trainer = Trainer(compiled, comm=ThreadComm(ThreadWorld(1), 0), optimizer=AdamWConfig(**OPT),
+                      run=RunConfig(micro_batch_tokens=tokens, device=device))
     trainer.step([torch.randint(0, 100, (64,))])  # allocate optimizer state, warm up
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -215,7 +217,8 @@ def memory_model(config: dict, device: torch.device, budget_s: float) -> dict:
     model = tiny_hf_llama(**config).train()
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     compiled = {m: hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 100, (1, 16)),
-                                  compute_dtype=torch.bfloat16, recompute=m) for m in ("none", "selective", "full")}
+                                  options=hgraph.CompileOptions(compute_dtype=torch.bfloat16,
+                                                                recompute=hgraph.RecomputeConfig.of(m))) for m in ("none", "selective", "full")}
     short, long_ = 4096, 8192
     deltas = {}
     for n in (short, long_):

@@ -145,7 +145,8 @@ def time_and_bytes(cfg: BenchConfig) -> dict[str, Any]:
     start = time.perf_counter()
     compiled = hgraph.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, cfg.vocab, (1, 16)))
     compile_s = time.perf_counter() - start
-    trainer = hgraph.Trainer(compiled, micro_batch_tokens=cfg.max_len * 2, **OPTIMIZER)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(**OPTIMIZER),
+                             run=hgraph.RunConfig(micro_batch_tokens=cfg.max_len * 2))
     counter = StepBytes(trainer.comm)
     seconds: dict[str, list[float]] = {s: [] for s in cfg.strategies}
     losses: dict[str, list[float]] = {s: [] for s in cfg.strategies}
@@ -175,7 +176,8 @@ def peak_memory(cfg: BenchConfig, strategy: str) -> dict[str, float]:
     model = cfg.model()
     batch = cfg.batch()
     compiled = hgraph.compile(model, [strategy], example_inputs=torch.randint(0, cfg.vocab, (1, 16)))
-    trainer = hgraph.Trainer(compiled, micro_batch_tokens=cfg.max_len * 2, **OPTIMIZER)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(**OPTIMIZER),
+                             run=hgraph.RunConfig(micro_batch_tokens=cfg.max_len * 2))
     for _ in range(cfg.warmup + cfg.steps):
         trainer.step(batch, strategy=0)
     peak = _rss_mb()

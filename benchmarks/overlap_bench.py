@@ -35,6 +35,8 @@ from hgraph.planner.cost import load_cost_model
 from hgraph.runtime.timeline import exposed_communication
 from hgraph.training.trainer import Trainer
 from hgraph.core.zero import optimizer_layout
+from hgraph.program.options import OverlapConfig
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 STRATEGIES = ["4x tp1", "2x tp1,pp2"]
 ITERATIONS = 6  # per strategy and schedule; the first is a warm-up
@@ -48,8 +50,10 @@ def measure() -> dict:
     example = torch.randint(0, 4096, (1, 16))
     trainers = {
         schedule: Trainer(
-            hgraph.compile(model, STRATEGIES, example_inputs=example, schedule=schedule),
-            lr=1e-4, micro_batch_tokens=256, timeline=True,
+            hgraph.compile(model, STRATEGIES, example_inputs=example,
+                           options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                               overlap=OverlapConfig() if schedule == "overlap" else None))),
+            optimizer=AdamWConfig(lr=1e-4), run=RunConfig(micro_batch_tokens=256, timeline=True),
         )
         for schedule in ("none", "overlap")
     }

@@ -28,6 +28,7 @@ import torch
 import hgraph
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig
 
 LENGTHS = Path(hgraph.__file__).parent / "data" / "wikipedia_lengths_sample.txt"
 
@@ -61,8 +62,10 @@ def run(args: argparse.Namespace, comm=None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         packed = hgraph.compile(model, [args.strategy], example_inputs=example)
-        alone = hgraph.compile(model, [args.strategy], example_inputs=example, packing="off")
-    trainers = {"packed": Trainer(packed, lr=0.0, comm=comm), "one document per micro-batch": Trainer(alone, lr=0.0, comm=comm)}
+        alone = hgraph.compile(model, [args.strategy], example_inputs=example,
+                               options=hgraph.CompileOptions(packing="off"))
+    trainers = {"packed": Trainer(packed, optimizer=AdamWConfig(lr=0.0), comm=comm), "one document per micro-batch": Trainer(alone,
+                                                                                                      optimizer=AdamWConfig(lr=0.0), comm=comm)}
     seconds: dict[str, list[float]] = {k: [] for k in trainers}
     micro_batches: dict[str, int] = {}
     batches = documents(args, args.vocab)

@@ -87,7 +87,8 @@ def errors(name: str, lengths: list[int], strategy: str = "tp2") -> dict[str, di
     model = MODELS[name](max(lengths))
     names = projection_names(model)
     example = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
-    ours = hgraph.compile(model, [strategy], example_inputs=example, compute_dtype=BF16)
+    ours = hgraph.compile(model, [strategy], example_inputs=example,
+                          options=hgraph.CompileOptions(compute_dtype=BF16))
     out = {}
     for length in lengths:
         ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
@@ -129,7 +130,8 @@ def speed(length: int, repeats: int) -> dict[str, Any]:
     model = Llama(SPEED_MODEL)
     ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(0))
     example = ids[:, :16]
-    explicit = hgraph.compile(model, ["tp1"], example_inputs=example, compute_dtype=BF16)
+    explicit = hgraph.compile(model, ["tp1"], example_inputs=example,
+                              options=hgraph.CompileOptions(compute_dtype=BF16))
     plain = hgraph.compile(model, ["tp1"], example_inputs=example)
     # The runtime-autocast alternative needs the attention op registered with autocast (the explicit
     # program casts its inputs itself).

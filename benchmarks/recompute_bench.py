@@ -74,7 +74,8 @@ def child(mode: str, tokens: int, layers: int) -> dict:
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=layers, hidden=64, heads=4, kv_heads=4, ffn=256, max_positions=tokens))
-    compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 256, (1, 16)), recompute=mode)
+    compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 256, (1, 16)),
+                              options=hgraph.CompileOptions(recompute=hgraph.RecomputeConfig.of(mode)))
     ids = torch.randint(0, 256, (1, tokens))
     before = _rss_mb()
     start = time.perf_counter()

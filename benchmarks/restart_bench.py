@@ -45,7 +45,8 @@ def config(directory: Path, name: str, args: argparse.Namespace) -> Path:
     run = directory / name
     cfg = {
         "model": "hgraph.cli.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2,
-        "iterations": args.iterations, "lr": 3e-3, "warmup": 2, "lr_schedule": "cosine", "weight_decay": 0.01,
+        "iterations": args.iterations, "optimizer": {"lr": 3e-3, "weight_decay": 0.01},
+        "lr_schedule": {"kind": "cosine", "warmup": 2},
         "data": {"paths": ["hgraph:stdlib"], "tokenizer": "hgraph:stdlib", "context": 96,
                  "tokens_per_iteration": 384, "window": 16},
         "checkpoint": {"dir": str(run / "checkpoint"), "interval": args.interval, "resume": True, "keep": 2},

@@ -112,8 +112,10 @@ def _hgraph(cfg: BenchConfig, batch: list[torch.Tensor]) -> dict:
     model = Llama(cfg.model_config())
     compiled = hgraph.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, cfg.vocab, (1, 16)))
     compile_s = time.perf_counter() - start
-    trainer = hgraph.Trainer(compiled, lr=OPTIMIZER["lr"], betas=OPTIMIZER["betas"], eps=OPTIMIZER["eps"],
-                             weight_decay=OPTIMIZER["weight_decay"])
+    trainer = hgraph.Trainer(compiled,
+                             optimizer=hgraph.AdamWConfig(lr=OPTIMIZER["lr"], betas=OPTIMIZER["betas"],
+                                                          eps=OPTIMIZER["eps"],
+                                                          weight_decay=OPTIMIZER["weight_decay"]))
     out: dict = {"compile_s": round(compile_s, 3), "strategies": {}}
     first_loss = None
     for index, label in enumerate(cfg.strategies):
@@ -235,7 +237,7 @@ def run(cfg: BenchConfig) -> dict:
     """Launch ``cfg.world`` gloo ranks, run everything, return the report (rank 0's timings)."""
     for label, dp, tp in cfg.baselines:
         if dp * tp != cfg.world or cfg.batch % dp:
-            raise hgraph.InputError(
+            raise hgraph.errors.InputError(
                 f"baseline {label!r}: dp={dp} x tp={tp} must equal world={cfg.world} and dp must divide "
                 f"batch={cfg.batch}"
             )

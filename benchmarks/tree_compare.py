@@ -5,7 +5,9 @@
 Each repetition runs every named benchmark once on each tree, alternating which tree goes first, so a
 change of machine load between them hits both alike. Each run is that tree's own
 ``benchmarks/<name>.py`` in a fresh process importing that tree's ``hgraph`` (a link farm in a
-temporary folder put first on ``PYTHONPATH``; the reference tree is ``git archive`` of ``--ref``).
+temporary folder put first on ``PYTHONPATH``). Both trees are copied first, so editing the checkout
+while it runs changes nothing: the reference is ``git archive`` of ``--ref``, this tree a copy of the
+working tree's package folders and benchmarks.
 Every numeric field whose key ends in ``step_s`` is compared: the report gives, per benchmark and
 field, this tree's value over the reference's, as the median and min–max over repetitions.
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +50,13 @@ def reference_tree(ref: str, into: pathlib.Path) -> pathlib.Path:
     with tarfile.open(archive) as tar:
         tar.extractall(tree, filter="data")
     return tree
+
+
+def working_tree_copy(into: pathlib.Path) -> pathlib.Path:
+    """The package folders and benchmarks of this checkout as they are now, copied into ``into``."""
+    for folder in ("hgraph", *PACKAGE_DIRS.values(), "benchmarks"):
+        shutil.copytree(ROOT / folder, into / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return into
 
 
 def run_benchmark(tree: pathlib.Path, view: pathlib.Path, name: str, args: list[str]) -> dict:
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     extra = args.args.split()
     with tempfile.TemporaryDirectory(prefix="hgraph-compare-") as tmp:
         base = pathlib.Path(tmp)
-        trees = {"ref": reference_tree(args.ref, base / "ref"), "this": ROOT}
+        trees = {"ref": reference_tree(args.ref, base / "ref"), "this": working_tree_copy(base / "this")}
         views = {side: importable_view(tree, base / f"view-{side}") for side, tree in trees.items()}
         runs: dict[str, dict[str, list[dict[str, float]]]] = {b: {"ref": [], "this": []} for b in args.benchmarks}
         for repeat in range(args.repeats):

@@ -16,6 +16,7 @@ import torch.fx as fx
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.collectives import all_gather, all_reduce, reduce_scatter
+from hgraph.passes.pipeline import Pass
 
 
 def split_all_reduce(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -45,7 +46,8 @@ def main() -> None:
     ids = torch.randint(0, 256, (2, 16))
     plain = hgraph.compile(model, ["tp2 + 2x tp1"], example_inputs=ids)
     custom = hgraph.compile(
-        model, ["tp2 + 2x tp1"], example_inputs=ids, passes=[hgraph.Pass("split_all_reduce", split_all_reduce, after="localize")]
+        model, ["tp2 + 2x tp1"], example_inputs=ids,
+        options=hgraph.CompileOptions(passes=[Pass("split_all_reduce", split_all_reduce, after="localize")])
     )
     loss_a, grads_a = plain.simulate(0, ids)
     loss_b, grads_b = custom.simulate(0, ids)

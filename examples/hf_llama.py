@@ -34,7 +34,7 @@ def train(steps: int) -> list[float]:
     """Runs on each of the 2 ranks."""
     model = tiny_hf_llama(seed=0)
     compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = hgraph.Trainer(compiled, lr=3e-3)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=3e-3))
     g = torch.Generator().manual_seed(0)
     losses = []
     for i in range(steps):

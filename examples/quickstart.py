@@ -23,8 +23,8 @@ def sequence(n, g):  # a learnable sequence of n tokens: an arithmetic progressi
 
 def train(cost_model, steps=8):  # runs on every rank
     compiled = hgraph.compile(make_model(), STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)))
-    planner = hgraph.Planner(cost_model, compiled.strategies)  # strategy, dispatch and packing per batch
-    trainer = hgraph.Trainer(compiled, lr=3e-3, grad_clip=1.0, planner=planner)
+    planner = hgraph.planner.Planner(cost_model, compiled.strategies)  # strategy, dispatch and packing per batch
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=3e-3, grad_clip=1.0), planner=planner)
     g = torch.Generator().manual_seed(0)  # the same global batch on every rank
     for step in range(steps):
         lengths = torch.randint(8, 512, (6,), generator=g).tolist()

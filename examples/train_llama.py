@@ -25,6 +25,7 @@ import torch
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import preemption
+from hgraph.runtime.checkpoint_manager import CheckpointManager
 
 STRATEGIES = ["tp2 + 2x tp1", "4x tp1", "tp2,pp2", "2x tp1,pp2", "tp4"]
 
@@ -45,8 +46,9 @@ def train(iterations: int = 5, strategies: tuple[str, ...] = tuple(STRATEGIES), 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=2, kv_heads=4))  # tp4 needs 4 key/value heads
     compiled = hgraph.compile(model, list(strategies), example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = hgraph.Trainer(compiled, lr=3e-3, weight_decay=0.01, grad_clip=1.0)
-    checkpoints = hgraph.CheckpointManager(checkpoint_dir, interval=checkpoint_interval) if checkpoint_dir else None
+    trainer = hgraph.Trainer(compiled,
+                             optimizer=hgraph.AdamWConfig(lr=3e-3, weight_decay=0.01, grad_clip=1.0))
+    checkpoints = CheckpointManager(checkpoint_dir, interval=checkpoint_interval) if checkpoint_dir else None
     if checkpoints is not None and checkpoints.resume(trainer) is not None and trainer.rank == 0:
         print(f"resumed at iteration {trainer.iteration}", flush=True)
     data, losses = batches(iterations), []

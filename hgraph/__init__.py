@@ -1,116 +1,66 @@
 """hgraph: heterogeneous parallel training for variable-length data, as torch.fx passes.
 
-Public API: layouts (``Layout``, ``LayoutUnion``, ``Shard``, ``Replicate``, ``Partial``), strategies
-(``Strategy``, ``Pipeline``), the layout solver (``hgraph.lnk``), the planner (``hgraph.planner``),
-``compile``, the runtime (``launch``, ``Trainer``, ``CheckpointManager``, ``MetricsConfig``), data (``hgraph.data``) and ``export_pretrained``.
-Errors derive from ``HGraphError``.
+The top level holds sixteen names: ``compile`` and its options (``CompileOptions``, ``ScheduleConfig``,
+``RecomputeConfig``, ``BuildConfig``), strategies (``Strategy``, ``Pipeline``), the layouts users write
+(``Layout``, ``Shard``, ``Replicate``), training (``Trainer`` with ``AdamWConfig`` and ``RunConfig``),
+``launch``, ``init_from_env`` and ``HGraphError``. Everything else is reached through its subpackage:
+``hgraph.errors`` (every error class), ``hgraph.program.options.OverlapConfig``,
+``hgraph.core.placement`` (``Partial``), ``hgraph.core.layout`` (``LayoutUnion``), ``hgraph.planner`` (``Planner``, ``CostModel``,
+``propose``), ``hgraph.frontend`` (``trace``), ``hgraph.lnk``, ``hgraph.data``, ``hgraph.models``,
+``hgraph.compiler.compiled_model.CompiledModel``, ``hgraph.passes.pipeline.Pass``,
+``hgraph.runtime.checkpoint_manager.CheckpointManager``, ``hgraph.runtime.metrics.MetricsConfig`` and
+``hgraph.training.export.export_pretrained``.
 """
 
-from hgraph.core.errors import (
-    CheckpointError,
-    CommunicationError,
-    CostModelError,
-    HGraphError,
-    InputError,
-    LayoutError,
-    PackingError,
-    PlanError,
-    ShardingRuleError,
-    StrategyError,
-    TraceError,
-    TrainingError,
-)
-from hgraph.core.layout import Layout, LayoutUnion
-from hgraph.core.placement import Partial, Replicate, Shard
+import importlib
+
+from hgraph.core.layout import Layout
+from hgraph.core.placement import Replicate, Shard
 from hgraph.core.strategy import Pipeline, Strategy
+from hgraph.errors import HGraphError
+
+# Heavy parts (torch.export, the runtime) load on first use, so `import hgraph` stays light:
+# name -> the module defining it (a subpackage named for itself is the module).
+_LAZY = {
+    "compile": "hgraph.compiler.entry",
+    "CompileOptions": "hgraph.program.options",
+    "ScheduleConfig": "hgraph.program.options",
+    "RecomputeConfig": "hgraph.program.options",
+    "BuildConfig": "hgraph.program.options",
+    "Trainer": "hgraph.training.trainer",
+    "AdamWConfig": "hgraph.training.configs",
+    "RunConfig": "hgraph.training.configs",
+    "launch": "hgraph.runtime.launch",
+    "init_from_env": "hgraph.runtime.launch",
+    **{name: f"hgraph.{name}" for name in (
+        "cli", "compiler", "core", "data", "errors", "frontend", "lnk", "models", "passes", "planner",
+        "profiling", "program", "rules", "runtime", "schedule", "training",
+    )},
+}
 
 
 def __getattr__(name: str):
-    # Heavy parts (torch.export, the runtime) load on first use, so `import hgraph` stays light.
-    if name == "compile":
-        from hgraph.compiler.entry import compile
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hgraph' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    return module if _LAZY[name] == f"hgraph.{name}" else getattr(module, name)
 
-        return compile
-    if name == "CompiledModel":
-        from hgraph.compiler.compiled_model import CompiledModel
-
-        return CompiledModel
-    if name == "Pass":
-        from hgraph.passes.pipeline import Pass
-
-        return Pass
-    if name == "launch":
-        from hgraph.runtime.launch import launch
-
-        return launch
-    if name == "init_from_env":
-        from hgraph.runtime.launch import init_from_env
-
-        return init_from_env
-    if name == "export_pretrained":
-        from hgraph.training.export import export_pretrained
-
-        return export_pretrained
-    if name == "Trainer":
-        from hgraph.training.trainer import Trainer
-
-        return Trainer
-    if name == "CheckpointManager":
-        from hgraph.runtime.checkpoint_manager import CheckpointManager
-
-        return CheckpointManager
-    if name == "MetricsConfig":
-        from hgraph.runtime.metrics import MetricsConfig
-
-        return MetricsConfig
-    if name in ("Planner", "CostModel", "propose", "load_cost_model", "IterationPlan"):
-        from hgraph import planner
-
-        return getattr(planner, name)
-    if name in ("trace", "TracedModel"):
-        from hgraph import frontend
-
-        return getattr(frontend, name)
-    if name in ("rules", "lnk", "planner", "frontend", "models", "data"):
-        import importlib
-
-        return importlib.import_module(f"hgraph.{name}")
-    raise AttributeError(f"module 'hgraph' has no attribute {name!r}")
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "CompiledModel",
-    "CostModel",
-    "IterationPlan",
-    "Pass",
-    "Planner",
-    "TracedModel",
+    "AdamWConfig",
+    "BuildConfig",
+    "CompileOptions",
+    "HGraphError",
+    "Layout",
+    "Pipeline",
+    "RecomputeConfig",
+    "Replicate",
+    "RunConfig",
+    "ScheduleConfig",
+    "Shard",
+    "Strategy",
     "Trainer",
     "compile",
-    "export_pretrained",
     "init_from_env",
     "launch",
-    "load_cost_model",
-    "propose",
-    "trace",
-    "CommunicationError",
-    "CostModelError",
-    "HGraphError",
-    "InputError",
-    "Layout",
-    "LayoutError",
-    "PackingError",
-    "LayoutUnion",
-    "MetricsConfig",
-    "Partial",
-    "Pipeline",
-    "PlanError",
-    "Replicate",
-    "Shard",
-    "ShardingRuleError",
-    "Strategy",
-    "StrategyError",
-    "TraceError",
-    "TrainingError",
 ]

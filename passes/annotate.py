@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.rules.base import CP, Decision, local_shape, REPLICATED, RuleInput, Spec, spec_str
 from hgraph.rules.mesh import EXPERT_MESH, MESH_DIMS, MESH_KEY, ShardingOptions

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hgraph.core.batch import local_micro_batches
-from hgraph.core.errors import CommunicationError, TraceError
+from hgraph.errors import CommunicationError, TraceError
 from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.kernels.context import RankContext
 

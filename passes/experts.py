@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 from hgraph.rules.mesh import EXPERT_MESH, MESH_KEY
 from hgraph.rules.base import module_of
 from hgraph.runtime.kernels.expert_dispatch import combine, dispatch, permute_tokens, unpermute_tokens

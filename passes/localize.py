@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import LayoutError, ShardingRuleError
+from hgraph.errors import LayoutError, ShardingRuleError
 from hgraph.core.placement import Replicate, Shard
 from hgraph.lnk.transform import TransformStep, transform_steps
 from hgraph.rules.base import CP, example_size, local_shape, LowerContext, module_of, op_name, SizeArg, Spec, TP

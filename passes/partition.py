@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 from hgraph.core.layer_names import layer_index
 from hgraph.program.products import Boundary, StageGraph
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequenc
 
 import torch.fx as fx
 
-from hgraph.core.errors import HGraphError, InputError
+from hgraph.errors import HGraphError, InputError
 
 if TYPE_CHECKING:
     from hgraph.program.context import CompileContext

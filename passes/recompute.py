@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from hgraph.core.degrees import Degrees
 from hgraph.passes.partition import node_layer
 from hgraph.program.context import CompileContext
 from hgraph.program.options import RecomputeConfig
@@ -86,9 +87,9 @@ def _outline(gm: fx.GraphModule, layer: int, run: list[fx.Node], index: int, con
 
 
 def recompute(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    """Outline the layers ``ctx.recompute`` (else ``ctx.options.recompute``) chooses into
-    ``RecomputedRegion`` calls."""
-    config = RecomputeConfig.of(getattr(ctx, "recompute", None) or getattr(ctx.options, "recompute", None))
+    """Outline the layers ``ctx.recompute`` (else ``ctx.options.recompute_for`` the context's pipeline
+    shape) chooses into ``RecomputedRegion`` calls."""
+    config = RecomputeConfig.of(getattr(ctx, "recompute", None) or ctx.options.recompute_for(Degrees(ctx.tp, ctx.pp, ctx.cp)))
     if config.mode == "none":
         return gm
     for i, (layer, run) in enumerate(_runs(gm, config)):

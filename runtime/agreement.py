@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from hgraph.core.errors import TrainingError
+from hgraph.errors import TrainingError
 from hgraph.runtime.kernels.comm import Communicator, Group
 
 _SAMPLES = 64

@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from hgraph.core.errors import CheckpointError, HGraphError
+from hgraph.errors import CheckpointError, HGraphError
 from hgraph.core.layout import Layout
 from hgraph.core.placement import parse_placement, Replicate
 from hgraph.runtime.kernels.simulate import simulate

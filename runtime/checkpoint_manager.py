@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from hgraph.core.errors import CheckpointError, HGraphError
+from hgraph.errors import CheckpointError, HGraphError
 from hgraph.runtime import checkpoint
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.failures import comm_timeout

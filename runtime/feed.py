@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.core.errors import HGraphError, InputError
+from hgraph.errors import HGraphError, InputError
 
 
 def share_lengths(trainer: Any, read: Any) -> Optional[list[int]]:

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from hgraph.core.checkpoint_files import SafetensorsCheckpoint
-from hgraph.core.errors import CheckpointError, HGraphError, InputError
+from hgraph.errors import CheckpointError, HGraphError, InputError
 from hgraph.frontend.layerwise_init import initialize
 from hgraph.core.layout import Layout
 from hgraph.frontend.meta import is_meta_model

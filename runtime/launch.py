@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT, TIMEOUT_ENV, is_transport_error
 

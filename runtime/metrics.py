@@ -34,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.flops import ModelFlops
 
 JSONL = "metrics.jsonl"

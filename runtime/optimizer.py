@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from hgraph.core.errors import CheckpointError, TrainingError
+from hgraph.errors import CheckpointError, TrainingError
 from hgraph.runtime.kernels.comm import Communicator
 
 _NORM_CHUNK = 1 << 16

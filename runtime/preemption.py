@@ -23,7 +23,7 @@ import signal
 import threading
 from typing import Any, Iterable
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 _requested = threading.Event()
 

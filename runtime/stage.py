@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.core.errors import CommunicationError, InputError
+from hgraph.errors import CommunicationError, InputError
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 HEADER = 10  # dtype code, ndim, up to 8 sizes

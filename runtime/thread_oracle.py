@@ -26,7 +26,7 @@ from hgraph.core.batch import (
     DEFAULT_MICRO_BATCH_TOKENS, local_micro_batches, longest_packed_row, next_token_targets, one_document_per_micro_batch,
     rank_micro_batches,
 )
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.program.rank_program import CompiledPrograms
 from hgraph.runtime.executor import run_iteration

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 COMPUTE_KINDS = ("forward", "backward")
 COMM_KINDS = ("pull_parameter", "push_gradient", "communicate_activation")

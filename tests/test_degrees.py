@@ -5,7 +5,7 @@ that compile, ``hgraph train``, the demo and profiling all run."""
 import pytest
 
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 from hgraph.core.strategy import Pipeline, Strategy, fits, homogeneous
 
 

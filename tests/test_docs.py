@@ -14,6 +14,7 @@ import hgraph
 from hgraph.cli.command import build_parser
 from hgraph.profiling.profile_ranks import DEFAULT_MEMORY_GB
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
+from hgraph.training.config_sections import SECTIONS, TOP_SECTIONS, reference, toml_default
 from hgraph.training.train_config import TABLES, TOP, DataConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,8 @@ def _defaults() -> dict[str, object]:
     """Config key -> the default the code uses (None: required or unset)."""
     train = {f.name: None if f.default is MISSING else f.default for f in fields(TrainConfig)}  # MISSING: required
     data = {f.name: None if f.default is MISSING else f.default for f in fields(DataConfig)}
-    out = {k: train.get(k) for k in TOP - set(TABLES)}
+    out = {k: train.get(k) for k in TOP - set(TABLES) - {s.name for s in TOP_SECTIONS}}
+    out.update({f"{s.name}.{k}": toml_default(s, k) for s in SECTIONS for k in s.keys()})
     out["planner"] = train["planner"]  # planner = "auto" | "none", or the [planner] table
     out.update({f"data.{k}": data.get(k, train.get(k)) for k in TABLES["data"]})
     out.update({"data.paths": None, "data.tokenizer": None, "data.tokens_per_iteration": data["tokens_per_iteration"],
@@ -49,11 +51,28 @@ def _documented(cell: str) -> object:
 def test_every_config_key_is_documented_with_its_default():
     rows = {key: _documented(default) for key, default, _ in ROW.findall((ROOT / "docs" / "config.md").read_text())}
     code = _defaults()
-    assert set(code) == TOP - set(TABLES) | {"planner"} | {f"{t}.{k}" for t, keys in TABLES.items() for k in keys}
+    sections = {f"{s.name}.{k}" for s in SECTIONS for k in s.keys()}
+    assert set(code) == (TOP - set(TABLES) - {s.name for s in TOP_SECTIONS} | {"planner"} | sections
+                         | {f"{t}.{k}" for t, keys in TABLES.items() for k in keys})
     assert sorted(set(code) - set(rows)) == [], "config keys missing from docs/config.md"
     assert sorted(set(rows) - set(code)) == [], "docs/config.md documents keys the config does not take"
     wrong = {k: (rows[k], code[k]) for k in code if rows[k] != code[k]}
     assert not wrong, f"docs/config.md defaults that are not the code's (documented, code): {wrong}"
+
+
+def test_the_option_tables_are_generated_from_the_field_docstrings():
+    text = (ROOT / "docs" / "config.md").read_text()
+    assert reference() in text, ("docs/config.md's option tables are out of date: run "
+                                 "python -c 'from hgraph.training.config_sections import update_reference; "
+                                 "update_reference()'")
+
+
+def test_every_option_table_default_is_what_the_library_does_without_the_table():
+    """hgraph train's defaults are the dataclasses' (but the clipping it switches on)."""
+    for s in SECTIONS:
+        base = s.cls() if s.default is None else s.default
+        changed = {f.name for f in fields(s.cls) if getattr(base, f.name) != getattr(s.cls(), f.name)}
+        assert changed == ({"grad_clip"} if s.name == "optimizer" else set()), s.name
 
 
 def _code_defaults() -> dict[str, object]:

@@ -22,7 +22,8 @@ PACKAGE_DIRS = {"hgraph": ROOT / "hgraph", "hgraph.passes": ROOT / "passes", "hg
 # Folder (relative to the repository root) -> layer, lowest first. A module's layer is its folder's;
 # a package's ``__init__`` is in the package's folder.
 FOLDERS: tuple[tuple[str, str], ...] = (
-    ("hgraph/core", "core"),            # errors, layouts, strategies, ZeRO layout, seeding, micro-batches, model info
+    ("hgraph/errors", "errors"),        # HGraphError and its subclasses (hgraph.errors)
+    ("hgraph/core", "core"),            # layouts, strategies, ZeRO layout, seeding, micro-batches, model info
     ("hgraph/data", "data"),            # documents, tokenizers, token-budget batches
     ("hgraph/models", "models"),        # hgraph's Llama, tiny HF builders, the HF zoo's families
     ("hgraph/lnk", "lnk"),              # the layout-change solver (pure)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.layout import chunk_bounds, Layout, LayoutUnion, sharded
 from hgraph.core.placement import parse_placement, Partial, Replicate, Shard
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hgraph.core.checkpoint_files import SafetensorsCheckpoint
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.sharded_writer import ShardedWriter, TensorSpec, parse_size, plan_shards
 
 

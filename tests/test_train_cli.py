@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.strategy import Strategy
 from hgraph.cli.train_cli import choose_backend
 from hgraph.training.train_config import TrainConfig
@@ -34,7 +34,7 @@ def _train(tmp_path, config, *flags, env=None):
     return out, history, json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
-TINY = {"model": "hgraph.cli.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2, "lr": 0.003,
+TINY = {"model": "hgraph.cli.demo:tiny_model", "strategies": ["tp2", "2x tp1"], "world_size": 2, "optimizer": {"lr": 0.003},
         "data": {"lengths": "wikipedia", "tokens_per_iteration": 512, "max_len": 128}}
 
 
@@ -58,8 +58,8 @@ def test_planner_none_rotates_says_so_and_losses_fall(tmp_path):
 
 def test_config_keys_and_flags_reach_compile_and_trainer(tmp_path):
     config = {**TINY, "strategies": ["tp1,pp2", "2x tp1"], "iterations": 2, "planner": "none",
-              "compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": "selective",
-              "schedule": "overlap", "backend": "gloo"}
+              "compile": {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": {"mode": "selective"},
+                          "schedule": {"overlap": {}}}, "backend": "gloo"}
     _, history, summary = _train(tmp_path, config, "--recompute", "full", "--schedule", "none",
                                  "--pipeline-schedule", "zb1p")
     assert summary["options"] == {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": "full",

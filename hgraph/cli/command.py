@@ -14,7 +14,7 @@ import sys
 from importlib import metadata
 from typing import Optional, Sequence
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 
 SUBCOMMANDS = {
     "demo": ("hgraph.cli.demo", "train a small model on local CPU ranks, choosing the strategy per batch"),

@@ -36,9 +36,11 @@ from typing import Any, Optional
 import torch
 
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.core.strategy import fits
 from hgraph.schedule.lowerings import PLACEMENTS
+from hgraph.program.options import CompileOptions, OverlapConfig, ScheduleConfig
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=512, hidden=64, layers=4, heads=4, kv_heads=4, ffn=128),
@@ -124,13 +126,14 @@ def _rank_train(cfg: DemoConfig) -> dict[str, Any]:
     model = model_factory(cfg.size)
     start = time.perf_counter()
     compiled = entry.compile(model, list(cfg.candidates), example_inputs=torch.randint(0, 8, (1, 16)),
-                                      schedule=cfg.schedule)
+                                      options=CompileOptions(schedule=ScheduleConfig(
+                                          overlap=OverlapConfig() if cfg.schedule == "overlap" else None)))
     compile_s = time.perf_counter() - start
     cost_model = CostModel.from_table(json.loads(cfg.cost_table))
     planner = Planner(cost_model, compiled.strategies, terms=terms_of(cost_model), schedule=cfg.schedule,
                       correction=OnlineCorrection())
-    trainer = Trainer(compiled, lr=cfg.lr, weight_decay=0.01, grad_clip=1.0, planner=planner,
-                      timeline=cfg.timeline)
+    trainer = Trainer(compiled, optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.01, grad_clip=1.0),
+                      run=RunConfig(timeline=cfg.timeline), planner=planner)
     train, held = corpus_loaders(cfg)
     held_batches = held.first_batches(cfg.eval_batches) if rank == 0 else None
     evals: list[dict[str, Any]] = []

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.core.layout import Layout, LayoutUnion, replicated, sharded
 from hgraph.lnk import assemble, is_partial, local_shards, solve
 

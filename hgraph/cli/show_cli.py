@@ -13,7 +13,7 @@ import subprocess
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import load_factory
 
 

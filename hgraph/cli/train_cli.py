@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -43,15 +42,18 @@ import torch
 
 from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import CommunicationError, HGraphError, InputError
+from hgraph.errors import CommunicationError, HGraphError, InputError
 from hgraph.core.strategy import fits
+from hgraph.program.options import CompileOptions, OverlapConfig, RecomputeConfig
+from hgraph.runtime.kernels.recompute import MODES
+from hgraph.schedule.lowerings import PIPELINE_SCHEDULES
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
+from hgraph.training.config_sections import DTYPES
 from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
 
 __all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -138,19 +140,6 @@ def loaders(cfg: TrainConfig) -> tuple[Any, Any]:
     return make(d.paths, 0), (make(cfg.eval_paths, 1) if cfg.eval_paths else None)
 
 
-def lr_lambda(cfg: TrainConfig) -> Any:
-    """Linear warmup over ``warmup`` iterations, then constant or cosine down to ``min_lr_ratio``."""
-    def factor(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.iterations - cfg.warmup))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def precheck(cfg: TrainConfig) -> None:
     """Everything that can be checked before ranks start: model, tokenizer vocabulary, first batch."""
     model = ModelSpec(cfg.model, cfg.seed, meta=True)()
@@ -223,13 +212,6 @@ def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost
         return {"error": str(exc)}
 
 
-def compile_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The ``hgraph.compile`` keywords of a config."""
-    return {"compute_dtype": None if cfg.compute_dtype == "float32" else DTYPES[cfg.compute_dtype],
-            "reduce_dtype": DTYPES[cfg.reduce_dtype], "recompute": cfg.recompute, "schedule": cfg.schedule,
-            "pipeline_schedule": cfg.pipeline_schedule}
-
-
 def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
     import torch.distributed as dist
 
@@ -242,21 +224,24 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
     model = spec()
     vocab = model_vocab(model) or 256
     compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
-                             **compile_options(cfg))
+                             options=cfg.compile)
     planner = None
     if cost_table is not None:
         from hgraph.planner.assign import Planner
 
         planner = Planner(planning_cost_model(cfg, cost_table), compiled.strategies,
-                          pipeline_schedule=cfg.pipeline_schedule)
+                          pipeline_schedule=cfg.compile.schedule.pipeline)
     scheduler = None
-    if cfg.warmup or cfg.lr_schedule != "constant":
-        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))  # noqa: E731
+    if not cfg.lr_schedule.constant:
+        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+            opt, lambda step: cfg.lr_schedule.factor(step, cfg.iterations))
     # meta-built models: sliced load or layer-wise init; eager ones are released once sharded
-    trainer = Trainer(compiled, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                      planner=planner, lr_scheduler=scheduler, metrics=metrics_config(cfg),
-                      weights=spec.weights if is_meta_model(model) else None, init_seed=cfg.seed,
-                      release_model=not is_meta_model(model))
+    trainer = Trainer(compiled,
+                      optimizer=replace(cfg.optimizer, lr_scheduler=scheduler),
+                      run=replace(cfg.run, metrics=metrics_config(cfg),
+                                  weights=spec.weights if is_meta_model(model) else None,
+                                  init_seed=cfg.seed, release_model=not is_meta_model(model)),
+                      planner=planner)
     log_to_file(Path(cfg.out) / "logs", trainer.rank)
     if trainer.metrics is not None:
         trainer.metrics.iterations = cfg.iterations
@@ -333,8 +318,9 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
         "device": str(trainer.device), "options": {
             "compute_dtype": str(compiled.options.compute_dtype or torch.float32).removeprefix("torch."),
             "reduce_dtype": str(compiled.options.reduce_dtype).removeprefix("torch."),
-            "recompute": compiled.options.recompute.mode, "schedule": compiled.options.schedule,
-            "pipeline_schedule": compiled.options.pipeline_schedule}}}
+            "recompute": compiled.options.recompute.mode,
+            "schedule": "none" if compiled.options.schedule.overlap is None else "overlap",
+            "pipeline_schedule": compiled.options.schedule.pipeline}}}
 
 
 def metrics_config(cfg: TrainConfig) -> Any:
@@ -372,7 +358,15 @@ def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
     return str(files[0] if len(files) == 1 else path)
 
 
-OVERRIDES = ("backend", "device", "compute_dtype", "reduce_dtype", "recompute", "schedule", "pipeline_schedule")
+OVERRIDES = ("backend", "device")
+# flags that override a [compile] key: flag -> (the key, its choices; the first is the config default)
+COMPILE_FLAGS = {
+    "compute_dtype": ("compile.compute_dtype", tuple(DTYPES)),
+    "reduce_dtype": ("compile.reduce_dtype", tuple(DTYPES)),
+    "recompute": ("compile.recompute.mode", MODES),
+    "schedule": ("compile.schedule.overlap", ("none", "overlap")),
+    "pipeline_schedule": ("compile.schedule.pipeline", tuple(PIPELINE_SCHEDULES)),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -386,6 +380,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for key in OVERRIDES:
         parser.add_argument("--" + key.replace("_", "-"), choices=CHOICES[key], default=None,
                             help=f"override the config's {key} (config default: {CHOICES[key][0]})")
+    for flag, (key, choices) in COMPILE_FLAGS.items():
+        parser.add_argument("--" + flag.replace("_", "-"), choices=choices, default=None,
+                            help=f"override the config's {key} (config default: {choices[0]})")
     parser.add_argument("--planner", choices=PLANNERS, default=None,
                         help="'auto': plan every iteration (config default); 'none': rotate the strategies")
     parser.add_argument("--cost-table", default=None,
@@ -407,7 +404,28 @@ def configured(args: argparse.Namespace) -> TrainConfig:
         over["world_size"] = args.world_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         over["world_size"] = int(os.environ["WORLD_SIZE"])
-    return check_choices(replace(cfg, **over))
+    flags = {k: getattr(args, k) for k in COMPILE_FLAGS if getattr(args, k, None) is not None}
+    return check_choices(replace(cfg, compile=with_flags(cfg.compile, flags, cfg.source), **over))
+
+
+def with_flags(options: CompileOptions, flags: dict[str, str], source: str) -> CompileOptions:
+    """``options`` with the ``COMPILE_FLAGS`` given on the command line."""
+    if not flags:
+        return options
+    schedule = {}
+    if "schedule" in flags:
+        schedule["overlap"] = None if flags["schedule"] == "none" else options.schedule.overlap or OverlapConfig()
+    if "pipeline_schedule" in flags:
+        schedule["pipeline"] = flags["pipeline_schedule"]
+    changes: dict[str, Any] = {k: DTYPES[flags[k]] for k in ("compute_dtype", "reduce_dtype") if k in flags}
+    if changes.get("compute_dtype") is torch.float32:
+        changes["compute_dtype"] = None  # float32: no mixed precision
+    if "recompute" in flags:
+        changes["recompute"] = RecomputeConfig(flags["recompute"])
+    try:
+        return replace(options, schedule=replace(options.schedule, **schedule), **changes)
+    except HGraphError as exc:
+        raise InputError(f"config {source} with the command line's flags: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

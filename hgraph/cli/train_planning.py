@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from hgraph.core.errors import CostModelError, InputError
+from hgraph.core.degrees import Degrees
+from hgraph.errors import CostModelError, InputError
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel, load_cost_model
 from hgraph.profiling.profile import profile_cost_model
@@ -54,14 +55,15 @@ def planner_table(cfg: TrainConfig, model_factory: Callable[[], Any], torchrun: 
 def planning_cost_model(cfg: TrainConfig, table: str) -> CostModel:
     """The ``CostModel`` of a table for this run: its world size and recompute mode."""
     cm = CostModel.from_table(json.loads(table)).with_world_size(cfg.world_size)
-    return cm.with_recompute(cfg.recompute) if cfg.recompute != "none" else cm
+    mode = cfg.compile.recompute_for(Degrees(1, 1, 1)).mode  # one RecomputeConfig for every pipeline ([compile.recompute])
+    return cm.with_recompute(mode) if mode != "none" else cm
 
 
 def check_fits(cfg: TrainConfig, table: str) -> None:
     """``InputError`` when a sequence as long as the context fits no strategy under the cost model."""
     try:
         planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies),
-                          pipeline_schedule=cfg.pipeline_schedule)
+                          pipeline_schedule=cfg.compile.schedule.pipeline)
     except CostModelError as exc:
         raise InputError(f"config {cfg.source}: planner: the cost model cannot plan these strategies: {exc}") from None
     if cfg.context > planner.largest_max_len:

@@ -18,7 +18,7 @@ from torch import nn
 
 from hgraph.compiler import entry
 from hgraph.compiler.packing_proof import PackingWarning
-from hgraph.core.errors import HGraphError, PackingError
+from hgraph.errors import HGraphError, PackingError
 from hgraph.models.zoo import zoo_model
 
 STRATEGY_KINDS: dict[str, str] = {

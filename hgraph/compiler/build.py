@@ -25,7 +25,7 @@ import time
 import warnings
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,7 +44,7 @@ from hgraph.compiler.parameter_plans import (
 )
 from hgraph.compiler.show import activation_subgraphs
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import HGraphError, ShardingRuleError, StrategyError
+from hgraph.errors import HGraphError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import TracedModel
@@ -103,13 +103,12 @@ class Builder:
     """One compile's pass managers and build steps: each step computes one product from the products
     it is given, and records its passes in ``pass_history``."""
 
-    def __init__(self, traced: TracedModel, strategies: list[Strategy], options: CompileOptions,
-                 user_passes: Sequence[Any] = (), disabled: Iterable[str] = ()) -> None:
+    def __init__(self, traced: TracedModel, strategies: list[Strategy], options: CompileOptions) -> None:
         self.traced, self.strategies, self.options = traced, strategies, options
         self.world_size = strategies[0].world_size
         self.pass_history: list[PassRecord] = []
-        user = checked_user_passes(user_passes)
-        off = checked_disabled(disabled, user)
+        user = checked_user_passes(options.passes)
+        off = checked_disabled(options.disable, user)
         self.passes = {level: PassManager.for_level(level, {n: BUILTIN_PASSES[n] for n in names if n in BUILTIN_PASSES},
                                                     user, off)
                        for level, names in LEVELS}
@@ -215,7 +214,7 @@ class Builder:
             vpp=pipeline.vpp, param_of_placeholder=dict(self.traced.param_names), pulls=pulls,
             pushes=tuple(reversed(pulls)), activations=tuple(activation_subgraphs(stages, s, pi)),
             compute_dtype=self.options.compute_dtype, reduce_dtype=self.options.reduce_dtype,
-            coalesce=self.options.coalesce, pipeline_schedule=self.options.pipeline_schedule,
+            coalesce=self.options.schedule.coalesce, pipeline_schedule=self.options.schedule.pipeline,
         )
         ctx = self.context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, ep=pipeline.ep, strategy=s, program=program)
         program, records = self.passes["rank"].around(
@@ -227,12 +226,12 @@ class Builder:
     def _scheduled(self, program: RankProgram) -> RankProgram:
         """The schedule step: ``program`` with its lowering (``schedule="overlap"``: its overlap order,
         and the overlap graph its first forward runs)."""
-        if self.options.overlap is None:
+        if self.options.schedule.overlap is None:
             return program
         sg = program.stage_graph
         if id(sg.gm) not in self._overlap_graphs:  # the ranks of one stage share it
             self._overlap_graphs[id(sg.gm)] = overlap_graph(sg.gm, sg.params)
-        return replace(program, overlap=overlap_order(program, self.options.overlap),
+        return replace(program, overlap=overlap_order(program, self.options.schedule.overlap),
                        overlap_graph=self._overlap_graphs[id(sg.gm)])
 
     def rank_comm(self, products: Products, index: int, rank: int) -> dict[str, ParameterComm]:

@@ -1,4 +1,4 @@
-"""On-disk cache of a compile's Pull / Push plans (``compile(cache_dir=...)`` or ``$HGRAPH_COMPILE_CACHE``).
+"""On-disk cache of a compile's Pull / Push plans (``BuildConfig(cache_dir=...)`` or ``$HGRAPH_COMPILE_CACHE``).
 
 The plans are the part of a compile that grows with the world. They are a pure function of what each
 parameter moves between: its shape, the optimizer layout, the (pipeline, stage) users of every
@@ -14,7 +14,7 @@ JSON or JSON of another shape is reported (``CacheWarning``) and rebuilt, never 
 
 Like ssh with its keys, the cache is used only if no one else can write it: a directory that is
 group- or other-writable, or owned by another user, is refused (``InputError`` naming
-``chmod go-w DIR``) unless ``trust_shared_cache=True`` says that everyone who can write it is
+``chmod go-w DIR``) unless ``BuildConfig(trust_shared_cache=True)`` says that everyone who can write it is
 trusted; an entry file writable by others is ignored and rewritten. The checksum catches damage,
 not tampering: the permissions keep tampering out.
 """
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 ENV = "HGRAPH_COMPILE_CACHE"
 FORMAT = 2  # 1: a pickle (before 0.2); 2: JSON data
@@ -104,7 +104,7 @@ class CompileCache:
             raise InputError(
                 f"compile cache directory {self.directory} refused: {problem}, so another user could plant "
                 f"plans every job reading it would run. Fix: `chmod go-w {self.directory}` (and own it), "
-                "or, if everyone who can write it is trusted, compile(..., trust_shared_cache=True)")
+                "or, if everyone who can write it is trusted, CompileOptions(build=BuildConfig(trust_shared_cache=True))")
 
     def load(self, decode: Callable[[Any], T]) -> Optional[T]:
         """``decode(payload)`` of the stored entry, or ``None`` when absent or unusable (warned; the

@@ -14,7 +14,7 @@ needs. Optimizer state lives in the fixed layout of ``hgraph.core.zero`` and nev
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -25,7 +25,7 @@ from hgraph.compiler.packing_proof import check_rows, prove_packing
 from hgraph.compiler.show import explain, subgraphs, write_dot
 from hgraph.compiler.verify import check_actions, typical_dispatches
 from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS
-from hgraph.core.errors import InputError, PackingError, StrategyError
+from hgraph.errors import InputError, PackingError, StrategyError
 from hgraph.core.layout import Layout
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import CAPTURE_LOCK, TracedModel
@@ -51,13 +51,7 @@ class CompiledModel:
         traced: TracedModel,
         strategies: list[Strategy],
         options: CompileOptions,
-        user_passes: Sequence[Any] = (),
-        disabled: Iterable[str] = (),
         rank: Optional[int] = None,
-        verify: Optional[bool] = None,
-        cache_dir: Optional[str] = None,
-        trust_shared_cache: bool = False,
-        packing: str = "auto",
     ) -> None:
         self.model = model
         self.traced = traced
@@ -65,27 +59,28 @@ class CompiledModel:
         self.options = options
         self.world_size = strategies[0].world_size
         if rank is not None and not (isinstance(rank, int) and 0 <= rank < self.world_size):
-            raise StrategyError(f"compile(rank={rank!r}): expected None or a rank in 0..{self.world_size - 1}")
+            raise StrategyError(f"build.rank={rank!r}: expected 'auto', None or a rank in 0..{self.world_size - 1}")
         self.rank = rank
+        verify = options.build.verify
         self.verify = self.world_size <= VERIFY_WORLD if verify is None else bool(verify)
         start = time.perf_counter()
-        self._builder = Builder(traced, strategies, options, user_passes, disabled)
+        self._builder = Builder(traced, strategies, options)
         self.param_shapes = self._builder.param_shapes
-        self._products = build(self._builder, rank, cache_dir, trust_shared_cache)
+        self._products = build(self._builder, rank, options.build.cache_dir, options.build.trust_shared_cache)
         self.optimizer_layouts: dict[str, Layout] = self._products.optimizer_layouts
         self.cache_hit = self._products.cache_hit
         self._joints: dict[tuple[int, int, int], JointGraphs] = {}
-        if self.verify and (options.pipeline_schedule != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
+        if self.verify and (options.schedule.pipeline != "1f1b" or any(p.vpp > 1 for s in strategies for p in s.pipelines)):
             for i, s in enumerate(strategies):  # the new lowerings are dry-run before anything runs
                 self.check_actions(i, [2 * p.pp for p in s.pipelines])
         self._overlap_checked: set[tuple[int, tuple[int, ...]]] = set()
-        if options.schedule == "overlap" and self.verify:
+        if options.schedule.overlap is not None and self.verify:
             for i in range(len(strategies)):  # typical dispatches; the Trainer checks each real one
                 for counts in typical_dispatches(len(strategies[i].pipelines)):
                     self.check_overlap(i, counts)
         # How training packs documents (hgraph.compiler.packing_proof): proved once everything else compiled,
         # so a refusal of the model comes first and the probe runs only on a model that compiles.
-        self.packing: PackingProof = prove_packing(traced, packing)
+        self.packing: PackingProof = prove_packing(traced, options.packing)
         _check_padding(self.packing, strategies, options)
         self.compile_seconds = time.perf_counter() - start
 
@@ -257,5 +252,5 @@ def _check_padding(proof: PackingProof, strategies: Sequence[Strategy], options:
                 raise PackingError(
                     f"strategy '{s}' pads every micro-batch (it {why}), so each document shares its micro-batch "
                     f"with padding, which needs packing proved exact; {proof}. Use strategies without cp"
-                    + (" or sequence_parallel=False" if options.sequence_parallel else "")
+                    + (" or CompileOptions(sequence_parallel=False)" if options.sequence_parallel else "")
                 )

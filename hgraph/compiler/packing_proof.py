@@ -45,11 +45,12 @@ from torch import fx
 
 from hgraph.compiler.row_terms import exact_rows, length_as_value
 from hgraph.core.batch import next_token_targets
-from hgraph.core.errors import HGraphError, PackingError
+from hgraph.errors import HGraphError, PackingError
 from hgraph.core.model_info import model_dims
 from hgraph.frontend.mask_probe import longest_traced
 from hgraph.passes.annotate import annotate
 from hgraph.passes.localize import localize
+from hgraph.program.options import PACKING_MODES
 from hgraph.program.products import PackingProof
 from hgraph.rules.mesh import ShardingOptions
 from hgraph.rules.base import module_of, op_name
@@ -57,7 +58,6 @@ from hgraph.rules.base import module_of, op_name
 if TYPE_CHECKING:
     from hgraph.frontend import TracedModel
 
-PACKING_MODES = ("auto", "require", "off")
 PROBE_MAX_TOKENS = 512  # length constants beyond this (feature sizes, vocabularies) are not probed past
 _CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
 
@@ -67,7 +67,7 @@ class PackingWarning(UserWarning):
 
 
 def prove_packing(traced: "TracedModel", mode: str = "auto") -> PackingProof:
-    """The ``PackingProof`` of ``traced`` (module docstring); ``mode`` as ``hgraph.compile(packing=)``.
+    """The ``PackingProof`` of ``traced`` (module docstring); ``mode`` as ``CompileOptions.packing``.
     ``traced`` is the fp32 trace (a bf16 ``compute_dtype`` is applied later, by the precision pass), so
     no rounding hides a small leak from the probe."""
     if mode not in PACKING_MODES:
@@ -296,5 +296,5 @@ def _constants(gm: fx.GraphModule) -> list[int]:
     return found
 
 
-__all__ = ["PACKING_MODES", "check_rows", "PROBE_MAX_TOKENS", "PackingWarning", "graph_proof", "probe",
+__all__ = ["check_rows", "PROBE_MAX_TOKENS", "PackingWarning", "graph_proof", "probe",
            "probe_documents", "prove_packing"]

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.core.layout import AnyLayout, Layout, LayoutUnion
 from hgraph.core.placement import InterleavedShard
 from hgraph.core.strategy import Strategy

@@ -1,2 +1,2 @@
-"""Core types every layer uses: errors, layouts, strategies, the ZeRO layout, seeding, packed
-micro-batches and what is read from a user's model. Imports nothing else of hgraph."""
+"""Core types every layer uses: layouts, strategies, the ZeRO layout, seeding, packed
+micro-batches and what is read from a user's model. Imports only ``hgraph.errors`` of hgraph."""

@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 
 MicroBatch = dict[str, torch.Tensor]
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Mapping, Sequence, Union
 
 import torch
 
-from hgraph.core.errors import CheckpointError
+from hgraph.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

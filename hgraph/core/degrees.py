@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
 
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 
 DEGREES = ("tp", "pp", "cp", "vpp", "ep")
 _PRINTED = ("tp", "ep", "pp", "vpp", "cp")  # the order ``str`` writes them in

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from torch import nn
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.model_info import model_dims
 
 

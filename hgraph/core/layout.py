@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard, parse_placement
 
 Box = tuple[tuple[int, int], ...]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 
 if TYPE_CHECKING:
     from torch import nn

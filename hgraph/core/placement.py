@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 
 
 @dataclass(frozen=True)

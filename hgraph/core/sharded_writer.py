@@ -23,7 +23,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from hgraph.core.checkpoint_files import CODES, INDEX_NAME, SINGLE_NAME
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 DEFAULT_SHARD_SIZE = "5GB"  # HF's default in save_pretrained
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Optional, Sequence
 
 from hgraph.core.degrees import Degrees, parse_degrees
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 FORMATS = {"text": "text", "lines": "text", "jsonl": "json", "parquet": "parquet"}
 SUFFIXES = {"text": ("",), "lines": ("",), "jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.data.documents import DocumentSource
 from hgraph.data.tokenizer import TextTokenizer
 

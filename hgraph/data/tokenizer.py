@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Sequence
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 
 class TextTokenizer:

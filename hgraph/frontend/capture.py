@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-from hgraph.core.errors import InputError, TraceError
+from hgraph.errors import InputError, TraceError
 from hgraph.core.layer_names import layer_index
 from hgraph.frontend.canonicalize import canonicalize
 from hgraph.frontend.lift import lift_exported

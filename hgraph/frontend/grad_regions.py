@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hgraph.core.errors import TraceError
+from hgraph.errors import TraceError
 
 aten = torch.ops.aten
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled

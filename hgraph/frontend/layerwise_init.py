@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.frontend.meta import Touches, init_calls, storage_key
 
 OnReady = Callable[[str, torch.Tensor], None]

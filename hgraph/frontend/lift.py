@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
-from hgraph.core.errors import TraceError
+from hgraph.errors import TraceError
 
 
 def lift_exported(

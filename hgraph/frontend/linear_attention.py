@@ -30,7 +30,7 @@ import torch
 from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hgraph.core.errors import TraceError
+from hgraph.errors import TraceError
 from hgraph.runtime.kernels.linear_attention import gated_delta_rule, packed_causal_conv1d, packed_gated_delta_rule
 
 aten = torch.ops.aten

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 
 InitCall = Callable[[nn.Module, Callable[[], Any]], None]  # around(module, call): runs ``call`` for ``module``
 

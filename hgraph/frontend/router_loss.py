@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.frontend.loss_module import default_loss
 
 

@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.layout import AnyLayout, Box, Layout, LayoutUnion, box_numel
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Union
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.layout import AnyLayout
 from hgraph.lnk.plan import Message, ReshardPlan, Step, Transfer
 from hgraph.lnk.solver import solve, validate

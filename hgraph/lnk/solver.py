@@ -55,7 +55,7 @@ from collections import defaultdict
 from operator import getitem
 from typing import Iterator, Optional
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.layout import AnyLayout, Box, Layout, LayoutUnion, box_numel, chunk_bounds
 from hgraph.lnk.collectives import collective_steps
 from hgraph.lnk.pieces import Piece, is_partial, pieces_of

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Literal
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard, StridedShard
 
 Placements = tuple[Placement, ...]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.seeding import seeded_model
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.seeding import seeded_model
 
 _DECODER = dict(

@@ -42,7 +42,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import CostModel, StageCost
 from hgraph.planner.experts import (

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner.bound import BoundModel
 from hgraph.planner.cost import CostModel
 from hgraph.planner.dispatch import Assigner

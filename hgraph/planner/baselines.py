@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.core.strategy import Strategy, homogeneous
 from hgraph.planner.assign import Planner, check_lengths
 from hgraph.planner.cost import CostModel

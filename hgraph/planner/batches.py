@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence, Union
 
-from hgraph.core.errors import InputError, PlanError
+from hgraph.errors import InputError, PlanError
 
 SAMPLE = "wikipedia_lengths_sample.txt"
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner.cost import CostModel
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.lnk.topology import Topology
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import CostModel, StageCost

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 
 TERMS = ("compute", "comm", "fixed")
 

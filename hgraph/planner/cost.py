@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import CostModelError, StrategyError
+from hgraph.errors import CostModelError, StrategyError
 from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
 
 PRESETS = ("llama7b_a800", "llama13b_a800", "llama32b_a800")

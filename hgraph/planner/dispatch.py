@@ -21,7 +21,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner.packing import Packing, first_fit_decreasing, pack
 from hgraph.planner.timing import PipelineCost
 

@@ -17,7 +17,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner.timing import PipelineCost
 
 Assignment = list[list[list[int]]]  # per pipeline, micro-batches of positions into lengths

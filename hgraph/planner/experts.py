@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 
 EVEN_ROUTING = 1.0
 

@@ -9,7 +9,7 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import nnls
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.cost import StageCost
 
 

@@ -50,7 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 
 ALIGN = 128
 RECOMPUTE_MODES = ("none", "selective", "full")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner.timing import PipelineCost
 
 Packing = list[list[int]]  # micro-batches as positions into the packed list

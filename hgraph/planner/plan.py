@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from hgraph.core.batch import one_document_per_micro_batch
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.bound import LowerBound
 from hgraph.planner.timing import IterationPrediction, PipelineCost

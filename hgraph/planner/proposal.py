@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.planner.batches import make_batches
 from hgraph.planner.context import with_context_parallel

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel, StageCost
 from hgraph.schedule.lowerings import PLACEMENTS
 

@@ -28,9 +28,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
-from hgraph.core.errors import PlanError
-from hgraph.core.strategy import Strategy
+from hgraph.errors import PlanError
 from hgraph.planner.terms import IterationTerms
+from hgraph.core.strategy import Strategy
 from hgraph.schedule.bubble import pipeline_time
 
 

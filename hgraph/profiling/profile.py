@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.core.model_info import decoder_blocks, embedding_of
 from hgraph.models import load_factory
 from hgraph.core.degrees import Degrees

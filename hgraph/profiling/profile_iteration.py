@@ -39,13 +39,15 @@ from typing import Any
 import numpy as np
 from scipy.optimize import nnls
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.cost import CostModel
 from hgraph.planner.machine import machine
 from hgraph.profiling.profile_ranks import ModelFactory, factory_name, model_facts, resolve_factory
 from hgraph.planner.timing import predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
+from hgraph.program.options import CompileOptions, OverlapConfig, ScheduleConfig
 from hgraph.schedule.lowerings import PLACEMENTS
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 _METHOD = "trainer steps packed by the planner, strategies and schedules interleaved per round, pair exchanges, v2"
 PAYLOAD_BYTES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)
@@ -102,8 +104,11 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     model = resolve_factory(factory)()
     vocab = embedding_of(model).num_embeddings
     example = torch.randint(0, vocab, (1, 16))
-    trainers = {sc: Trainer(compile_model(model, strategies, example_inputs=example, schedule=sc), lr=1e-4,
-                            timeline=True, comm=comm) for sc in PLACEMENTS}
+    trainers = {sc: Trainer(compile_model(model, strategies, example_inputs=example,
+                                          options=CompileOptions(schedule=ScheduleConfig(
+                                              overlap=OverlapConfig() if sc == "overlap" else None))),
+                            optimizer=AdamWConfig(lr=1e-4), run=RunConfig(timeline=True), comm=comm)
+                for sc in PLACEMENTS}
     gen = torch.Generator().manual_seed(1)
     sequences = [[torch.randint(0, vocab, (n,), generator=gen) for n in b] for b in batches]
     out["strategies"] = [str(s) for s in trainers["none"].compiled.strategies]

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from hgraph.core.degrees import Degrees
-from hgraph.core.errors import CostModelError, StrategyError
+from hgraph.errors import CostModelError, StrategyError
 from hgraph.planner.cost import CostModel, StageCost
 from hgraph.planner.memory import MemoryRegression
 from hgraph.models import load_factory

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard, StridedShard
 from hgraph.rules.mesh import ShardingOptions
 

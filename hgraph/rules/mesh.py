@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.lnk.transform import MeshDim
 
 MESH_DIMS = ("cp", "tp")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 
 Rule = Callable[..., Any]
 

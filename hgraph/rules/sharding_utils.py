@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard
 from hgraph.rules.base import CP, Spec, spec_str, TP
 from hgraph.rules.mesh import MESH_DIMS

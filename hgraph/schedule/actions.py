@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 
 
 class ScheduleError(HGraphError):

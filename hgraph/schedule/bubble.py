@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.schedule.actions import Action, Kind, ScheduleError, steps, wrapped_chunk
 from hgraph.schedule.lowerings import INTERLEAVED, LOWERINGS, lowering_name
 from hgraph.schedule.replay import replay

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.core.sharded_writer import DEFAULT_SHARD_SIZE, ShardedWriter, TensorSpec
 
 WRITER = 0  # the rank that writes the files

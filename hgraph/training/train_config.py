@@ -4,10 +4,11 @@ its meaning: docs/config.md.
 
 Top level: ``model`` (``module:factory``, an HF ``config.json``, or a local HF checkpoint
 directory), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_size``,
-``iterations``, ``lr``, ``weight_decay``, ``grad_clip``, ``warmup``, ``lr_schedule``
-(``"constant"`` | ``"cosine"``), ``min_lr_ratio``, ``seed``, ``out``; how it runs: ``backend``,
-``device``, ``compute_dtype``, ``reduce_dtype``, ``recompute``, ``schedule``,
-``pipeline_schedule``; ``planner`` (``"auto"``, ``"none"`` or a table). Tables: ``data``
+``iterations``, ``seed``, ``out``; how it runs: ``backend``, ``device``; ``planner`` (``"auto"``,
+``"none"`` or a table). The library's option types, one table each (``config_sections.py``):
+``optimizer`` (``AdamWConfig``), ``lr_schedule`` (``LRScheduleConfig``), ``compile``
+(``CompileOptions``, with ``compile.recompute``, ``compile.schedule``, ``compile.schedule.overlap``,
+``compile.build``) and ``run`` (``RunConfig``). Tables: ``data``
 (``paths``, ``format``, ``text_field``, ``tokenizer``, ``context``, ``tokens_per_iteration``,
 ``long_documents``, ``seed``, ``window``; without ``paths``: synthetic sequences with the lengths of
 a length file, ``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``, ``interval``,
@@ -30,22 +31,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hgraph.core.errors import InputError
-from hgraph.schedule.lowerings import PIPELINE_SCHEDULES, PLACEMENTS
+from hgraph.errors import InputError
+from hgraph.program.options import CompileOptions
+from hgraph.training.config_sections import TOP_SECTIONS, read_sections
+from hgraph.training.configs import AdamWConfig, LRScheduleConfig, RunConfig
 
 STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
-TOP = {"model", "strategies", "world_size", "iterations", "lr", "weight_decay", "grad_clip", "warmup",
-       "lr_schedule", "min_lr_ratio", "seed", "data", "eval", "checkpoint", "export", "planner", "metrics", "out",
-       "backend", "device", "compute_dtype", "reduce_dtype", "recompute", "schedule", "pipeline_schedule"}
+TOP = {"model", "strategies", "world_size", "iterations", "seed", "data", "eval", "checkpoint", "export", "planner",
+       "metrics", "out", "backend", "device", *(s.name for s in TOP_SECTIONS)}
 CHOICES = {  # top-level keys with a fixed set of values (the first is the default)
     "backend": ("auto", "nccl", "gloo"),
     "device": ("auto", "cpu", "cuda"),
-    "compute_dtype": ("float32", "bfloat16", "float16"),
-    "reduce_dtype": ("float32", "bfloat16", "float16"),
-    "recompute": ("none", "selective", "full"),
-    "schedule": PLACEMENTS,
-    "pipeline_schedule": PIPELINE_SCHEDULES,
-    "lr_schedule": ("constant", "cosine"),
+}
+MOVED = {  # keys of the top level before the option tables -> where they are now
+    "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "grad_clip": "optimizer.grad_clip",
+    "warmup": "lr_schedule.warmup", "min_lr_ratio": "lr_schedule.min_lr_ratio",
+    "compute_dtype": "compile.compute_dtype", "reduce_dtype": "compile.reduce_dtype",
+    "recompute": "compile.recompute.mode", "pipeline_schedule": "compile.schedule.pipeline",
 }
 PLANNERS = ("auto", "none")  # planner = "auto": plan every iteration; "none": rotate the strategies
 TABLES = {
@@ -80,12 +82,10 @@ class TrainConfig:
     strategies: tuple[str, ...]  # ("auto",): profile + propose
     world_size: int = 4
     iterations: int = 10
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: Optional[float] = 1.0
-    warmup: int = 0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.1
+    optimizer: AdamWConfig = AdamWConfig(grad_clip=1.0)  # [optimizer]
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()  # [lr_schedule]
+    compile: CompileOptions = CompileOptions()  # [compile] with its nested tables
+    run: RunConfig = RunConfig()  # [run]
     seed: int = 0  # model initialisation (factories and HF configs)
     # synthetic sequences (no data.paths)
     lengths: str = "wikipedia"
@@ -108,11 +108,6 @@ class TrainConfig:
     out: str = "runs/train"
     backend: str = "auto"
     device: str = "auto"
-    compute_dtype: str = "float32"
-    reduce_dtype: str = "float32"
-    recompute: str = "none"
-    schedule: str = "none"
-    pipeline_schedule: str = "1f1b"
     metrics_dir: Optional[str] = None  # None: <out>/metrics
     metrics_jsonl: bool = True
     metrics_tensorboard: bool = True
@@ -140,9 +135,6 @@ def check_choices(cfg: TrainConfig) -> TrainConfig:
             raise InputError(f"{where}{key}: {value!r}; expected one of {', '.join(map(repr, allowed))}")
     if cfg.planner not in PLANNERS:
         raise InputError(f"{where}planner: {cfg.planner!r}; expected \"auto\", \"none\" or a [planner] table")
-    if cfg.schedule == "overlap" and cfg.pipeline_schedule != "1f1b":
-        raise InputError(f"{where}schedule: \"overlap\" runs with pipeline_schedule = \"1f1b\" only; "
-                         "set one of them back")
     if (cfg.backend, cfg.device) in (("nccl", "cpu"), ("gloo", "cuda")):
         raise InputError(f"{where}backend = {cfg.backend!r} with device = {cfg.device!r}: NCCL runs on GPUs, gloo "
                          "here on CPUs; set device = \"auto\" (or backend = \"auto\")")
@@ -213,6 +205,16 @@ def _cost_table(planner: _Fields) -> Optional[str]:
 def read_config(path: str) -> TrainConfig:
     """Parse and check a config file (JSON, or TOML when it ends in ``.toml``)."""
     raw = _load(path)
+    moved = sorted(set(raw) & set(MOVED))
+    if moved:
+        raise InputError(f"config {path}: " + "; ".join(
+            f"{k}: now {MOVED[k]} (the [{MOVED[k].rpartition('.')[0]}] table)" for k in moved) + "; see docs/config.md")
+    if "schedule" in raw:
+        raise InputError(f"config {path}: schedule: now the [compile.schedule.overlap] table (present: overlap on); "
+                         "see docs/config.md")
+    if "lr_schedule" in raw and isinstance(raw["lr_schedule"], str):
+        raise InputError(f"config {path}: lr_schedule: now a table, lr_schedule.kind = {raw['lr_schedule']!r}; "
+                         "see docs/config.md")
     unknown = set(raw) - TOP
     if unknown:
         raise InputError(f"config {path}: unknown keys {sorted(unknown)}; known: {sorted(TOP)}")
@@ -263,12 +265,7 @@ def read_config(path: str) -> TrainConfig:
         strategies=tuple(strategies),
         world_size=top.get("world_size", int, 4, 1),
         iterations=top.get("iterations", int, 10, 1),
-        lr=top.get("lr", float, 1e-3, 0),
-        weight_decay=top.get("weight_decay", float, 0.0, 0),
-        grad_clip=top.get("grad_clip", float, 1.0, 0) if "grad_clip" in raw else 1.0,
-        warmup=top.get("warmup", int, 0, 0),
-        lr_schedule=top.get("lr_schedule", str, "constant"),
-        min_lr_ratio=top.get("min_lr_ratio", float, 0.1, 0),
+        **read_sections(path, raw),
         seed=top.get("seed", int, 0),
         lengths=d.get("lengths", str, "wikipedia"),
         tokens_per_iteration=d.get("tokens_per_iteration", int, 2048, 2),
@@ -294,7 +291,7 @@ def read_config(path: str) -> TrainConfig:
         metrics_console=m.get("console", bool, True),
         peak_tflops=m.get("peak_tflops", float, None, 0),
         source=path,
-        **{key: top.get(key, str, allowed[0]) for key, allowed in CHOICES.items() if key != "lr_schedule"},
+        **{key: top.get(key, str, allowed[0]) for key, allowed in CHOICES.items()},
     )
     check_choices(cfg)
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:

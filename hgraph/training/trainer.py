@@ -8,7 +8,7 @@ sequences, packed into which micro-batches; each rank builds its own micro-batch
 decision, runs its program (Pull, 1F1B, Push) and steps its optimizer shards. The loss is the
 token-mean next-token cross entropy over the whole batch, so any dispatch and packing gives the
 same gradients as one device. One all-reduce closes every iteration: the loss, whether some rank was
-asked to stop (SIGTERM, ``trainer.stop_requested``) and, with ``metrics=MetricsConfig(...)``, every
+asked to stop (SIGTERM, ``trainer.stop_requested``) and, with ``run=RunConfig(metrics=MetricsConfig(...))``, every
 rank's peak memory and exposed communication for rank 0's metrics writer.
 """
 
@@ -20,15 +20,16 @@ import math
 import time
 from collections import Counter
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 import torch
 
-from hgraph.core.batch import DEFAULT_MICRO_BATCH_TOKENS, longest_packed_row, rank_micro_batches
-from hgraph.core.errors import CheckpointError, InputError, TrainingError
+from hgraph.core.batch import longest_packed_row, rank_micro_batches
+from hgraph.errors import CheckpointError, InputError, TrainingError
 from hgraph.core.flops import ModelFlops
 from hgraph.core.layout import Layout
 from hgraph.core.placement import Replicate
+from hgraph.core.model_info import model_dims
 from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.planner.experts import layer_imbalance
@@ -39,11 +40,12 @@ from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_evaluation, run_iteration
-from hgraph.runtime.initial_shards import PathLike, initial_shards
-from hgraph.runtime.metrics import MetricsConfig, MetricsWriter, peak_memory_bytes, reset_peak_memory
+from hgraph.runtime.initial_shards import initial_shards
+from hgraph.runtime.metrics import MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.runtime.kernels.reshard import execute
 from hgraph.runtime.timeline import Timeline, exposed_communication, gather_events
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 if TYPE_CHECKING:
     from hgraph.compiler.compiled_model import CompiledModel
@@ -80,34 +82,23 @@ class Trainer:
     def __init__(
         self,
         compiled: "CompiledModel",
-        lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        grad_clip: Optional[float] = None,
+        *,
+        optimizer: AdamWConfig = AdamWConfig(),
         planner: Optional["Planner"] = None,
-        lr_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+        run: RunConfig = RunConfig(),
         comm: Optional[Communicator] = None,
-        micro_batch_tokens: int = DEFAULT_MICRO_BATCH_TOKENS,
-        timeline: bool = False,
-        device: Union[str, torch.device, None] = None,
-        metrics: Optional[MetricsConfig] = None,
-        weights: Optional[PathLike] = None,
-        init_seed: int = 0,
-        release_model: bool = False,
     ) -> None:
-        """``weights``: a safetensors checkpoint (a file, a directory with ``model.safetensors``, or an HF
-        sharded checkpoint with ``model.safetensors.index.json``) the fp32 master shards are read from,
-        each rank reading only its slices. Without it, a model built on the meta device is initialised
-        by its own scheme one module at a time from ``init_seed`` (``hgraph.frontend.layerwise_init`` states the
-        contract); an eagerly built model's values are used. ``release_model``: once the shards exist,
-        free the storage of the model's parameters (they become meta tensors), so no full copy stays
-        in the process. See docs/big_models.md."""
+        """``optimizer``: the sharded AdamW and its learning-rate schedule; ``planner``: decides each
+        batch's strategy and dispatch (none: the given strategy with the default dispatch); ``run``: the
+        micro-batch budget, device, metrics, timeline and where the weights come from (each field's
+        docstring in ``hgraph.training.configs``); ``comm``: the communicator (default: the process group's)."""
+        if not isinstance(optimizer, AdamWConfig) or not isinstance(run, RunConfig):
+            raise InputError(f"Trainer(optimizer={optimizer!r}, run={run!r}); expected an AdamWConfig and a RunConfig")
         self.compiled = compiled
         self.comm = comm if comm is not None else ProcessGroupComm()
         # Shards, micro-batches and every tensor handed to a collective live here (default: the
         # communicator's device, i.e. this rank's GPU under NCCL, else CPU).
-        self.device = torch.device(device) if device is not None else self.comm.device
+        self.device = torch.device(run.device) if run.device is not None else self.comm.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.comm.world_size != compiled.world_size:
@@ -118,33 +109,33 @@ class Trainer:
         self.rank = self.comm.rank
         self.world = tuple(range(compiled.world_size))
         self.planner = planner
-        self.grad_clip = grad_clip
-        self.micro_batch_tokens = micro_batch_tokens
+        self.grad_clip = optimizer.grad_clip
+        self.micro_batch_tokens = run.micro_batch_tokens
         if planner is None:  # rows of up to micro_batch_tokens: refused now where packing is exact only for shorter
-            compiled.packing_for(micro_batch_tokens)
+            compiled.packing_for(run.micro_batch_tokens)
         layouts = compiled.optimizer_layouts
-        shards = initial_shards(compiled, self.rank, self.comm, self.world, self.device, weights, init_seed)
+        shards = initial_shards(compiled, self.rank, self.comm, self.world, self.device, run.weights, run.init_seed)
         replicated = frozenset(f for f, lay in layouts.items() if isinstance(lay.placements[0], Replicate))
-        self.optimizer = ShardedAdamW(shards, lr, betas, eps, weight_decay, replicated)
+        self.optimizer = ShardedAdamW(shards, optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay,
+                                      replicated)
         del shards
-        if release_model:
+        if run.release_model:
             self.comm.barrier(self.world)  # simulated ranks share the model: every one has cut its shards
             for model in (compiled.model, compiled.traced.model):
                 release_parameters(model)
         self.frozen = params_without_gradient(compiled.traced)
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.lr_scheduler = optimizer.lr_scheduler(self.optimizer) if optimizer.lr_scheduler is not None else None
         self.iteration = 0
         self.history: list[dict[str, Any]] = []
         self.data: Any = None  # the TokenLoader of step_data; its position is saved with the checkpoint
         self._feed_batch: Optional[Sequence[torch.Tensor]] = None  # rank 0: the batch being fed
         # timeline=True: this rank's intervals of every step (runtime/timeline.py); gather_timeline()
-        self.timeline: Optional[Timeline] = Timeline(self.rank) if timeline else None
-        from hgraph.core.model_info import model_dims
-
+        self.timeline: Optional[Timeline] = Timeline(self.rank) if run.timeline else None
         self.vocab: Optional[int] = model_dims(compiled.model).get("vocab")
         # metrics: rank 0 writes them (runtime/metrics.py); every rank measures its memory and exposed
         # communication (on a timeline of its own when none was asked for)
         self.metrics: Optional[MetricsWriter] = None
+        metrics = run.metrics
         self._comm_timeline = self.timeline if self.timeline is not None or metrics is None else Timeline(self.rank)
         if metrics is not None:
             reset_peak_memory(self.device)

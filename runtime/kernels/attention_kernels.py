@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import varlen as varlen_module
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 
 Tensor = torch.Tensor
 KERNELS = ("sdpa", "varlen", "flex")

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.runtime.kernels.context import RankContext, required
 
 Tensor = torch.Tensor

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+
 Group = tuple[int, ...]
 
 

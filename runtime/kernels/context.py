@@ -16,7 +16,7 @@ from typing import Any, Optional
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.runtime.kernels.comm import Communicator, Group
 
 INPUT = "rank_context"  # the name of a bound program's last placeholder

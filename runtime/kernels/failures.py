@@ -14,7 +14,7 @@ import datetime
 import os
 from typing import Iterator
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 
 DEFAULT_COMM_TIMEOUT = 300.0
 """Seconds a collective may wait for its peers before it fails (``hgraph.launch`` passes its own)."""

@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from hgraph.core.batch import load_balance_indices
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.runtime.kernels import attention_kernels
 from hgraph.runtime.kernels.attention_kernels import VARIANT_SCHEMA, AttentionVariant
 from hgraph.runtime.kernels.collectives import all_gather

@@ -13,7 +13,7 @@ import torch
 from hgraph.runtime.kernels.comm import Communicator, Group, Handle
 from hgraph.runtime.kernels.failures import comm_timeout
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 
 
 def local_device_index(rank: int) -> int:

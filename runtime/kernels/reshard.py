@@ -14,7 +14,7 @@ from typing import Any, Generator, Optional
 
 import torch
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.core.layout import Box, box_numel
 from hgraph.lnk.plan import AllGather, AllReduce, AllToAll, LocalCopy, ReduceScatter, ReshardPlan, Transfer
 from hgraph.runtime.kernels.comm import Communicator, Handle

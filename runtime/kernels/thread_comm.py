@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from hgraph.runtime.kernels.comm import Communicator, Group, Handle
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 
 
 # ----------------------------------------------------------------------------- simulated ranks

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.runtime.kernels.collectives import all_reduce, all_reduce_max
 from hgraph.runtime.kernels.context import RankContext, required
 

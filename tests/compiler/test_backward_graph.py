@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import hgraph
-from hgraph.core.errors import TraceError
+from hgraph.errors import TraceError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.backward import backward_graph, comm_counts, comm_nodes
 from hgraph.runtime.kernels.collectives import all_gather, all_to_all, grad_all_reduce, reduce_scatter, split
@@ -20,19 +20,20 @@ from hgraph.runtime.kernels.context import RankContext
 from hgraph.runtime.executor import pull_parameters
 from hgraph.core.batch import next_token_targets
 from hgraph.runtime.thread_oracle import micro_batches_for, shard_parameters
+from hgraph.compiler.compiled_model import CompiledModel
 
 SEQ = 16
-_COMPILED: dict[tuple[str, bool], hgraph.CompiledModel] = {}
+_COMPILED: dict[tuple[str, bool], CompiledModel] = {}
 
 
-def compiled(strategy: str, sequence_parallel: bool = False) -> hgraph.CompiledModel:
+def compiled(strategy: str, sequence_parallel: bool = False) -> CompiledModel:
     key = (strategy, sequence_parallel)
     if key not in _COMPILED:
         torch.manual_seed(0)
         model = Llama(LlamaConfig(layers=2, kv_heads=2))
         _COMPILED[key] = hgraph.compile(
             model, [strategy], example_inputs=torch.zeros(2, SEQ, dtype=torch.long),
-            sequence_parallel=sequence_parallel,
+            options=hgraph.CompileOptions(sequence_parallel=sequence_parallel),
         )
     return _COMPILED[key]
 
@@ -107,7 +108,7 @@ def test_backward_graph_needs_an_argument_that_requires_grad_and_the_rank_groups
     assert comm_counts(traced) == comm_counts(c.backward_program(0, 0, SEQ))
 
 
-def _rank_gradients(c: hgraph.CompiledModel, comm, ids: torch.Tensor) -> tuple:
+def _rank_gradients(c: CompiledModel, comm, ids: torch.Tensor) -> tuple:
     """Gradients of one rank's stage by autograd through its forward program and by running the
     traced forward + backward graphs on the same inputs and output gradients."""
     rank = comm.rank

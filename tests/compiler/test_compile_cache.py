@@ -15,17 +15,19 @@ import torch
 
 import hgraph
 from hgraph.compiler.compile_cache import ENV, CacheWarning, CompileCache
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.plan_codec import decode_plans
 
 STRATEGIES = ["4x tp2", "tp4 + 2x tp2"]
 
 
-def _compile(**kw):
+def _compile(strategies=STRATEGIES, compute_dtype=None, **build):
+    """The test model compiled with ``build`` (``BuildConfig``'s fields)."""
     model = Llama(LlamaConfig(layers=2, kv_heads=4), seed=0)
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
-    return hgraph.compile(model, kw.pop("strategies", STRATEGIES), example_inputs=ids, **kw)
+    options = hgraph.CompileOptions(compute_dtype=compute_dtype, build=hgraph.BuildConfig(**build))
+    return hgraph.compile(model, strategies, ids, options=options)
 
 
 def _products(compiled, rank):

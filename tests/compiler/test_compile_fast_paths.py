@@ -9,6 +9,7 @@ import torch
 import hgraph
 from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.models import Llama, LlamaConfig
+from hgraph.program.options import BuildConfig, CompileOptions
 
 STRATEGIES = ["tp4 + 2x tp2", "2x tp2,pp2", "8x tp1"]
 
@@ -46,7 +47,7 @@ def _expected(compiled, index: int) -> dict[str, tuple]:
 
 
 def test_layers_share_layouts_and_plans_equal_to_layouts_built_per_holder():
-    compiled = _compile(rank=1)
+    compiled = _compile(options=CompileOptions(build=BuildConfig(rank=1)))
     for index in range(len(STRATEGIES)):
         layouts = compiled.parameter_layouts(index)
         expected = _expected(compiled, index)
@@ -63,11 +64,11 @@ def test_layers_share_layouts_and_plans_equal_to_layouts_built_per_holder():
 
 def test_compile_leaves_the_garbage_collector_as_it_found_it():
     assert gc.isenabled()
-    _compile(rank=0)
+    _compile(options=CompileOptions(build=BuildConfig(rank=0)))
     assert gc.isenabled()
     gc.disable()
     try:
-        _compile(rank=0)
+        _compile(options=CompileOptions(build=BuildConfig(rank=0)))
         assert not gc.isenabled()
     finally:
         gc.enable()

@@ -9,6 +9,7 @@ import torch
 import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.collectives import all_reduce, reduce_scatter
+from hgraph.passes.pipeline import Pass
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def test_split_all_reduce_pass_changes_the_program_not_the_result():
     plain = hgraph.compile(model, ["tp2 + 2x tp1"], example_inputs=ids)
     custom = hgraph.compile(
         model, ["tp2 + 2x tp1"], example_inputs=ids,
-        passes=[hgraph.Pass("split_all_reduce", example.split_all_reduce, after="localize")],
+        options=hgraph.CompileOptions(passes=[Pass("split_all_reduce", example.split_all_reduce, after="localize")]),
     )
     targets = {n.target for n in custom.local_program(1, 2).graph.nodes}
     assert all_reduce not in targets and reduce_scatter in targets
@@ -47,9 +48,11 @@ def test_unknown_insertion_point_and_disabling():
     model = Llama(LlamaConfig(layers=1))
     ids = torch.randint(0, 256, (1, 8))
     with pytest.raises(hgraph.HGraphError, match="unknown point 'nowhere'"):
-        hgraph.compile(model, ["tp1"], example_inputs=ids, passes=[hgraph.Pass("x", lambda gm, ctx: gm, after="nowhere")])
+        hgraph.compile(model, ["tp1"], example_inputs=ids,
+                       options=hgraph.CompileOptions(passes=[Pass("x", lambda gm, ctx: gm, after="nowhere")]))
     with pytest.raises(hgraph.HGraphError, match="returned"):
-        hgraph.compile(model, ["tp1"], example_inputs=ids, passes=[hgraph.Pass("bad", lambda gm, ctx: None, after="localize")])
+        hgraph.compile(model, ["tp1"], example_inputs=ids,
+                       options=hgraph.CompileOptions(passes=[Pass("bad", lambda gm, ctx: None, after="localize")]))
 
 
 def test_disable_switches_a_pass_off_and_rejects_unknown_names():
@@ -57,13 +60,16 @@ def test_disable_switches_a_pass_off_and_rejects_unknown_names():
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=1))
     ids = torch.randint(0, 256, (1, 8))
-    split = hgraph.Pass("split_all_reduce", example.split_all_reduce, after="localize")
-    off = hgraph.compile(model, ["tp2"], example_inputs=ids, passes=[split], disable=["split_all_reduce"])
+    split = Pass("split_all_reduce", example.split_all_reduce, after="localize")
+    off = hgraph.compile(model, ["tp2"], example_inputs=ids,
+                         options=hgraph.CompileOptions(passes=[split], disable=["split_all_reduce"]))
     targets = {n.target for n in off.local_program(1, 2).graph.nodes}
     assert all_reduce in targets and reduce_scatter not in targets  # the pass did not run
     assert "split_all_reduce" not in [r.name for r in off.pass_history]
     assert "localize" in [r.name for r in off.pass_history]
-    with pytest.raises(hgraph.InputError, match=r"disable=\['localise'\] names no pass.*'annotate', 'localize'"):
-        hgraph.compile(model, ["tp1"], example_inputs=ids, disable=["localise"])
-    with pytest.raises(hgraph.InputError, match="split_all_reduce"):  # a user pass is only known when given
-        hgraph.compile(model, ["tp1"], example_inputs=ids, disable=["split_all_reduce"])
+    with pytest.raises(hgraph.errors.InputError, match=r"disable=\['localise'\] names no pass.*'annotate', 'localize'"):
+        hgraph.compile(model, ["tp1"], example_inputs=ids,
+                       options=hgraph.CompileOptions(disable=["localise"]))
+    with pytest.raises(hgraph.errors.InputError, match="split_all_reduce"):  # a user pass is only known when given
+        hgraph.compile(model, ["tp1"], example_inputs=ids,
+                       options=hgraph.CompileOptions(disable=["split_all_reduce"]))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import hgraph
 from hgraph.cli.zoo_check import reference_gradients
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 from hgraph.core.placement import Replicate, Shard
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.models.zoo import zoo_model
@@ -167,7 +167,8 @@ def test_expert_parallel_in_bf16_is_as_close_to_fp32_as_tp():
     the fp32 model, like tp-sharded experts."""
     model = zoo_model("mixtral")
     ids = torch.randint(0, model.config.vocab_size, (4, 24), generator=torch.Generator().manual_seed(0))
-    compiled = hgraph.compile(model, ["2x tp2,ep2", "2x tp2"], example_inputs=ids[:2, :8], compute_dtype=torch.bfloat16)
+    compiled = hgraph.compile(model, ["2x tp2,ep2", "2x tp2"], example_inputs=ids[:2, :8],
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
     ref_loss, ref_grads = reference_gradients(model, ids)
 
     def worst(grads):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import InputError, TraceError
+from hgraph.errors import InputError, TraceError
 from hgraph.frontend import default_loss, trace
 from hgraph.models import Llama, LlamaConfig, tiny_hf_gpt2, tiny_hf_llama
 from hgraph.runtime.kernels.packed_attention import packed_attention

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import TraceError
+from hgraph.errors import TraceError
 from hgraph.frontend import trace
 
 VOCAB, HIDDEN = 32, 16

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.rules import lookup
 from hgraph.rules.base import RuleInput

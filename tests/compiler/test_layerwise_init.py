@@ -8,7 +8,7 @@ import torch
 import transformers
 from torch import nn
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.frontend.layerwise_init import initialize
 from hgraph.frontend.meta import materialize_buffers
 from hgraph.models import Llama, LlamaConfig

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from hgraph import models
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.frontend import trace
 from hgraph.core.placement import Partial, Replicate, Shard
 from hgraph.passes.annotate import annotate

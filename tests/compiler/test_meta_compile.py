@@ -7,8 +7,9 @@ import transformers
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
+from hgraph.program.options import OverlapConfig
 
 IDS = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
 
@@ -59,9 +60,11 @@ def programs(compiled) -> list[str]:
 @pytest.mark.parametrize("build", [hf_llama, hf_gpt2, own_llama], ids=["hf_llama", "hf_gpt2", "own_llama"])
 def test_meta_and_eager_compiles_give_identical_programs(build):
     strategies = ["2x tp1", "tp2", "tp1,pp2"]
-    eager = hgraph.compile(built(build, False), strategies, example_inputs=IDS, rank=None)
+    eager = hgraph.compile(built(build, False), strategies, example_inputs=IDS,
+                           options=hgraph.CompileOptions(build=hgraph.BuildConfig(rank=None)))
     meta_model = built(build, True)
-    meta = hgraph.compile(meta_model, strategies, example_inputs=IDS, rank=None)
+    meta = hgraph.compile(meta_model, strategies, example_inputs=IDS,
+                          options=hgraph.CompileOptions(build=hgraph.BuildConfig(rank=None)))
     assert programs(meta) == programs(eager)
     assert str(meta.traced) == str(eager.traced)
     assert all(p.is_meta for p in meta.model.parameters())  # compiling allocated no parameter
@@ -69,7 +72,9 @@ def test_meta_and_eager_compiles_give_identical_programs(build):
 
 def test_meta_and_eager_give_identical_programs_with_cp_and_overlap():
     strategies = ["tp2,cp2", "tp2,pp2"]
-    options = dict(example_inputs=IDS, rank=None, schedule="overlap")
+    options = dict(example_inputs=IDS,
+                   options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig()),
+                                                 build=hgraph.BuildConfig(rank=None)))
     eager = hgraph.compile(built(hf_llama, False), strategies, **options)
     meta = hgraph.compile(built(hf_llama, True), strategies, **options)
     assert programs(meta) == programs(eager)
@@ -88,8 +93,10 @@ def test_construction_time_buffers_are_recomputed(build):
 
 
 def test_meta_and_eager_give_identical_buffers_and_programs_under_a_compute_dtype():
-    eager = hgraph.compile(built(hf_llama, False), ["tp2"], example_inputs=IDS, compute_dtype=torch.bfloat16)
-    meta = hgraph.compile(built(hf_llama, True), ["tp2"], example_inputs=IDS, compute_dtype=torch.bfloat16)
+    eager = hgraph.compile(built(hf_llama, False), ["tp2"], example_inputs=IDS,
+                           options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
+    meta = hgraph.compile(built(hf_llama, True), ["tp2"], example_inputs=IDS,
+                          options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
     for name, value in eager.traced.buffers().items():
         got = meta.traced.buffers()[name]
         assert got.dtype == value.dtype and torch.equal(got, value), name

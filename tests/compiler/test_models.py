@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_gpt2, tiny_hf_llama
 
 

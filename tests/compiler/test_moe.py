@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Replicate, Shard
 from hgraph.rules.base import TP
 from hgraph.core.batch import next_token_targets

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import hgraph
-from hgraph.core.errors import PackingError
+from hgraph.errors import PackingError
 from hgraph.frontend import trace
 from hgraph.compiler.packing_proof import PackingWarning, graph_proof, prove_packing
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 VOCAB, WIDTH = 32, 16
 
@@ -135,7 +136,8 @@ def test_a_probe_the_program_cannot_run_proves_nothing():
 
 def test_required_packing_refuses_an_unproved_model():
     with pytest.raises(PackingError, match=r"Leaky.*not proved exact.*packing='require'"):
-        hgraph.compile(leaky("shift"), ["2x tp1"], example_inputs=EXAMPLE, packing="require")
+        hgraph.compile(leaky("shift"), ["2x tp1"], example_inputs=EXAMPLE,
+                       options=hgraph.CompileOptions(packing="require"))
 
 
 def test_padding_strategies_are_refused_for_an_unproved_model():
@@ -161,7 +163,7 @@ def test_unproved_models_train_each_document_alone(kind):
             torch.testing.assert_close(grads[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, lr=0.0)
+        trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=0.0))
         return trainer.step(DOCUMENTS, strategy=0), trainer.history[-1]["dispatch"]
 
     (loss, dispatch), _ = run_threads(body, 2)
@@ -170,12 +172,13 @@ def test_unproved_models_train_each_document_alone(kind):
 
 
 def test_packing_off_trains_one_document_per_micro_batch():
-    compiled = hgraph.compile(Leaky(None), ["2x tp1"], example_inputs=EXAMPLE, packing="off")
+    compiled = hgraph.compile(Leaky(None), ["2x tp1"], example_inputs=EXAMPLE,
+                              options=hgraph.CompileOptions(packing="off"))
     assert compiled.packing.exact and not compiled.packing.packs
     assert str(compiled.packing) == "packing off: one document per micro-batch"
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, lr=0.0)
+        trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=0.0))
         trainer.step(DOCUMENTS)
         return trainer.history[-1]["dispatch"]
 
@@ -212,9 +215,10 @@ def test_llama4_rows_past_its_row_position_scale_are_refused_not_trained_wrong()
     budget = 10240
 
     def body(comm):
-        Trainer(compiled, comm=comm, lr=0.0)  # the default micro_batch_tokens packs
+        Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=0.0))  # the default micro_batch_tokens packs
         with pytest.raises(PackingError, match=r"10240 tokens.*up to 8191 tokens.*layers\.3\.self_attn.*packing='off'"):
-            Trainer(compiled, comm=comm, lr=0.0, micro_batch_tokens=budget)
+            Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=0.0),
+                    run=RunConfig(micro_batch_tokens=budget))
 
     run_threads(body, 1)
     try:  # the Trainer's packing (default_dispatch, one row), run with gradients

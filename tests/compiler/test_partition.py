@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hgraph.core.errors import StrategyError
+from hgraph.errors import StrategyError
 from hgraph.frontend import trace
 from hgraph.models import Llama, LlamaConfig
 from hgraph.core.layer_names import layer_index

@@ -9,6 +9,7 @@ import hgraph
 from hgraph.lnk import solve
 from hgraph.models import Llama, LlamaConfig
 from hgraph.core.batch import next_token_targets
+from hgraph.program.options import OverlapConfig
 
 STRATEGIES = ["4x tp2", "tp4 + 2x tp2", "2x tp2,pp2", "8x tp1"]
 WORLD = 8
@@ -27,8 +28,10 @@ def _planned_ranks(compiled) -> set[int]:
 
 
 def test_rank_compile_plans_only_its_rank_and_others_on_demand_equal_a_full_compile():
-    everyone = hgraph.compile(_model(), STRATEGIES, example_inputs=_ids(), rank=None)
-    mine = hgraph.compile(_model(), STRATEGIES, example_inputs=_ids(), rank=3)
+    everyone = hgraph.compile(_model(), STRATEGIES, example_inputs=_ids(),
+                              options=hgraph.CompileOptions(build=hgraph.BuildConfig(rank=None)))
+    mine = hgraph.compile(_model(), STRATEGIES, example_inputs=_ids(),
+                          options=hgraph.CompileOptions(build=hgraph.BuildConfig(rank=3)))
     assert _planned_ranks(mine) == {3} and _planned_ranks(everyone) == set(range(WORLD))
     assert "rank 3" in str(mine)
     for index, strategy in enumerate(STRATEGIES):
@@ -56,7 +59,8 @@ def test_lazily_built_ranks_simulate_like_the_unmodified_model():
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), next_token_targets(ids).flatten())
     ref.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    compiled = hgraph.compile(model, STRATEGIES[1:3], example_inputs=ids, rank=0)
+    compiled = hgraph.compile(model, STRATEGIES[1:3], example_inputs=ids,
+                              options=hgraph.CompileOptions(build=hgraph.BuildConfig(rank=0)))
     for index in range(2):
         loss, got = compiled.simulate(index, ids)
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
@@ -65,13 +69,17 @@ def test_lazily_built_ranks_simulate_like_the_unmodified_model():
 
 
 def test_verify_switches_the_overlap_dry_run_over_every_rank():
-    quiet = hgraph.compile(_model(), STRATEGIES[:2], example_inputs=_ids(), schedule="overlap", rank=1, verify=False)
+    quiet = hgraph.compile(_model(), STRATEGIES[:2], example_inputs=_ids(),
+                           options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig()),
+                                                         build=hgraph.BuildConfig(rank=1, verify=False)))
     assert _planned_ranks(quiet) == {1}  # no dry run: no other rank's plans
     quiet.check_overlap(0, [2] * 4)  # the Trainer's per-dispatch check follows verify
     assert _planned_ranks(quiet) == {1}
     quiet.verify_overlap(0, [2] * 4)  # the explicit, offline check builds and dry-runs every rank
     assert _planned_ranks(quiet) == set(range(WORLD))
-    checked = hgraph.compile(_model(), STRATEGIES[:2], example_inputs=_ids(), schedule="overlap", rank=1)
+    checked = hgraph.compile(_model(), STRATEGIES[:2], example_inputs=_ids(),
+                             options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig()),
+                                                           build=hgraph.BuildConfig(rank=1)))
     assert checked.verify and _planned_ranks(checked) == set(range(WORLD))  # small world: verified by default
 
 

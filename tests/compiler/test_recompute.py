@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.passes.recompute import RecomputeConfig, regions
 from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime.kernels import packed_attention as packed_attention_module
 from hgraph.core.batch import next_token_targets
+from hgraph.program.options import OverlapConfig
 
 MODES = ["none", "selective", "full"]
 STRATEGIES = ["tp2", "tp1,pp2", "cp2", "2x tp1"]
@@ -39,7 +40,8 @@ def llama():
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_equals_one_device(llama, mode):
     model, ids, (ref_loss, ref_grads) = llama
-    compiled = hgraph.compile(model, STRATEGIES, example_inputs=ids, recompute=mode)
+    compiled = hgraph.compile(model, STRATEGIES, example_inputs=ids,
+                              options=hgraph.CompileOptions(recompute=hgraph.RecomputeConfig.of(mode)))
     for s in compiled.strategies:
         loss, grads = compiled.simulate(s, ids)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -52,7 +54,9 @@ def test_hf_llama_full_recompute_with_overlap_equals_one_device():
     model = tiny_hf_llama(num_key_value_heads=2, num_hidden_layers=2)
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     ref_loss, ref_grads = reference(model, ids)
-    compiled = hgraph.compile(model, ["tp2", "tp1,pp2"], example_inputs=ids, recompute="full", schedule="overlap")
+    compiled = hgraph.compile(model, ["tp2", "tp1,pp2"], example_inputs=ids,
+                              options=hgraph.CompileOptions(recompute=hgraph.RecomputeConfig("full"),
+                                                            schedule=hgraph.ScheduleConfig(overlap=OverlapConfig())))
     for s in compiled.strategies:
         loss, grads = compiled.simulate(s, ids)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -62,10 +66,12 @@ def test_hf_llama_full_recompute_with_overlap_equals_one_device():
 
 def test_per_layer_control_and_explain(llama):
     model, ids, _ = llama
-    every = hgraph.compile(model, ["tp2"], example_inputs=ids, recompute=RecomputeConfig("full", every=2))
+    every = hgraph.compile(model, ["tp2"], example_inputs=ids,
+                           options=hgraph.CompileOptions(recompute=RecomputeConfig("full", every=2)))
     assert [r.layer for r in regions(every.program(0, 0).stage_graph.gm)] == [0, 2]
     chosen = hgraph.compile(model, ["tp1,pp2"], example_inputs=ids,
-                            recompute=RecomputeConfig("selective", layers={1, 3}))
+                            options=hgraph.CompileOptions(recompute=RecomputeConfig("selective",
+                                                                                    layers={1, 3})))
     assert [r.layer for r in regions(chosen.program(0, 0).stage_graph.gm)] == [1]
     assert [r.layer for r in regions(chosen.program(0, 1).stage_graph.gm)] == [3]
     text = chosen.explain(0, 1)
@@ -76,10 +82,9 @@ def test_per_layer_control_and_explain(llama):
 
 
 @pytest.mark.parametrize("bad", ["partial", 3])
-def test_bad_recompute_values_are_errors(llama, bad):
-    model, ids, _ = llama
+def test_bad_recompute_values_are_errors(bad):
     with pytest.raises(HGraphError, match="recompute="):
-        hgraph.compile(model, ["tp1"], example_inputs=ids, recompute=bad)
+        hgraph.CompileOptions(recompute=bad)
 
 
 def test_bad_recompute_configs_are_errors():
@@ -125,7 +130,8 @@ def test_recomputed_layers_do_not_issue_communication_twice(llama, monkeypatch):
     monkeypatch.setattr(packed_attention_module, "_packed_attention_local", counted_attention)
     per_mode = {}
     for mode in MODES:
-        compiled = hgraph.compile(model, ["tp2", "cp2"], example_inputs=ids, recompute=mode)
+        compiled = hgraph.compile(model, ["tp2", "cp2"], example_inputs=ids,
+                                  options=hgraph.CompileOptions(recompute=hgraph.RecomputeConfig.of(mode)))
         per_mode[mode] = []
         for s in compiled.strategies:
             counter.counts.clear()
@@ -148,7 +154,8 @@ def test_full_recompute_can_reissue_collectives_instead(llama, monkeypatch):
     counts = {}
     for keep in (True, False):
         compiled = hgraph.compile(model, ["tp2"], example_inputs=ids,
-                                  recompute=RecomputeConfig("full", keep_communication=keep))
+                                  options=hgraph.CompileOptions(recompute=RecomputeConfig("full",
+                                                                                          keep_communication=keep)))
         counter.counts.clear()
         loss, grads = compiled.simulate(0, ids)
         counts[keep] = counter.of(0)["start_all_reduce"]

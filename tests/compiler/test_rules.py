@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.rules import lookup, register, registered_ops
 from hgraph.rules.base import RuleInput

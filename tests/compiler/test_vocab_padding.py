@@ -47,6 +47,6 @@ def test_hf_model_traces_with_its_default_kv_cache_on():
 
     model = tiny_hf_llama()
     assert model.config.use_cache
-    traced = hgraph.trace(model, torch.randint(0, 256, (2, 8)))
+    traced = hgraph.frontend.trace(model, torch.randint(0, 256, (2, 8)))
     ops = {str(n.target) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
     assert not any("detach_" in op or "copy_" in op for op in ops)

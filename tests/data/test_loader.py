@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.data import DocumentSource, TokenLoader, load_tokenizer, stdlib_corpus, stdlib_tokenizer
 
 DOCS = ["def f(x):\n    return x + 1\n", "import os\nprint(os.getcwd())\n" * 40, "class A:\n    pass\n",

@@ -23,8 +23,8 @@ def setup_run(tmp_path, **over):
     (tmp_path / "held").mkdir()
     shutil.copy(stdlib / "csv.py", tmp_path / "held" / "csv.py")
     (tmp_path / "model.json").write_text(json.dumps({**MODEL, **over.pop("model", {})}))
-    cfg = {"model": "model.json", "strategies": ["2x tp1", "tp2"], "world_size": 2, "iterations": 3, "lr": 3e-3,
-           "warmup": 1, "lr_schedule": "cosine", "out": str(tmp_path / "out"),
+    cfg = {"model": "model.json", "strategies": ["2x tp1", "tp2"], "world_size": 2, "iterations": 3,
+           "optimizer": {"lr": 3e-3}, "lr_schedule": {"kind": "cosine", "warmup": 1}, "out": str(tmp_path / "out"),
            "data": {"paths": ["corpus"], "tokenizer": stdlib_tokenizer().path, "context": 96,
                     "tokens_per_iteration": 384, "window": 4},
            "eval": {"paths": ["held"], "interval": 3, "batches": 1},
@@ -47,10 +47,16 @@ def setup_run(tmp_path, **over):
     ({"data": {"paths": ["missing_dir"]}}, "missing_dir'?: no such file or directory"),
     ({"data": {"tokenizer": "nope.json"}}, "tokenizer .*nope.json'?: no such file"),
     ({"model": {"vocab_size": 256}}, "data.tokenizer: .* has 512 tokens but the model's vocabulary is 256"),
-    ({"lr_schedule": "linear"}, "lr_schedule: 'linear'; expected one of 'constant', 'cosine'"),
-    ({"compute_dtype": "fp8"}, "compute_dtype: 'fp8'; expected one of 'float32', 'bfloat16', 'float16'"),
+    ({"lr_schedule": {"kind": "linear"}}, "lr_schedule: lr_schedule.kind='linear'; expected one of 'constant', 'cosine'"),
+    ({"compile": {"compute_dtype": "fp8"}}, "compile.compute_dtype: 'fp8'; expected one of 'float32', 'bfloat16', 'float16'"),
+    ({"compile": {"schedule": {"pipelin": "zb1p"}}}, r"compile.schedule: unknown keys \['pipelin'\]; known: \['coalesce', 'overlap', 'pipeline'\]"),
+    ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected float, got 'fast'"),
+    ({"optimizer": {"betas": [0.9, 1.5]}}, r"optimizer: invalid AdamW settings .*betas=\(0.9, 1.5\)"),
+    ({"lr": 3e-3}, r"lr: now optimizer.lr \(the \[optimizer\] table\)"),
+    ({"schedule": "overlap"}, r"schedule: now the \[compile.schedule.overlap\] table"),
     ({"planner": "greedy"}, 'planner: \'greedy\'; expected "auto", "none" or a \\[planner\\] table'),
-    ({"schedule": "overlap", "pipeline_schedule": "zb1p"}, 'schedule: "overlap" runs with pipeline_schedule = "1f1b"'),
+    ({"compile": {"schedule": {"pipeline": "zb1p", "overlap": {}}}},
+     r"compile.schedule: schedule.pipeline='zb1p' with schedule.overlap is not supported yet"),
     ({"backend": "nccl", "device": "cpu"}, "NCCL runs on GPUs"),
 ])
 def test_bad_configs_get_one_line_errors(tmp_path, capsys, over, message):

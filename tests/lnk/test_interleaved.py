@@ -5,7 +5,7 @@ import pytest
 import torch
 from hgraph.runtime.kernels.simulate import simulate
 
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.placement import InterleavedShard, parse_placement
 from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.lnk import solve

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 from hgraph.core.layout import Layout, LayoutUnion
 from hgraph.core.placement import Partial, Replicate, Shard
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.lnk import solve, solve_rank
 from hgraph.core.zero import optimizer_layout
 from lnk_cases import one_dim_changes, transitions

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hgraph.runtime.kernels.simulate import simulate
 
-from hgraph.core.errors import CommunicationError, LayoutError
+from hgraph.errors import CommunicationError, LayoutError
 from hgraph.core.layout import Layout, LayoutUnion, replicated, sharded
 from hgraph.lnk import LocalCopy, Topology, Transfer, assemble, local_shards, solve
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hgraph.core.batch import load_balance_indices
-from hgraph.core.errors import LayoutError
+from hgraph.errors import LayoutError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.lnk import MeshDim, TransformStep, transform_steps
 

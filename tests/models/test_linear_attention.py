@@ -14,7 +14,7 @@ import torch
 
 import hgraph
 from packed_documents import alone, documents, mismatch, packed
-from hgraph.core.errors import ShardingRuleError
+from hgraph.errors import ShardingRuleError
 from hgraph.runtime.kernels import linear_attention
 from hgraph.models.zoo import zoo_model
 

@@ -30,6 +30,7 @@ from hgraph.lnk import solve
 from hgraph.runtime.kernels.reshard import execute
 from hgraph.training.trainer import Trainer
 from hgraph.models.zoo import FAMILIES, zoo_model
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x cp2"]
 MOE_STRATEGIES = ["tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2"]  # routing needs every token: no cp
@@ -83,7 +84,7 @@ def train_iterations(family: str, strategies: list[str]) -> tuple[list, list, di
     every iteration; and the Trainer (for its history)."""
     model = zoo_model(family).eval()
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 256, (1, 8)))
-    trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
+    trainer = Trainer(compiled, optimizer=AdamWConfig(**OPT), run=RunConfig(micro_batch_tokens=64))
     losses, params, grads = [], [], None
     for i, batch in enumerate(batches(model.config.vocab_size)):
         losses.append(trainer.step(batch, strategy=i % len(strategies)))
@@ -143,7 +144,8 @@ def train_families(families: list[str]) -> dict[str, object]:
         model = zoo_model(family).eval()
         try:
             compiled = hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 256, (1, 8)))
-            trainer = Trainer(compiled, micro_batch_tokens=PACKED_TOKENS, **OPT)
+            trainer = Trainer(compiled, optimizer=AdamWConfig(**OPT),
+                              run=RunConfig(micro_batch_tokens=PACKED_TOKENS))
             batch = documents(model.config.vocab_size)
             packing = [len(mb) for mb in trainer.dispatch([len(d) for d in batch]).micro_batches[0]]
             loss = trainer.step(batch)

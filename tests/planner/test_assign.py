@@ -6,7 +6,7 @@ import statistics
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hgraph.core.errors import CostModelError, PlanError
+from hgraph.errors import CostModelError, PlanError
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel
 from hgraph.planner.dispatch import Assigner, lower_bound

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner import baselines
 from hgraph.planner.assign import Planner
 from hgraph.planner.batches import make_batches, read_lengths, sample_path

@@ -8,7 +8,7 @@ from functools import lru_cache
 import pytest
 
 from hgraph.cli.command import main
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.planner.assign import Planner
 from hgraph.planner.bound import lower_bound
 from hgraph.planner.cost import CostModel

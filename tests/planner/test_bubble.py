@@ -3,7 +3,7 @@ formula."""
 
 import pytest
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.schedule.bubble import replay_time
 
 

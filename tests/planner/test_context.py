@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 
 from hgraph.cli.command import main
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.planner.context import ANALYTIC, parse_degrees, with_context_parallel
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import CostModel

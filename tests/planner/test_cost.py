@@ -7,7 +7,7 @@ from importlib import resources
 
 import pytest
 
-from hgraph.core.errors import CostModelError, StrategyError
+from hgraph.errors import CostModelError, StrategyError
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model, stage_cost
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import PRESETS, CostModel, StageCost, load_cost_model

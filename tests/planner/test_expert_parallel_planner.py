@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hgraph.core.errors import CostModelError, StrategyError
+from hgraph.errors import CostModelError, StrategyError
 from hgraph.core.strategy import Pipeline
 from hgraph.models.zoo import ZooFactory
 from hgraph.planner.analytic import HardwareSpec, ModelConfig, analytic_cost_model, default_schemes, stage_cost

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.planner.correction import OnlineCorrection, fidelity

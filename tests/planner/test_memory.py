@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import CostModel
 from hgraph.planner.memory import MemoryRegression

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hgraph.cli.command import main
-from hgraph.core.errors import InputError, PlanError
+from hgraph.errors import InputError, PlanError
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.core.strategy import Strategy
 from hgraph.planner.plan import IterationPlan, PipelinePlan
 from hgraph.planner.timing import AlphaBetaComm, PipelineCost, check_plan, exposed_comm_ms, predict

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hgraph.cli.command import main
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import load_cost_model
 from hgraph.profiling.profile import build_table, fit_stage_cost

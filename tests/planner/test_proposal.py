@@ -6,7 +6,7 @@ from importlib import resources
 import numpy as np
 import pytest
 
-from hgraph.core.errors import PlanError
+from hgraph.errors import PlanError
 from hgraph.core.strategy import Strategy
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import CostModel

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import CostModelError
+from hgraph.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.recompute import regions
 from hgraph.core.degrees import Degrees
@@ -73,6 +73,6 @@ def test_compile_takes_a_mode_per_scheme():
     model = Llama(LlamaConfig(layers=2))
     ids = torch.randint(0, 256, (2, 16))
     compiled = hgraph.compile(model, ["tp2", "2x tp1"], example_inputs=ids,
-                              recompute={"tp2": "full", Degrees(1, 1): "none"})
+                              options=hgraph.CompileOptions(recompute={"tp2": "full", Degrees(1, 1): "none"}))
     assert [r.mode for r in regions(compiled.program(0, 0).stage_graph.gm)] == ["full", "full"]
     assert regions(compiled.program(1, 0).stage_graph.gm) == []

@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import hgraph
-from hgraph.core.errors import CheckpointError
+from hgraph.errors import CheckpointError
 from hgraph.runtime.kernels.thread_comm import run_threads
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -51,7 +51,7 @@ def errors(compiled, paths):
 
     def rank(comm):
         try:
-            hgraph.Trainer(compiled, comm=comm, weights=paths[comm.rank])
+            hgraph.Trainer(compiled, comm=comm, run=hgraph.RunConfig(weights=paths[comm.rank]))
         except CheckpointError as exc:
             return str(exc)
         return None
@@ -124,12 +124,12 @@ def test_no_such_path(compiled, tmp_path):
 
 
 def _trainer_error(compiled, **per_rank):
-    """Each thread rank's TrainingError message (keyword values are per-rank lists)."""
-    from hgraph.core.errors import TrainingError
+    """Each thread rank's TrainingError message (``RunConfig`` keyword values are per-rank lists)."""
+    from hgraph.errors import TrainingError
 
     def rank(comm):
         try:
-            hgraph.Trainer(compiled, comm=comm, **{k: v[comm.rank] for k, v in per_rank.items()})
+            hgraph.Trainer(compiled, comm=comm, run=hgraph.RunConfig(**{k: v[comm.rank] for k, v in per_rank.items()}))
         except TrainingError as exc:
             return str(exc)
         return None

@@ -12,6 +12,7 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime import checkpoint
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 WORLD4 = ["2x tp2", "tp2,pp2", "tp2 + 2x tp1"]
 WORLD2 = ["tp2", "2x tp1"]
@@ -37,7 +38,8 @@ def make_trainer(compiled, comm):
     def schedule(opt):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
 
-    return Trainer(compiled, comm=comm, micro_batch_tokens=32, lr_scheduler=schedule, **OPT)
+    return Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr_scheduler=schedule, **OPT),
+                   run=RunConfig(micro_batch_tokens=32))
 
 
 def train(trainer, data, start):
@@ -101,9 +103,9 @@ def test_crash_during_save_leaves_no_loadable_checkpoint(compiled4, tmp_path, mo
         with pytest.raises(OSError, match="injected"):
             _save_then(compiled4, lambda t, target=target: t.save(target))
     monkeypatch.undo()
-    with pytest.raises(hgraph.CheckpointError, match="manifest.json is missing"):
+    with pytest.raises(hgraph.errors.CheckpointError, match="manifest.json is missing"):
         _save_then(compiled4, lambda t: t.load(bad))
-    with pytest.raises(hgraph.CheckpointError, match="manifest.json is missing"):
+    with pytest.raises(hgraph.errors.CheckpointError, match="manifest.json is missing"):
         _save_then(compiled4, lambda t: t.load(bad.with_name(".bad.partial")))
     assert _save_then(compiled4, lambda t: t.load(good)) == [{}] * 4
 
@@ -136,7 +138,7 @@ def test_corrupt_byte_and_bad_manifest_are_rejected(compiled4, tmp_path):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(hgraph.CheckpointError, match=r"rank00002\.pt is corrupt: sha256"):
+    with pytest.raises(hgraph.errors.CheckpointError, match=r"rank00002\.pt is corrupt: sha256"):
         _save_then(compiled4, lambda t: t.load(path))
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -145,14 +147,14 @@ def test_corrupt_byte_and_bad_manifest_are_rejected(compiled4, tmp_path):
     manifest["files"]["rank00001.pt"]["tensors"][key]["shape"] = [999]
     (path / "manifest.json").write_text(json.dumps(manifest))
     message = rf"rank00001\.pt: {key} is torch.float32 \[.*\]; the manifest says torch.float32 \[999\]"
-    with pytest.raises(hgraph.CheckpointError, match=message):
+    with pytest.raises(hgraph.errors.CheckpointError, match=message):
         _save_then(compiled4, lambda t: t.load(path))
     del manifest["files"]
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(hgraph.CheckpointError, match=r"lacks the fields \['files'\]"):
+    with pytest.raises(hgraph.errors.CheckpointError, match=r"lacks the fields \['files'\]"):
         _save_then(compiled4, lambda t: t.load(path))
     (path / "manifest.json").write_text("{not json")
-    with pytest.raises(hgraph.CheckpointError, match="not valid JSON"):
+    with pytest.raises(hgraph.errors.CheckpointError, match="not valid JSON"):
         _save_then(compiled4, lambda t: t.load(path))
 
 
@@ -170,7 +172,7 @@ def test_loading_never_unpickles_code(compiled4, tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["rank00000.pt"]["sha256"] = hashlib.sha256(victim.read_bytes()).hexdigest()
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(hgraph.CheckpointError, match=r"rank00000\.pt cannot be read safely"):
+    with pytest.raises(hgraph.errors.CheckpointError, match=r"rank00000\.pt cannot be read safely"):
         _save_then(compiled4, lambda t: t.load(path))
 
 
@@ -181,7 +183,7 @@ def test_mismatched_model_is_rejected(tmp_path):
     other = hgraph.compile(Llama(LlamaConfig(hidden=32, heads=4, kv_heads=2, ffn=96, layers=2)), ["2x tp1"],
                            example_inputs=torch.randint(0, 256, (1, 8)))
     message = r"parameter '.*' has shape \(\d+, \d+\), the model's is"
-    with pytest.raises(hgraph.CheckpointError, match=message):
+    with pytest.raises(hgraph.errors.CheckpointError, match=message):
         _save_then(other, lambda t: t.load(path))
 
 

@@ -51,7 +51,7 @@ def check_plan(gpus, lengths, split_long):
     planner = _PLANNERS[gpus]
     try:
         plan = planner.plan(lengths, split_long=split_long)
-    except hgraph.PlanError as exc:
+    except hgraph.errors.PlanError as exc:
         too_long = lengths and max(lengths) > _MAX_LEN[gpus] and not split_long
         assert not lengths or too_long, f"unexpected PlanError for {lengths}: {exc}"
         return

@@ -12,6 +12,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
+from hgraph.training.configs import RunConfig
 
 
 def train_and_fail(victim, kill_signal, at_step, strategy):
@@ -23,7 +24,7 @@ def train_and_fail(victim, kill_signal, at_step, strategy):
     torch.manual_seed(0)
     model = Llama(LlamaConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2))
     compiled = hgraph.compile(model, [strategy], example_inputs=torch.randint(0, 256, (1, 8)))
-    trainer = trainer_module.Trainer(compiled, micro_batch_tokens=16)
+    trainer = trainer_module.Trainer(compiled, run=RunConfig(micro_batch_tokens=16))
     g = torch.Generator().manual_seed(1)
     batch = [torch.randint(0, 256, (12,), generator=g) for _ in range(8)]
     trainer.step(batch)
@@ -55,7 +56,7 @@ def _assert_reported(exc_text, victim, how):
 
 def test_killed_rank_is_reported_within_the_timeout():
     start = time.monotonic()
-    with pytest.raises(hgraph.CommunicationError) as info:
+    with pytest.raises(hgraph.errors.CommunicationError) as info:
         hgraph.launch(train_and_fail, 4, args=(2, None, 3, "tp2,pp2"), timeout=90, comm_timeout=20)
     assert time.monotonic() - start < 90
     _assert_reported(str(info.value), 2, "died with exit code 1")
@@ -63,7 +64,7 @@ def test_killed_rank_is_reported_within_the_timeout():
 
 @pytest.mark.slow
 def test_sigkill_during_push_is_reported():
-    with pytest.raises(hgraph.CommunicationError) as info:
+    with pytest.raises(hgraph.errors.CommunicationError) as info:
         hgraph.launch(train_and_fail, 4, args=(1, signal.SIGKILL, 8, "2x tp2"), timeout=90, comm_timeout=20)
     _assert_reported(str(info.value), 1, "was killed by SIGKILL")
 
@@ -86,14 +87,14 @@ def stuck_in_subgroup(seconds):
     try:
         with comm_step(rank, "a test all_reduce on group (0, 1, 2)"):
             comm.all_reduce(torch.ones(1), (0, 1, 2))
-    except hgraph.CommunicationError as exc:
-        raise hgraph.CommunicationError(f"{exc} [waited {time.monotonic() - start:.1f}s]") from exc
+    except hgraph.errors.CommunicationError as exc:
+        raise hgraph.errors.CommunicationError(f"{exc} [waited {time.monotonic() - start:.1f}s]") from exc
     return "never"
 
 
 def test_stuck_peer_times_out_on_a_subgroup():
     """Subgroups get the launch's collective timeout (torch's default would be 30 minutes)."""
-    with pytest.raises(hgraph.CommunicationError) as info:
+    with pytest.raises(hgraph.errors.CommunicationError) as info:
         hgraph.launch(stuck_in_subgroup, 4, args=(120,), timeout=120, comm_timeout=3)
     text = str(info.value)
     assert text.startswith("rank 2 stopped responding"), text
@@ -105,5 +106,5 @@ def test_stuck_peer_times_out_on_a_subgroup():
 
 
 def test_launch_rejects_bad_timeouts():
-    with pytest.raises(hgraph.CommunicationError, match=r"comm_timeout=0; launch needs a positive number"):
+    with pytest.raises(hgraph.errors.CommunicationError, match=r"comm_timeout=0; launch needs a positive number"):
         hgraph.launch(stuck_in_subgroup, 2, args=(0,), comm_timeout=0)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.core.placement import InterleavedShard, Partial, Replicate, Shard, StridedShard
 from hgraph.passes.annotate import _decide, _partial_uses
 from hgraph.passes.bind_rank import bind_rank

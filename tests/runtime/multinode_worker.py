@@ -34,7 +34,8 @@ def make_batches(iterations: int = 3, seed: int = 1) -> list[list[torch.Tensor]]
 def main(out: Path) -> None:
     rank, world = hgraph.init_from_env("gloo")
     compiled = hgraph.compile(make_model(), STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = hgraph.Trainer(compiled, micro_batch_tokens=64, **OPT)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(**OPT),
+                             run=hgraph.RunConfig(micro_batch_tokens=64))
     losses, params = [], []
     for i, batch in enumerate(make_batches()):
         losses.append(trainer.step(batch, strategy=i))

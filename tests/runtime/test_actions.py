@@ -141,7 +141,7 @@ def test_interleaved_takes_any_number_of_micro_batches():
 
 def test_one_vocabulary_of_schedules():
     """The config, the planner's terms and the bubble read the one registry's names."""
-    from hgraph.core.errors import CostModelError
+    from hgraph.errors import CostModelError
     from hgraph.planner.terms import StrategyTerms
     from hgraph.training.train_config import CHOICES
 

@@ -4,7 +4,7 @@ by statistics (up to summation order), integer and bool tensors (GPT-BigCode's c
 import pytest
 import torch
 
-from hgraph.core.errors import TrainingError
+from hgraph.errors import TrainingError
 from hgraph.runtime.agreement import check_same_parameters
 from hgraph.runtime.kernels.thread_comm import run_threads
 

@@ -26,7 +26,7 @@ WRITE_DELAY = 1.5  # seconds every background write is held back, so that it is 
 def make_trainer():
     model = Llama(LlamaConfig(vocab_size=128, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64), seed=0)
     compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)))
-    return hgraph.Trainer(compiled, lr=3e-3, grad_clip=1.0)
+    return hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=3e-3, grad_clip=1.0))
 
 
 def batch(i):
@@ -100,7 +100,7 @@ def _resume(directory):
 @pytest.mark.timeout(600)
 def test_async_write_in_background_one_in_flight_and_a_kill_mid_write_leaves_the_previous(tmp_path):
     directory, record = tmp_path / "ckpt", tmp_path
-    with pytest.raises(hgraph.CommunicationError, match="rank 1 was killed by SIGKILL"):
+    with pytest.raises(hgraph.errors.CommunicationError, match="rank 1 was killed by SIGKILL"):
         hgraph.launch(_train_save_and_get_killed, 2, args=(str(directory), record), timeout=500)
     found = json.loads((record / "events.json").read_text())
     assert found["in_flight"] and found["trained_during_write"]  # save returned at once; training went on
@@ -130,7 +130,7 @@ def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint_loadab
     path = tmp_path / "ckpt"
 
     def body(comm):
-        trainer = hgraph.Trainer(compiled, comm=comm, lr=3e-3)
+        trainer = hgraph.Trainer(compiled, comm=comm, optimizer=hgraph.AdamWConfig(lr=3e-3))
         step(trainer)
         trainer.save(str(path))
         saved = trainer.full_parameters()
@@ -138,7 +138,7 @@ def test_a_save_killed_between_its_renames_leaves_the_previous_checkpoint_loadab
         if trainer.rank == 0:  # the state a kill right after the first rename leaves
             path.rename(path.with_name(".ckpt.old"))
         comm.barrier(trainer.world)
-        fresh = hgraph.Trainer(compiled, comm=comm, lr=3e-3)
+        fresh = hgraph.Trainer(compiled, comm=comm, optimizer=hgraph.AdamWConfig(lr=3e-3))
         fresh.load(str(path))
         return saved, fresh.full_parameters(), fresh.iteration
 
@@ -158,7 +158,7 @@ def test_resume_restores_the_planners_online_correction(tmp_path):
 
     def body(comm):
         planner = _planner(compiled, STRATEGIES)
-        trainer = hgraph.Trainer(compiled, comm=comm, lr=1e-3, planner=planner)
+        trainer = hgraph.Trainer(compiled, comm=comm, optimizer=hgraph.AdamWConfig(lr=1e-3), planner=planner)
         manager = CheckpointManager(str(tmp_path / "ckpt"))
         for batch in data:
             trainer.step(batch)
@@ -166,7 +166,7 @@ def test_resume_restores_the_planners_online_correction(tmp_path):
         at_save = copy.deepcopy(planner)
         trainer.step(data[0])  # the run goes on; the correction moves on
         fresh_planner = _planner(compiled, STRATEGIES)
-        fresh = hgraph.Trainer(compiled, comm=comm, lr=1e-3, planner=fresh_planner)
+        fresh = hgraph.Trainer(compiled, comm=comm, optimizer=hgraph.AdamWConfig(lr=1e-3), planner=fresh_planner)
         manager.resume(fresh)
         return at_save, fresh_planner, planner
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hgraph.core.batch import pack_micro_batch
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.frontend import trace
 from hgraph.runtime.kernels import attention_kernels as kernels
 from hgraph.core.batch import load_balance_indices

@@ -6,7 +6,7 @@ or hanging; the same batch on both ranks trains, before and after."""
 import torch
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 
 LENGTHS = (37, 12, 90, 25, 64, 8)
@@ -23,7 +23,7 @@ def _steps() -> list:
     rank = dist.get_rank()
     model = Llama(LlamaConfig(layers=2), seed=0)
     compiled = hgraph.compile(model, ["2x tp1", "tp2"], example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = hgraph.Trainer(compiled, lr=1e-3)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-3))
     out = []
     own_lengths = LENGTHS if rank == 0 else tuple(reversed(LENGTHS))
     for batch in (_batch(0), _batch(100 + rank, own_lengths), _batch(100 + rank), _batch(1)):

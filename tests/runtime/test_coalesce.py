@@ -16,6 +16,7 @@ from hgraph.runtime.kernels.coalesce import execute_coalesced
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.launch import launch
 from hgraph.runtime.kernels.reshard import execute
+from hgraph.training.configs import AdamWConfig, RunConfig
 from hgraph.training.trainer import Trainer
 
 from test_reshard_gloo import CASES, _value  # the plan cases of every kind (collectives and p2p)
@@ -94,7 +95,8 @@ def test_an_iteration_pulls_and_pushes_once_per_layer(monkeypatch):
     strategies = ["tp2 + 2x tp1", "4x tp1", "tp2,pp2", "2x cp2"]
     results, calls = {}, {}
     for coalesce in (False, True):
-        compiled = hgraph.compile(model, strategies, example_inputs=ids, coalesce=coalesce)
+        compiled = hgraph.compile(model, strategies, example_inputs=ids,
+                                  options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(coalesce=coalesce)))
         for s in compiled.strategies:
             counter.calls.clear()
             results[(coalesce, str(s))] = compiled.simulate(s, ids)
@@ -115,8 +117,9 @@ def test_an_iteration_pulls_and_pushes_once_per_layer(monkeypatch):
 def _train(coalesce):
     torch.manual_seed(0)
     compiled = hgraph.compile(Llama(LlamaConfig(layers=2)), ["tp2", "2x tp1"],
-                              example_inputs=torch.randint(0, 256, (1, 16)), coalesce=coalesce)
-    trainer = Trainer(compiled, micro_batch_tokens=64, lr=1e-3)
+                              example_inputs=torch.randint(0, 256, (1, 16)),
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(coalesce=coalesce)))
+    trainer = Trainer(compiled, optimizer=AdamWConfig(lr=1e-3), run=RunConfig(micro_batch_tokens=64))
     g = torch.Generator().manual_seed(1)
     losses = [trainer.step([torch.randint(0, 256, (n,), generator=g) for n in (9, 30, 17)], strategy=i % 2)
               for i in range(2)]

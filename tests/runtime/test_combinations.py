@@ -24,6 +24,8 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.planner.assign import Planner
 from hgraph.training.trainer import Trainer
 from hgraph.models.zoo import zoo_model
+from hgraph.program.options import OverlapConfig
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 PACKED_TOKENS = 32
@@ -60,27 +62,30 @@ def combinations(checkpoint: str) -> dict:
     """Runs on every rank (module level so spawned processes can import it)."""
     out = {}
     data = batches(DOCUMENTS, seed=1)
-    overlap = Trainer(hgraph.compile(make_model(), ["cp2"], example_inputs=EXAMPLE, schedule="overlap"),
-                      micro_batch_tokens=PACKED_TOKENS, **OPT)
+    overlap = Trainer(hgraph.compile(make_model(), ["cp2"], example_inputs=EXAMPLE,
+                                     options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig()))),
+                      optimizer=AdamWConfig(**OPT), run=RunConfig(micro_batch_tokens=PACKED_TOKENS))
     out["overlap_cp"] = train(overlap, data)
     out["evaluate_cp"] = overlap.evaluate(batches(HELD_OUT, seed=3), strategy="cp2")
 
-    recompute = Trainer(hgraph.compile(make_model(), ["cp2"], example_inputs=EXAMPLE, recompute="full"),
-                        micro_batch_tokens=PACKED_TOKENS, **OPT)
+    recompute = Trainer(hgraph.compile(make_model(), ["cp2"], example_inputs=EXAMPLE,
+                                       options=hgraph.CompileOptions(recompute=hgraph.RecomputeConfig("full"))),
+                        optimizer=AdamWConfig(**OPT), run=RunConfig(micro_batch_tokens=PACKED_TOKENS))
     out["recompute_cp"] = train(recompute, data)
 
-    compiled = hgraph.compile(make_model(), ["2x tp1", "tp1,pp2"], example_inputs=EXAMPLE, pipeline_schedule="zb1p")
+    compiled = hgraph.compile(make_model(), ["2x tp1", "tp1,pp2"], example_inputs=EXAMPLE,
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(pipeline="zb1p")))
     planner = Planner(tiny_cost_model(), compiled.strategies, comm=None, pipeline_schedule="zb1p")
-    planned = Trainer(compiled, planner=planner, **OPT)
+    planned = Trainer(compiled, planner=planner, optimizer=AdamWConfig(**OPT))
     out["planner_zb1p"] = (*train(planned, batches(PLANNED, seed=2)), [h["strategy"] for h in planned.history])
 
     fused = batches(FUSED, seed=4)
     before = hgraph.compile(zoo_model("phi3").eval(), ["tp2"], example_inputs=EXAMPLE[:, :8])
-    first = Trainer(before, micro_batch_tokens=PACKED_TOKENS, **OPT)
+    first = Trainer(before, optimizer=AdamWConfig(**OPT), run=RunConfig(micro_batch_tokens=PACKED_TOKENS))
     losses, params, packing = train(first, fused[:2])
     first.save(checkpoint)
     after = hgraph.compile(zoo_model("phi3").eval(), ["2x tp1", "cp2"], example_inputs=EXAMPLE[:, :8])
-    second = Trainer(after, micro_batch_tokens=PACKED_TOKENS, **OPT)
+    second = Trainer(after, optimizer=AdamWConfig(**OPT), run=RunConfig(micro_batch_tokens=PACKED_TOKENS))
     second.load(checkpoint)
     more = train(second, fused[2:], strategy="cp2")
     name = "model.layers.0.self_attn.qkv_proj.weight"

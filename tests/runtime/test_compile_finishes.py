@@ -17,6 +17,8 @@ from hgraph.profiling.profile_ranks import compute_ms
 from hgraph.runtime.executor import Executor
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
+from hgraph.program.options import OverlapConfig
+from hgraph.training.configs import RunConfig
 
 # what building calls: every step of the Builder, the functions the build step runs, the pass manager
 BUILD_FUNCTIONS = ["build", "plan_parameters", "plan_inputs", "parameter_layouts", "optimizer_layouts", "overlap_order",
@@ -55,7 +57,7 @@ def count_compiler_calls(monkeypatch) -> collections.Counter:
 @pytest.mark.parametrize("schedule", ["none", "overlap"])
 def test_a_training_step_after_compile_makes_no_compiler_call(monkeypatch, schedule):
     compiled = hgraph.compile(make_model(), ["tp2", "tp1,pp2"], example_inputs=torch.randint(0, 256, (1, 16)),
-                              schedule=schedule)
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if schedule == "overlap" else None)))
     calls = count_compiler_calls(monkeypatch)
     for index in range(2):
         for rank in range(2):
@@ -63,7 +65,7 @@ def test_a_training_step_after_compile_makes_no_compiler_call(monkeypatch, sched
             assert (program.overlap_graph is not None) == (schedule == "overlap")
 
     def train(comm):
-        trainer = Trainer(compiled, comm=comm, micro_batch_tokens=16)
+        trainer = Trainer(compiled, comm=comm, run=RunConfig(micro_batch_tokens=16))
         return [trainer.step(batch(seed), strategy=seed % 2) for seed in range(3)]
 
     losses = run_threads(train, 2)
@@ -71,8 +73,9 @@ def test_a_training_step_after_compile_makes_no_compiler_call(monkeypatch, sched
     assert calls == collections.Counter(), f"compiler calls during training: {dict(calls)}"
     # the counters count: a compile for rank 0 alone (no dry run over every rank) builds rank 1's program
     # on first use
-    mine = hgraph.compile(make_model(), ["tp2"], example_inputs=torch.randint(0, 256, (1, 16)), schedule=schedule,
-                          rank=0, verify=False)
+    mine = hgraph.compile(make_model(), ["tp2"], example_inputs=torch.randint(0, 256, (1, 16)),
+                          options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig() if schedule == "overlap" else None),
+                                                        build=hgraph.BuildConfig(rank=0, verify=False)))
     assert calls["Builder.program"] == 1  # rank 0's, at compile
     mine.program(0, 1)
     assert calls["Builder.program"] == 2
@@ -80,7 +83,7 @@ def test_a_training_step_after_compile_makes_no_compiler_call(monkeypatch, sched
 
 def test_profiling_runs_the_action_list_training_runs(monkeypatch):
     compiled = hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=torch.randint(0, 256, (1, 16)),
-                              schedule="overlap")
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig())))
     ran = collections.defaultdict(list)  # rank -> the action lists the executor ran, in order
     original = Executor.run
 
@@ -91,7 +94,7 @@ def test_profiling_runs_the_action_list_training_runs(monkeypatch):
     monkeypatch.setattr(Executor, "run", recording)
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, micro_batch_tokens=16)
+        trainer = Trainer(compiled, comm=comm, run=RunConfig(micro_batch_tokens=16))
         sequences = batch()
         trainer.step(sequences)  # one micro-batch per sequence: the four do not pack into 16 tokens
         program = compiled.program(0, comm.rank)

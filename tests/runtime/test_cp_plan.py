@@ -12,6 +12,7 @@ from hgraph.planner.assign import Planner
 from hgraph.core.degrees import Degrees
 from hgraph.training.trainer import Trainer
 from hgraph.core.batch import next_token_targets
+from hgraph.training.configs import AdamWConfig
 
 STRATEGY = "cp4 + cp2 + tp1"
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
@@ -51,7 +52,7 @@ def reference_run(batches):
 def planned_run(iterations, comm=None):
     """Runs on every rank: the planner (rank 0) decides every iteration's dispatch."""
     compiled = hgraph.compile(make_model(), [STRATEGY], example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = Trainer(compiled, comm=comm, planner=make_planner(), **OPT)
+    trainer = Trainer(compiled, comm=comm, planner=make_planner(), optimizer=AdamWConfig(**OPT))
     losses, params = [], []
     for batch in make_batches(iterations):
         losses.append(trainer.step(batch))

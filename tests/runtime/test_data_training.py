@@ -7,6 +7,8 @@ import torch
 
 import hgraph
 from hgraph.data import TokenLoader, stdlib_corpus, stdlib_tokenizer
+from hgraph.program.options import OverlapConfig
+from hgraph.training.export import export_pretrained
 
 STRATEGIES = ["2x tp1", "tp2", "tp1,pp2"]
 
@@ -36,8 +38,10 @@ def schedule(opt):
 
 def make_trainer(model, overlap=False):
     compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 8, (1, 16)),
-                              schedule="overlap" if overlap else "none")
-    return hgraph.Trainer(compiled, lr=3e-3, grad_clip=1.0, lr_scheduler=schedule)
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(
+                                  overlap=OverlapConfig() if overlap else None)))
+    return hgraph.Trainer(compiled,
+                          optimizer=hgraph.AdamWConfig(lr=3e-3, grad_clip=1.0, lr_scheduler=schedule))
 
 
 def _straight_then_save(ckpt):
@@ -77,7 +81,7 @@ def _train_eval_export(path):
     evals = [trainer.evaluate(held, strategy=s) for s in range(len(STRATEGIES))]
     after = trainer.state_dict()
     untouched = all(torch.equal(before[k], after[k]) for k in before)
-    hgraph.export_pretrained(trainer, trainer.compiled.model, path)
+    export_pretrained(trainer, trainer.compiled.model, path)
     import transformers
 
     loaded = transformers.LlamaForCausalLM.from_pretrained(path).eval()
@@ -131,11 +135,11 @@ def _gpt2_tied(path):
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(cfg).eval()
     compiled = hgraph.compile(model, ["tp2", "2x tp1"], example_inputs=torch.randint(0, 8, (1, 16)))
-    trainer = hgraph.Trainer(compiled, lr=1e-2)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-2))
     data = loader()
     for i in range(2):
         trainer.step_data(data, strategy=i)
-    hgraph.export_pretrained(trainer, model, path)
+    export_pretrained(trainer, model, path)
     return trainer.state_dict()
 
 

@@ -57,7 +57,7 @@ def test_eval_list_is_pulls_then_forwards_on_every_rank():
 
 def _evaluate():
     compiled = hgraph.compile(make_model(), STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = hgraph.Trainer(compiled, micro_batch_tokens=MICRO_BATCH_TOKENS)
+    trainer = hgraph.Trainer(compiled, run=hgraph.RunConfig(micro_batch_tokens=MICRO_BATCH_TOKENS))
     before = trainer.full_parameters()
     batches = held_out() if trainer.rank == 0 else None
     micro_batches = [len(mbs) for mbs in trainer.dispatch([len(s) for s in held_out()[0]], 0).micro_batches]

@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 import hgraph
-from hgraph.training.export import save_safetensors
+from hgraph.training.export import export_pretrained, save_safetensors
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.thread_comm import run_threads
 
@@ -43,14 +43,15 @@ def export_on_ranks(path: str) -> dict:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config()).eval()
     compiled = hgraph.compile(model, ["tp2", "tp1,pp2"], example_inputs=torch.randint(0, 256, (1, 8)))
-    trainer = hgraph.Trainer(compiled, lr=1e-2, init_seed=1)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-2),
+                             run=hgraph.RunConfig(init_seed=1))
     trainer.step(batch(), strategy=0)
     state = trainer.state_dict(dst=0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        hgraph.export_pretrained(trainer, model, path, max_shard_size=SHARD)
+        export_pretrained(trainer, model, path, max_shard_size=SHARD)
     memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    hgraph.export_pretrained(trainer, model, path + "_bf16", dtype=torch.bfloat16, max_shard_size=SHARD)
-    again = hgraph.Trainer(compiled, weights=path).state_dict(dst=0)  # the export read back by slices
+    export_pretrained(trainer, model, path + "_bf16", dtype=torch.bfloat16, max_shard_size=SHARD)
+    again = hgraph.Trainer(compiled, run=hgraph.RunConfig(weights=path)).state_dict(dst=0)  # the export read back by slices
     return {"state": state, "again": again, "peak": live_peak(memory)}
 
 
@@ -90,7 +91,7 @@ def test_non_hf_model_streams_to_safetensors_shards(tmp_path):
                               ["tp2"], example_inputs=torch.randint(0, 256, (1, 8)))
 
     def rank(comm):
-        trainer = hgraph.Trainer(compiled, lr=1e-2, comm=comm)
+        trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-2), comm=comm)
         trainer.step(batch(), strategy=0)
         files = save_safetensors(trainer, tmp_path, max_shard_size=40_000)
         return trainer.state_dict(), files

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.runtime.launch import init_from_env, launch
 
 

@@ -83,8 +83,10 @@ def test_metrics_are_written_per_iteration_and_read_back_by_tensorboard(tmp_path
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / 4)  # noqa: E731
 
     def body(comm):
-        trainer = hgraph.Trainer(compiled, comm=comm, lr=1e-3, grad_clip=1.0, metrics=config,
-                                 planner=_planner(compiled, strategies), lr_scheduler=schedule)
+        trainer = hgraph.Trainer(compiled, comm=comm,
+                                 optimizer=hgraph.AdamWConfig(lr=1e-3, grad_clip=1.0, lr_scheduler=schedule),
+                                 run=hgraph.RunConfig(metrics=config),
+                                 planner=_planner(compiled, strategies))
         for batch in data:
             trainer.step(batch)
         trainer.close()
@@ -123,7 +125,9 @@ def test_metrics_are_written_per_iteration_and_read_back_by_tensorboard(tmp_path
 def _memory_and_stop():
     model = Llama(LlamaConfig(**SMALL), seed=0)
     compiled = hgraph.compile(model, ["2x tp1", "tp2"], example_inputs=torch.randint(0, 64, (1, 8)))
-    trainer = hgraph.Trainer(compiled, lr=1e-3, metrics=MetricsConfig("unused", jsonl=False, tensorboard=False))
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-3),
+                             run=hgraph.RunConfig(metrics=MetricsConfig("unused", jsonl=False,
+                                                                        tensorboard=False)))
     g = torch.Generator().manual_seed(0)
     batch = [torch.randint(0, 64, (int(n),), generator=g) for n in (12, 30, 7)]
     stops = []

@@ -18,6 +18,7 @@ from hgraph.runtime.kernels import comm as comm_module
 from hgraph.runtime import executor
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 OPT = dict(lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99), eps=1e-8)
 STRATEGIES = ["tp2", "2x tp1", "tp1,pp2"]
@@ -44,8 +45,10 @@ def reference_run(kind, batches):
 def bf16_run(comm, kind, iterations, reduce_dtype=torch.float32):
     model = make_model(kind)
     compiled = hgraph.compile(model, STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)),
-                              compute_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=64, **OPT)
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16,
+                                                            reduce_dtype=reduce_dtype))
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(**OPT),
+                      run=RunConfig(micro_batch_tokens=64))
     losses, params = [], []
     for i, batch in enumerate(make_batches(iterations)):
         losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))
@@ -77,7 +80,8 @@ def test_bf16_gradients_of_an_hf_model_match_fp32_within_bf16_tolerance():
     logits = model(ids).logits
     ref = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     ref.backward()
-    compiled = hgraph.compile(model, STRATEGIES, example_inputs=ids, compute_dtype=torch.bfloat16)
+    compiled = hgraph.compile(model, STRATEGIES, example_inputs=ids,
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
     for s in compiled.strategies:
         loss, grads = compiled.simulate(s, ids)
         assert abs(float(loss) - float(ref)) < 2e-3 * float(ref)
@@ -134,12 +138,12 @@ def test_pull_bytes_halve_and_gradients_reduce_in_fp32(monkeypatch, strategy):
     ids = torch.randint(0, 256, (4, 16))
     counter = ByteCounter(monkeypatch)
     seen = {}
-    for label, kwargs in {
-        "fp32": {},
-        "bf16": dict(compute_dtype=torch.bfloat16),
-        "bf16 reduce": dict(compute_dtype=torch.bfloat16, reduce_dtype=None),
+    for label, options in {
+        "fp32": hgraph.CompileOptions(),
+        "bf16": hgraph.CompileOptions(compute_dtype=torch.bfloat16),
+        "bf16 reduce": hgraph.CompileOptions(compute_dtype=torch.bfloat16, reduce_dtype=None),
     }.items():
-        compiled = hgraph.compile(model, [strategy], example_inputs=ids, **kwargs)
+        compiled = hgraph.compile(model, [strategy], example_inputs=ids, options=options)
         counter.clear()
         compiled.simulate(0, ids)
         seen[label] = (dict(counter.bytes), {k: set(v) for k, v in counter.dtypes.items()})
@@ -156,7 +160,8 @@ def test_pull_bytes_halve_and_gradients_reduce_in_fp32(monkeypatch, strategy):
 def test_bf16_loss_is_computed_in_fp32():
     model = make_model()
     ids = torch.randint(0, 256, (2, 16))
-    compiled = hgraph.compile(model, ["tp2", "2x tp1"], example_inputs=ids, compute_dtype=torch.bfloat16)
+    compiled = hgraph.compile(model, ["tp2", "2x tp1"], example_inputs=ids,
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
     logits = model(ids)
     ref = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     for s in compiled.strategies:
@@ -207,7 +212,8 @@ def test_bf16_gradients_at_2048_tokens_are_as_close_to_fp32_as_autocast(kind):
     ids = torch.randint(0, 256, (1, 2048), generator=torch.Generator().manual_seed(3))
     fp32 = _unmodified_grads(model, ids, autocast=False)
     autocast = _unmodified_grads(model, ids, autocast=True)
-    compiled = hgraph.compile(model, ["tp2"], example_inputs=ids[:, :16], compute_dtype=torch.bfloat16)
+    compiled = hgraph.compile(model, ["tp2"], example_inputs=ids[:, :16],
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
     _, ours = compiled.simulate(0, ids)
     projections = [n for n in fp32 if n.endswith(("q_proj.weight", "k_proj.weight"))]
     for names in (projections, list(fp32)):
@@ -265,7 +271,8 @@ def test_bf16_at_16k_tokens_packed_on_cp2_is_as_close_to_fp32_as_autocast(kind):
     ids = torch.cat(documents)[None]
     positions = torch.cat([torch.arange(len(d)) for d in documents])[None]
     targets = torch.cat([torch.cat([d[1:], d.new_tensor([-100])]) for d in documents])[None]
-    compiled = hgraph.compile(model, ["cp2"], example_inputs=ids[:, :16], compute_dtype=torch.bfloat16)
+    compiled = hgraph.compile(model, ["cp2"], example_inputs=ids[:, :16],
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16))
     loss, ours = compiled.simulate(0, ids, targets=targets, position_ids=positions)
 
     assert abs(float(loss) - fp32_loss) <= 2 * BF16_UNIT * largest_logit, (float(loss), fp32_loss)

@@ -9,6 +9,7 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.optimizer import ShardedAdamW
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig
 
 
 def test_matches_torch_adamw_exactly():
@@ -83,7 +84,7 @@ def _frozen_and_unused_model():
 
 
 def _trainer_run(comm, compiled, batches):
-    trainer = Trainer(compiled, comm=comm, lr=2e-4, weight_decay=0.1, eps=1e-6)
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=2e-4, weight_decay=0.1, eps=1e-6))
     for batch in batches:
         trainer.step(batch)
     return trainer.full_parameters()

@@ -9,10 +9,12 @@ from adamw_oracle import assert_matches_reference, single_process_adamw
 import hgraph
 import hgraph.schedule.actions
 from hgraph.schedule.actions import Kind
-from hgraph.core.errors import HGraphError
+from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.training.trainer import Trainer
 from hgraph.core.batch import next_token_targets
+from hgraph.program.options import OverlapConfig
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 
@@ -34,7 +36,8 @@ def reference(model, ids):
 def test_zero_bubble_simulate_matches_the_unmodified_model(strategy):
     model = make_model()
     ids = torch.randint(0, model.config.vocab_size, (6, 16), generator=torch.Generator().manual_seed(1))
-    compiled = hgraph.compile(model, [strategy], example_inputs=ids[:1], pipeline_schedule="zb1p")
+    compiled = hgraph.compile(model, [strategy], example_inputs=ids[:1],
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(pipeline="zb1p")))
     program = compiled.program(0, 0)
     assert "0.0I" in compiled.explain(0, 0, backward=False)
     assert any(a.kind is Kind.BACKWARD_WEIGHT for a in program.actions(3))
@@ -75,8 +78,9 @@ def make_batches(iterations, seed=1):
 def train(strategies, schedule, iterations, comm=None):
     """Runs on every rank (module level so spawned processes can import it)."""
     compiled = hgraph.compile(make_model(), strategies, example_inputs=torch.randint(0, 256, (1, 16)),
-                              pipeline_schedule=schedule)
-    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=32, **OPT)
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(pipeline=schedule)))
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(**OPT),
+                      run=RunConfig(micro_batch_tokens=32))
     losses, params = [], []
     for batch in make_batches(iterations):
         losses.append(trainer.step(batch))
@@ -98,7 +102,8 @@ def interleaved_batches(iterations, seed=2):
 
 def train_interleaved(iterations, comm=None):
     compiled = hgraph.compile(make_model(), ["tp1,pp2,vpp2"], example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=32, **OPT)
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(**OPT),
+                      run=RunConfig(micro_batch_tokens=32))
     losses, params = [], []
     for batch in interleaved_batches(iterations):
         losses.append(trainer.step(batch))
@@ -122,16 +127,20 @@ def test_new_schedules_on_real_gloo_ranks_equal_adamw():
 
 def test_unsupported_schedule_combinations_are_errors():
     ids = torch.randint(0, 256, (1, 16))
-    with pytest.raises(HGraphError, match="pipeline_schedule='gpipe'; expected one of"):
-        hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=ids, pipeline_schedule="gpipe")
-    with pytest.raises(HGraphError, match="with schedule='overlap' is not supported yet"):
-        hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=ids, pipeline_schedule="zb1p", schedule="overlap")
-    with pytest.raises(hgraph.StrategyError, match="pp\\*vpp=6 virtual stages exceed the model's 4 layers; use vpp <= 2"):
+    with pytest.raises(HGraphError, match="schedule.pipeline='gpipe'; expected one of"):
+        hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=ids,
+                       options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(pipeline="gpipe")))
+    with pytest.raises(HGraphError, match="with schedule.overlap is not supported yet"):
+        hgraph.compile(make_model(), ["tp1,pp2"], example_inputs=ids,
+                       options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig(),
+                                                                                    pipeline="zb1p")))
+    with pytest.raises(hgraph.errors.StrategyError, match="pp\\*vpp=6 virtual stages exceed the model's 4 layers; use vpp <= 2"):
         hgraph.compile(make_model(), ["tp1,pp2,vpp3"], example_inputs=ids)
-    with pytest.raises(hgraph.StrategyError, match="vpp=2 needs pp >= 2"):
+    with pytest.raises(hgraph.errors.StrategyError, match="vpp=2 needs pp >= 2"):
         hgraph.Strategy.parse("tp2,vpp2")
-    with pytest.raises(hgraph.StrategyError, match="always runs interleaved"):
-        hgraph.compile(make_model(), ["tp1,pp2,vpp2"], example_inputs=ids, pipeline_schedule="zb1p")
+    with pytest.raises(hgraph.errors.StrategyError, match="always runs interleaved"):
+        hgraph.compile(make_model(), ["tp1,pp2,vpp2"], example_inputs=ids,
+                       options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(pipeline="zb1p")))
 
 
 def test_compile_dry_runs_every_ranks_action_list_and_catches_a_swap(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import CommunicationError
+from hgraph.errors import CommunicationError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.bind_rank import RANK_KERNELS
 from hgraph.core.batch import rank_micro_batches

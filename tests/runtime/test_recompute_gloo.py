@@ -8,6 +8,7 @@ import hgraph
 from hgraph.models import Llama, LlamaConfig
 from hgraph.passes.recompute import RecomputeConfig
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 STRATEGIES = ["tp2", "tp1,pp2", "2x tp1"]
@@ -34,8 +35,8 @@ def recompute_run(configs, iterations):
     results = []
     for recompute in configs:
         compiled = hgraph.compile(make_model(), STRATEGIES, example_inputs=torch.randint(0, 256, (1, 16)),
-                                  recompute=recompute)
-        trainer = Trainer(compiled, micro_batch_tokens=64, **OPT)
+                                  options=hgraph.CompileOptions(recompute=hgraph.RecomputeConfig.of(recompute)))
+        trainer = Trainer(compiled, optimizer=AdamWConfig(**OPT), run=RunConfig(micro_batch_tokens=64))
         losses, params = [], []
         for i, batch in enumerate(make_batches(iterations)):
             losses.append(trainer.step(batch, strategy=i % len(STRATEGIES)))

@@ -5,13 +5,14 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import HGraphError, InputError
+from hgraph.errors import HGraphError, InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.program.options import OverlapConfig
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.schedule.actions import Action, Kind, ScheduleError, format_actions, parse
 from hgraph.schedule.replay import dry_run
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 WORLD4 = ["4x tp1", "2x tp2", "tp2,pp2", "tp2 + 2x tp1", "2x cp2", "2x tp1,pp2"]
 
@@ -27,7 +28,8 @@ def compiled_pair():
     ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
     none = hgraph.compile(model, WORLD4, example_inputs=ids)
     config = OverlapConfig(prefetch_layers=1, bucket_bytes=4096)
-    overlap = hgraph.compile(model, WORLD4, example_inputs=ids, schedule=config)
+    overlap = hgraph.compile(model, WORLD4, example_inputs=ids,
+                             options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=config)))
     return ids, none, overlap
 
 
@@ -42,12 +44,14 @@ def test_simulate_overlap_is_bit_identical(compiled_pair, strategy):
         assert torch.equal(grads_a[name], grads_b[name]), name
 
 
-def trainer_run(schedule, strategies, iterations, comm=None):
+def trainer_run(overlap, strategies, iterations, comm=None):
     """Runs on every rank (module level so spawned processes can import it)."""
     model = make_model(layers=2)
     example = torch.randint(0, 256, (1, 16))
-    compiled = hgraph.compile(model, strategies, example_inputs=example, schedule=schedule)
-    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=48, lr=1e-3)
+    compiled = hgraph.compile(model, strategies, example_inputs=example,
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=overlap)))
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(lr=1e-3),
+                      run=RunConfig(micro_batch_tokens=48))
     g = torch.Generator().manual_seed(1)
     losses, params = [], []
     for i in range(iterations):
@@ -66,8 +70,8 @@ def assert_identical(a, b):
 
 def test_trainer_threads_overlap_equals_none():
     n = len(WORLD4)
-    base = run_threads(lambda comm: trainer_run("none", WORLD4, n, comm), 4)
-    over = run_threads(lambda comm: trainer_run("overlap", WORLD4, n, comm), 4)
+    base = run_threads(lambda comm: trainer_run(None, WORLD4, n, comm), 4)
+    over = run_threads(lambda comm: trainer_run(OverlapConfig(), WORLD4, n, comm), 4)
     for a, b in zip(base, over):
         assert_identical(a, b)
 
@@ -84,7 +88,7 @@ def test_real_gloo_overlap_equals_none():
 def small_compiled(strategy="2x tp1", **config):
     model = Llama(LlamaConfig(layers=2, kv_heads=4))
     return hgraph.compile(model, [strategy], example_inputs=torch.randint(0, 256, (1, 8)),
-                          schedule=OverlapConfig(**config))
+                          options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig(**config))))
 
 
 def test_golden_order_two_layers():
@@ -178,15 +182,15 @@ def test_dry_run_catches_a_wait_that_never_completes():
 
 def test_check_runs_at_compile_time_and_in_trainer():
     compiled = small_compiled("tp1,pp2")
-    assert compiled.options.schedule == "overlap"
+    assert compiled.options.schedule.overlap is not None
     compiled.verify_overlap(0, [5])
 
 
 def test_bad_config_is_rejected():
     with pytest.raises(InputError, match="prefetch_layers"):
         OverlapConfig(prefetch_layers=-1)
-    with pytest.raises(HGraphError, match="schedule"):
-        hgraph.compile(make_model(2), ["tp1"], example_inputs=torch.randint(0, 256, (1, 8)), schedule="fast")
+    with pytest.raises(HGraphError, match="schedule.overlap='fast'; expected None or an OverlapConfig"):
+        hgraph.ScheduleConfig(overlap="fast")
 
 
 def test_thread_comm_async_start_and_wait():

@@ -39,7 +39,7 @@ def set_up(path, world: int) -> int:
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config()).eval()
     compiled = hgraph.compile(model, STRATEGIES[world], example_inputs=torch.randint(0, 192, (1, 8)))
-    trainer = hgraph.Trainer(compiled, weights=path)
+    trainer = hgraph.Trainer(compiled, run=hgraph.RunConfig(weights=path))
     return max(s.numel() * 4 for s in trainer.optimizer.shards.values())
 
 

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 from adamw_oracle import single_process_adamw
 import hgraph
-from hgraph.core.errors import CommunicationError, TrainingError
+from hgraph.errors import CommunicationError, TrainingError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
 from hgraph.models.zoo import zoo_model
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 
@@ -46,7 +47,8 @@ def train_on_threads(make_model, world, strategies, data):
     def body(comm):
         start.wait()
         compiled = hgraph.compile(make_model(), strategies, example_inputs=torch.randint(0, 256, (1, 8)))
-        trainer = Trainer(compiled, comm=comm, micro_batch_tokens=64, **OPT)
+        trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(**OPT),
+                          run=RunConfig(micro_batch_tokens=64))
         losses, params = [], []
         for i, batch in enumerate(data):
             losses.append(trainer.step(batch, strategy=i % len(strategies)))
@@ -98,7 +100,7 @@ def trainer_on_a_rank_seeded_model(comm=None):
     rank = comm.rank if comm is not None else torch.distributed.get_rank()
     compiled = hgraph.compile(Llama(LlamaConfig(layers=1, kv_heads=4), seed=rank), ["2x tp1"],
                               example_inputs=torch.randint(0, 256, (1, 8)))
-    Trainer(compiled, comm=comm, **OPT)
+    Trainer(compiled, comm=comm, optimizer=AdamWConfig(**OPT))
 
 
 def test_ranks_holding_different_models_raise_instead_of_training():
@@ -145,7 +147,7 @@ class LengthSwitch(torch.nn.Module):
 
 def test_per_shape_retrace_from_concurrent_rank_threads_traces_once():
     model = LengthSwitch()
-    traced = hgraph.trace(model, torch.randint(0, 32, (1, 6)))
+    traced = hgraph.frontend.trace(model, torch.randint(0, 32, (1, 6)))
     assert not traced.dynamic
     ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(0))
     want = F.cross_entropy(model(ids)[0], torch.roll(ids, -1, dims=1)[0], reduction="sum")

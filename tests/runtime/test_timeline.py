@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph.core.errors import InputError
+from hgraph.errors import InputError
 from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.runtime.timeline import (
@@ -19,6 +19,8 @@ from hgraph.runtime.timeline import (
     write_chrome_trace,
 )
 from hgraph.training.trainer import Trainer
+from hgraph.program.options import OverlapConfig
+from hgraph.training.configs import RunConfig
 
 
 def ev(rank, kind, start, end, iteration=0):
@@ -68,11 +70,12 @@ def trainer_events():
     torch.manual_seed(0)
     model = Llama(LlamaConfig(layers=2, kv_heads=4))
     example = torch.randint(0, 256, (1, 16))
-    compiled = hgraph.compile(model, ["tp2,pp2"], example_inputs=example, schedule="overlap")
+    compiled = hgraph.compile(model, ["tp2,pp2"], example_inputs=example,
+                              options=hgraph.CompileOptions(schedule=hgraph.ScheduleConfig(overlap=OverlapConfig())))
     batch = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 17, 30, 12)]
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, micro_batch_tokens=32, timeline=True)
+        trainer = Trainer(compiled, comm=comm, run=RunConfig(micro_batch_tokens=32, timeline=True))
         trainer.step(batch)
         trainer.step(batch)
         return trainer.gather_timeline()
@@ -117,7 +120,7 @@ def test_blocking_schedule_records_too():
     batch = [torch.arange(12) % 256, torch.arange(20) % 256]
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, timeline=True)
+        trainer = Trainer(compiled, comm=comm, run=RunConfig(timeline=True))
         trainer.step(batch)
         return trainer.timeline.events
 

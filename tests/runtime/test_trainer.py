@@ -17,6 +17,7 @@ from hgraph.models import Llama, LlamaConfig
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.core.batch import pack_micro_batch
 from hgraph.training.trainer import Trainer, default_dispatch
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD4 = ["tp4", "2x tp2", "tp2 + 2x tp1", "tp2,pp2", "2x tp1,pp2", "2x cp2"]
@@ -48,7 +49,8 @@ def hgraph_run(strategies, iterations, comm=None, micro_batch_tokens=64):
     """Runs on every rank (module level so spawned processes can import it)."""
     model = make_model()
     compiled = hgraph.compile(model, strategies, example_inputs=torch.randint(0, 256, (1, 16)))
-    trainer = Trainer(compiled, comm=comm, micro_batch_tokens=micro_batch_tokens, **OPT)
+    trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(**OPT),
+                      run=RunConfig(micro_batch_tokens=micro_batch_tokens))
     losses, params = [], []
     for i, batch in enumerate(make_batches(iterations)):
         losses.append(trainer.step(batch, strategy=i % len(strategies)))
@@ -117,7 +119,7 @@ def test_bad_batches_are_rejected():
         for batch in ([], [torch.tensor([1])], [torch.ones(3)]):
             try:
                 trainer.step(batch)
-            except hgraph.InputError as exc:
+            except hgraph.errors.InputError as exc:
                 errors.append(str(exc))
         return errors
 

@@ -11,6 +11,7 @@ from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
+from hgraph.training.configs import AdamWConfig, RunConfig
 
 OPT = dict(lr=2e-4, weight_decay=0.01, betas=(0.9, 0.99), eps=1e-6)
 
@@ -48,7 +49,8 @@ def test_grad_clip_equals_clip_grad_norm_on_the_unmodified_model():
     compiled = hgraph.compile(make_model(), ["tp2", "2x tp1"], example_inputs=torch.randint(0, 256, (1, 16)))
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, micro_batch_tokens=64, grad_clip=clip, **OPT)
+        trainer = Trainer(compiled, comm=comm, optimizer=AdamWConfig(grad_clip=clip, **OPT),
+                          run=RunConfig(micro_batch_tokens=64))
         losses, params = [], []
         for i, batch in enumerate(batches):
             losses.append(trainer.step(batch, strategy=i % 2))
@@ -83,7 +85,7 @@ def test_planned_iterations_equal_single_process_adamw():
     planner = Planner(tiny_cost_model(), compiled.strategies, comm=None)
 
     def body(comm):
-        trainer = Trainer(compiled, comm=comm, planner=planner, **OPT)
+        trainer = Trainer(compiled, comm=comm, planner=planner, optimizer=AdamWConfig(**OPT))
         losses, params = [], []
         for batch in batches:
             losses.append(trainer.step(batch))

@@ -61,13 +61,15 @@ def meta_trainers(family: str, world: int, path, comm=None) -> dict:
     with torch.device("meta"):
         model = cls(config()).eval()
     compiled = hgraph.compile(model, STRATEGIES[world], example_inputs=torch.randint(0, 256, (1, 8)))
-    trainer = hgraph.Trainer(compiled, lr=1e-3, comm=comm, weights=path)
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-3),
+                             run=hgraph.RunConfig(weights=path), comm=comm)
     state = trainer.state_dict(dst=0)
     losses = []
     for i in range(len(STRATEGIES[world])):
-        fresh = hgraph.Trainer(compiled, lr=1e-3, comm=comm, weights=path)
+        fresh = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-3),
+                               run=hgraph.RunConfig(weights=path), comm=comm)
         losses.append(fresh.step(batch(), strategy=i))
-    initialised = hgraph.Trainer(compiled, comm=comm, init_seed=3).state_dict(dst=0)
+    initialised = hgraph.Trainer(compiled, comm=comm, run=hgraph.RunConfig(init_seed=3)).state_dict(dst=0)
     assert all(p.is_meta for p in model.parameters())  # the model itself never held a value
     return {"state": state, "losses": losses, "init": initialised}
 
@@ -150,7 +152,8 @@ def test_release_model_frees_an_eager_models_parameters():
         compiled = hgraph.compile(model, ["tp2"], example_inputs=torch.randint(0, 256, (1, 8)))
 
         def rank(comm):
-            trainer = hgraph.Trainer(compiled, lr=1e-2, comm=comm, release_model=release)
+            trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-2),
+                                     run=hgraph.RunConfig(release_model=release), comm=comm)
             loss = trainer.step(batch(), strategy=0)
             return loss, trainer.state_dict()
 

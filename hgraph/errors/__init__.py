@@ -1,4 +1,4 @@
-"""The one error hierarchy of hgraph: every user-facing failure is an ``HGraphError``.
+"""``hgraph.errors``: the one error hierarchy of hgraph; every user-facing failure is an ``HGraphError``.
 
 Messages name the offending value and what would be valid, so the user can fix the input
 without reading hgraph's source.
@@ -53,3 +53,9 @@ class TrainingError(HGraphError, RuntimeError):
 
 class PackingError(HGraphError):
     """Packing documents into one micro-batch is not proved exact for this model, and packing was required."""
+
+
+__all__ = [
+    "CheckpointError", "CommunicationError", "CostModelError", "HGraphError", "InputError", "LayoutError",
+    "PackingError", "PlanError", "ShardingRuleError", "StrategyError", "TraceError", "TrainingError",
+]
