@@ -20,6 +20,7 @@ from hgraph.passes.recompute import regions
 from hgraph.program.products import ACTIVATION, CommSubgraph
 from hgraph.program.rank_program import CompiledPrograms
 from hgraph.schedule.actions import steps
+from hgraph.schedule.lowerings import lowering_name
 
 StrategyLike = Union[int, Strategy]
 
@@ -59,7 +60,7 @@ def explain(compiled: Inspectable, strategy: StrategyLike, rank: int, backward: 
     compute = [n for n in [*sg.gm.graph.nodes, *body]
                if n.op == "call_function" and not n.meta.get("hgraph_comm")
                and not (n.target is operator.getitem and n.args[0].op == "call_module")]
-    schedule = "interleaved" if prog.vpp > 1 else prog.pipeline_schedule
+    schedule = lowering_name(prog.pipeline_schedule, prog.vpp)
     lines.append(f"compute: {len(compute)} ops; {schedule} schedule (4 micro-batches): "
                  + " ".join(" + ".join(map(str, step)) for step in steps(prog.pipeline_actions(4))))
     pipeline = s.pipelines[prog.pipeline]

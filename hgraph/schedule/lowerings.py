@@ -4,11 +4,12 @@ and pushes around them.
 A pipeline lowering (``Lowering``) is a pure function ``(pp, vpp, stage, num_micro_batches) -> list
 of Action`` (``hgraph.schedule.actions``) for one physical stage, peers as stage indices. ``LOWERINGS``
 is the one registry: ``"1f1b"``, ``"zb1p"``, ``"interleaved"`` (what a pipeline with ``vpp > 1``
-runs, ``lowering_name``) and ``"forward"`` (evaluation, ``RankProgram.actions(m, mode="eval")``). ``PIPELINE_SCHEDULES`` are the names a user chooses
-(``compile(pipeline_schedule=...)``, ``hgraph train``'s ``pipeline_schedule``), ``PLACEMENTS`` the
-ways pulls and pushes sit around the pipeline (``compile(schedule=...)``): ``"none"`` blocking
-(``blocking_order``), ``"overlap"`` the order ``hgraph.compiler.overlap_order`` emits. ``place`` puts a
-rank's ``PullPushOrder`` around its pipeline actions; it is the one lowering of both.
+runs, ``lowering_name``) and ``"forward"`` (evaluation: ``RankProgram.actions(m, mode="eval")``).
+``PIPELINE_SCHEDULES`` are the names a user chooses (``ScheduleConfig.pipeline``, ``hgraph train``'s
+``[compile.schedule] pipeline``), ``PLACEMENTS`` the ways pulls and pushes sit around the pipeline:
+``"none"`` blocking (``blocking_order``), ``"overlap"`` (``ScheduleConfig.overlap``) the order
+``hgraph.compiler.overlap_order`` emits. ``place`` puts a rank's ``PullPushOrder`` around its
+pipeline actions; it is the one lowering of both.
 """
 
 from __future__ import annotations
