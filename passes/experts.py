@@ -150,7 +150,7 @@ def _block(offsets: fx.Node, mms: list[fx.Node], is_param: Any) -> ExpertsBlock:
 
 def _layer_path(node: fx.Node) -> str:
     """Module path of the MoE layer around the experts (the module above them), as errors name it."""
-    stack = [path for path, kind in (node.meta.get("nn_module_stack") or {}).values() if not kind.endswith("_LossModule")]
+    stack = [path for path, kind in (node.meta.get("nn_module_stack") or {}).values() if not kind.endswith("loss_module.LossModule")]
     stack = [path.removeprefix("model").lstrip(".") for path in stack]  # the frontend wraps the user's model as 'model'
     return stack[-2] if len(stack) > 1 else (stack[-1] if stack else "")
 

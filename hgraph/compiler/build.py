@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from functools import cached_property
 import gc
 import time
 import warnings
@@ -113,9 +114,14 @@ class Builder:
                                                     user, off)
                        for level, names in LEVELS}
         self.param_shapes = {fqn: tuple(t.shape) for fqn, t in traced.params().items()}
-        blocks = find_expert_blocks(traced.graph_module, set(traced.param_names))
-        self.expert_weights = {traced.param_names[w.name] for b in blocks for w in b.weights}
         self._overlap_graphs: dict[int, fx.GraphModule] = {}  # id(stage gm) -> its overlap graph (ranks share it)
+
+    @cached_property
+    def expert_weights(self) -> set[str]:
+        """Names of the parameters that hold one slice per routed expert (``[E, ...]``); looked for only
+        when a strategy has ``ep > 1`` (``find_expert_blocks`` refuses experts it cannot split)."""
+        blocks = find_expert_blocks(self.traced.graph_module, set(self.traced.param_names))
+        return {self.traced.param_names[w.name] for b in blocks for w in b.weights}
 
     def context(self, **kw: Any) -> CompileContext:
         return CompileContext(self.traced, self.world_size, self.options, **kw)

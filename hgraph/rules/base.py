@@ -262,7 +262,7 @@ class RuleInput:
 def module_of(node: Optional[fx.Node]) -> str:
     """`` in LlamaForCausalLM module 'model.layers.0.mlp' (LlamaMLP)`` from the node's module stack."""
     stack = list((node.meta.get("nn_module_stack") or {}).values()) if node is not None else []
-    if stack and stack[0][1].endswith("_LossModule"):  # the frontend's wrapper: its 'model' is the user's
+    if stack and stack[0][1].endswith("loss_module.LossModule"):  # the frontend's wrapper: its 'model' is the user's
         stack = [(path.removeprefix("model").lstrip("."), kind) for path, kind in stack[1:]]
     if not stack:
         return ""

@@ -11,7 +11,7 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.passes.recompute import RecomputeConfig, regions
-from hgraph.runtime.kernels import comm as comm_module
+from hgraph.runtime.kernels import thread_comm
 from hgraph.runtime.kernels import packed_attention as packed_attention_module
 from hgraph.core.batch import next_token_targets
 from hgraph.program.options import OverlapConfig
@@ -104,14 +104,14 @@ class CountingComm:
         self.counts = collections.Counter()
         lock = threading.Lock()
         for name in self.NAMES:
-            original = getattr(comm_module.ThreadComm, name)
+            original = getattr(thread_comm.ThreadComm, name)
 
             def counted(comm, *args, _original=original, _name=name, **kwargs):
                 with lock:
                     self.counts[(comm.rank, _name)] += 1
                 return _original(comm, *args, **kwargs)
 
-            monkeypatch.setattr(comm_module.ThreadComm, name, counted)
+            monkeypatch.setattr(thread_comm.ThreadComm, name, counted)
 
     def of(self, rank):
         return {name: n for (r, name), n in sorted(self.counts.items()) if r == rank}

@@ -10,7 +10,7 @@ import torch
 import hgraph
 from hgraph.lnk import local_shards, solve
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime.kernels import comm as comm_module
+from hgraph.runtime.kernels import thread_comm
 from hgraph.runtime import executor
 from hgraph.runtime.kernels.coalesce import execute_coalesced
 from hgraph.runtime.kernels.thread_comm import run_threads
@@ -33,14 +33,14 @@ class CallCounter:
         phase = threading.local()
         lock = threading.Lock()
         for name in NAMES:
-            original = getattr(comm_module.ThreadComm, name)
+            original = getattr(thread_comm.ThreadComm, name)
 
             def counted(comm, *args, _original=original, **kwargs):
                 with lock:
                     self.calls[(comm.rank, getattr(phase, "name", "other"))] += 1
                 return _original(comm, *args, **kwargs)
 
-            monkeypatch.setattr(comm_module.ThreadComm, name, counted)
+            monkeypatch.setattr(thread_comm.ThreadComm, name, counted)
         for name, label in (("pull_start", "pull"), ("push_start", "push")):
             original = getattr(executor.Executor, name)
 

@@ -15,7 +15,7 @@ import torch
 import hgraph
 from hgraph.models.zoo import zoo_model
 from hgraph.runtime import executor
-from hgraph.runtime.kernels import comm as comm_module
+from hgraph.runtime.kernels import thread_comm
 
 STRATEGIES = ["tp4", "tp4,ep4", "tp4,ep2"]
 NAMES = ("start_all_reduce", "start_all_gather", "start_reduce_scatter", "start_all_to_all", "start_broadcast",
@@ -30,7 +30,7 @@ class CommCounter:
         self.seen: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0])
         phase, lock = threading.local(), threading.Lock()
         for name in NAMES:
-            original = getattr(comm_module.ThreadComm, name)
+            original = getattr(thread_comm.ThreadComm, name)
 
             def counted(comm, first, *args, _original=original, _name=name, **kwargs):
                 sent = [t for _, t in first] if _name == "start_exchange" else [first] if torch.is_tensor(first) else list(first)
@@ -41,7 +41,7 @@ class CommCounter:
                     self.seen[key][1] += sum(t.numel() * t.element_size() for t in sent)
                 return _original(comm, first, *args, **kwargs)
 
-            monkeypatch.setattr(comm_module.ThreadComm, name, counted)
+            monkeypatch.setattr(thread_comm.ThreadComm, name, counted)
         for name, label in (("pull_start", "pull"), ("push_start", "push")):
             original = getattr(executor.Executor, name)
 

@@ -14,7 +14,7 @@ import hgraph
 from hgraph.core.batch import next_token_targets
 from hgraph.models import Llama, LlamaConfig, tiny_hf_llama
 from hgraph.models.zoo import zoo_config
-from hgraph.runtime.kernels import comm as comm_module
+from hgraph.runtime.kernels import thread_comm
 from hgraph.runtime import executor
 from hgraph.runtime.kernels.thread_comm import run_threads
 from hgraph.training.trainer import Trainer
@@ -103,7 +103,7 @@ class ByteCounter:
         phase = threading.local()
         lock = threading.Lock()
         for name in self.NAMES:
-            original = getattr(comm_module.ThreadComm, name)
+            original = getattr(thread_comm.ThreadComm, name)
 
             def counted(comm, first, *args, _original=original, **kwargs):
                 sent = [first] if torch.is_tensor(first) else [t[1] if isinstance(t, tuple) else t for t in first]
@@ -114,7 +114,7 @@ class ByteCounter:
                         self.dtypes[where].add(t.dtype)
                 return _original(comm, first, *args, **kwargs)
 
-            monkeypatch.setattr(comm_module.ThreadComm, name, counted)
+            monkeypatch.setattr(thread_comm.ThreadComm, name, counted)
         for name, label in (("pull_start", "pull"), ("push_start", "push")):
             original = getattr(executor.Executor, name)
 
