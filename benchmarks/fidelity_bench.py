@@ -18,7 +18,7 @@ strategy before the batch runs; reported: how often the pick's measured time is 
 measured best, and the picks' total measured time against the best single homogeneous strategy's.
 
 ``--world-size 1 --device cuda`` (issue 15 item 6): compute terms only, one process, ``T(l)``
-profiled on that device (``hgraph.profiling.profile.measure``), the trainer on the same device; with
+profiled on that device (``hgraph.profiling.profile_single.measure``), the trainer on the same device; with
 ``--device cpu`` the same path runs on CPU (what the tests run).
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/fidelity_bench.py --decisions`` (a few minutes on 2 cores).
@@ -203,7 +203,7 @@ def run_single(args: argparse.Namespace) -> dict[str, Any]:
     from hgraph.cli.demo import model_factory
     from hgraph.planner.assign import Planner
     from hgraph.planner.correction import OnlineCorrection
-    from hgraph.profiling.profile import build_table, measure
+    from hgraph.profiling.profile_single import build_table, measure
     from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
     from hgraph.runtime.kernels.thread_comm import run_threads
     from hgraph.training.trainer import Trainer

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from hgraph.program.rank_program import RankProgram, layer_buckets
+from hgraph.runtime.kernels.coalesce import execute_coalesced
 from hgraph.runtime.kernels.comm import CommTag, Communicator, Handle
 from hgraph.runtime.kernels.context import RankContext
 from hgraph.runtime.kernels.failures import comm_step
@@ -30,8 +31,6 @@ from hgraph.schedule.actions import COMPUTE, P2P, Action, Kind, ScheduleError, s
 def _run_bucket(plans: list[Any], sources: list[Optional[torch.Tensor]], comm: Any, **kw: Any) -> list:
     if len(plans) == 1:
         return [execute(plans[0], sources[0], comm, **kw)]
-    from hgraph.runtime.kernels.coalesce import execute_coalesced
-
     return execute_coalesced(plans, sources, comm, **kw)
 
 

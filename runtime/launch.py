@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 from hgraph.errors import CommunicationError
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT, TIMEOUT_ENV, is_transport_error
+from hgraph.runtime.kernels.process_group_comm import local_device_index
 
 GRACE_SECONDS = 5.0
 """After the first failure, how long the launcher waits for the other ranks' reports."""
@@ -63,8 +64,6 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     failed = False
     try:
         if backend == "nccl":
-            from hgraph.runtime.kernels.process_group_comm import local_device_index
-
             torch.cuda.set_device(local_device_index(rank))
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -307,8 +306,6 @@ def init_from_env(backend: str = "auto", timeout: float = DEFAULT_COMM_TIMEOUT) 
     if not dist.is_initialized():
         if backend == "nccl":
             import torch
-
-            from hgraph.runtime.kernels.process_group_comm import local_device_index
 
             torch.cuda.set_device(local_device_index(int(os.environ["RANK"])))
         store = _attempt_store(timeout)

@@ -37,17 +37,26 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from scipy.optimize import nnls
 
+from hgraph.compiler.entry import compile as compile_model
+from hgraph.core.model_info import embedding_of
+from hgraph.core.strategy import Strategy, as_strategies
 from hgraph.errors import CostModelError
+from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel
 from hgraph.planner.machine import machine
-from hgraph.profiling.profile_ranks import ModelFactory, factory_name, model_facts, resolve_factory
-from hgraph.planner.timing import predict_iteration
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
+from hgraph.planner.timing import predict_iteration
+from hgraph.profiling.profile_ranks import ModelFactory, factory_name, model_facts, resolve_factory
 from hgraph.program.options import CompileOptions, OverlapConfig, ScheduleConfig
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
+from hgraph.runtime.launch import launch
+from hgraph.runtime.timeline import exposed_communication
 from hgraph.schedule.lowerings import PLACEMENTS
 from hgraph.training.configs import AdamWConfig, RunConfig
+from hgraph.training.trainer import Trainer
 
 _METHOD = "trainer steps packed by the planner, strategies and schedules interleaved per round, pair exchanges, v2"
 PAYLOAD_BYTES = (1 << 12, 1 << 15, 1 << 17, 1 << 19)
@@ -66,8 +75,6 @@ def profile_batches(lengths: Sequence[int], world_size: int) -> list[list[int]]:
 
 def _pair_exchanges(comm: Any, sizes: Sequence[int], repeats: int) -> dict[str, list[float]]:
     """Milliseconds of header + payload exchanges with the partner rank, per payload size."""
-    import torch
-
     peer = comm.rank ^ 1
     if peer >= comm.world_size:
         return {}
@@ -88,15 +95,6 @@ def _pair_exchanges(comm: Any, sizes: Sequence[int], repeats: int) -> dict[str, 
 
 def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[int]], repeats: int,
                table: dict) -> dict:
-    import torch
-
-    from hgraph.compiler.entry import compile as compile_model
-    from hgraph.planner.assign import Planner
-    from hgraph.core.model_info import embedding_of
-    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
-    from hgraph.runtime.timeline import exposed_communication
-    from hgraph.training.trainer import Trainer
-
     comm = ProcessGroupComm()
     rank = comm.rank
     out: dict[str, Any] = {"exchange_ms": _pair_exchanges(comm, PAYLOAD_BYTES, max(repeats, 3)), "steps": []}
@@ -160,9 +158,6 @@ def measure_iteration(
     """Raw measurements (from the cache when present): ``(raw, cache_path, cached)``. ``batches``
     (lists of sequence lengths; default ``profile_batches(lengths)``) are packed per strategy by a
     ``Planner`` on ``cost_model``, as in training."""
-    from hgraph.runtime.launch import launch
-    from hgraph.core.strategy import as_strategies
-
     if repeats < 1:
         raise CostModelError(f"repeats={repeats}; need at least 1")
     names = [str(s) for s in as_strategies(strategies)]
@@ -243,8 +238,6 @@ def _fit_scale_and_fixed(
 
 def fit_terms(raw: dict[str, Any], cost_model: CostModel) -> IterationTerms:
     """Fit the iteration terms of every measured strategy and schedule (see the module docstring)."""
-    from hgraph.core.strategy import Strategy
-
     per_rank = raw["per_rank"]
     steps = [{(s["schedule"], s["strategy"], s["batch"], s["repeat"]): s for s in r["steps"]} for r in per_rank]
     base = IterationTerms(fit_activation(per_rank), 4.0 * raw["hidden"], raw["layers"])

@@ -17,21 +17,9 @@ quantity the planner's 1F1B formula ``Σ T + (pp−1)·max T`` adds up. Each ran
 steps of each micro-batch (the ``on_step`` hook of ``run_iteration``): the stage computation with the
 tensor-parallel collectives inside it, under the contention of all ranks running at once as in
 training. Not included: Pull/Push and the inter-stage sends/receives (separate steps of the schedule;
-the simulator adds Pull/Push from the LNK model). ``T(l)`` is the slowest stage's median over all its
-samples (the ranks holding that stage, TP ranks and data-parallel replicas, times the repeats), and
-``a, b, c >= 0`` are fitted per scheme (``fit_stage_cost``, least squares on relative error).
-
-Memory (MaxLen, DESIGN.md A5): the warm-up iteration counts, per rank and micro-batch, the bytes of
-the distinct storages autograd saves for backward in that micro-batch's forward
-(``saved_tensors_hooks``). Their slope between the two largest lengths is the activation bytes per
-token on that rank (parameters and other fixed bytes cancel; packed attention saves nothing
-quadratic). Summing the slope over the stages (the largest rank of each stage) gives the whole
-model's bytes per token per TP rank, embedding and LM head included, and
-``A_tp = that / (L · H/tp)`` (the largest over the schemes of one ``tp``). ``B`` comes from one
-decoder block's parameters (16 B/param), the device memory is the ``memory_gb`` budget given (CPU
-ranks have no device limit of their own; the default makes MaxLen a few thousand tokens for the
-demo-sized models), ``safe_bound`` 10% of it, no context gap. ``utilization_seqlen`` per tp: the
-shortest multiple of 128 at which ``a·l² + b·l >= 2·c``.
+the simulator adds Pull/Push from the LNK model). The warm-up iteration also counts the bytes each
+micro-batch's forward saves for backward. ``hgraph.profiling.ranks_table`` fits ``T(l)``, ``a, b, c``
+and the memory constants (MaxLen) from these measurements.
 
 Raw measurements are cached in ``$HGRAPH_CACHE/profile`` (default ``~/.cache/hgraph``) keyed by model
 (factory name, sizes and parameter count), schemes, lengths, world size, repeats and torch version;
@@ -44,21 +32,29 @@ import hashlib
 import json
 import os
 import pickle
-import statistics
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
+
+from hgraph.compiler.entry import compile as compile_model
+from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
 from hgraph.core.degrees import Degrees
+from hgraph.core.model_info import decoder_blocks, embedding_of, model_dims
+from hgraph.core.strategy import homogeneous
 from hgraph.errors import CostModelError, StrategyError
-from hgraph.planner.cost import CostModel, StageCost
-from hgraph.planner.memory import MemoryRegression
 from hgraph.models import load_factory
-from hgraph.core.model_info import decoder_blocks, embedding_of
-from hgraph.planner.fit import Fit, fit_stage_cost
+from hgraph.planner.cost import CostModel
+from hgraph.planner.fit import Fit
 from hgraph.planner.machine import machine
+from hgraph.profiling.ranks_table import build_ranks_table, by_scheme
+from hgraph.runtime.executor import run_iteration
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
+from hgraph.runtime.launch import launch
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -157,25 +153,11 @@ def resolve_factory(model_factory: ModelFactory) -> Callable[[], Any]:
 # -- on every rank ---------------------------------------------------------------------------------
 
 
-def by_scheme(measured: dict[str, Any], scheme: Degrees, default: Any = None) -> Any:
-    """``measured``'s entry for ``scheme``: its keys are scheme strings (``str(Degrees)``; profiles
-    and tables saved before keep the older ``"tp2,pp1"``, which parses to the same degrees)."""
-    return next((v for k, v in measured.items() if Degrees.parse(k) == scheme), default)
-
-
 def _rank_main(
     factory: ModelFactory, schemes: list[tuple[int, ...]], lengths: list[int], repeats: int
 ) -> dict[str, Any]:
     """Runs on each rank: per scheme, the saved bytes of each length's micro-batch (warm-up) and, per
     repeat, the forward+backward milliseconds of each length's micro-batch on this rank's stage."""
-    import random
-
-    import torch
-
-    from hgraph.compiler.entry import compile as compile_model
-    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
-    from hgraph.core.strategy import homogeneous
-
     comm = ProcessGroupComm()
     rank = comm.rank
     torch.manual_seed(0)
@@ -216,8 +198,6 @@ def _rank_main(
 def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
     """One sequence as this rank's micro-batch: under cp, its load-balanced chunks of the packed
     tokens (padded to ``2·cp``), as ``Trainer`` feeds them."""
-    from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
-
     packed = pack_micro_batch([sequence], micro_batch_align(program.groups))
     return local_micro_batches([packed], program.groups, rank, buffers)[0]
 
@@ -225,8 +205,6 @@ def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
 def compute_ms(program: Any, shards: dict, batches: list, comm: Any) -> list[float]:
     """One iteration (``run_iteration``: the rank's action list, the one training runs, overlap
     included); the milliseconds of the F and B steps of each micro-batch on this rank."""
-    from hgraph.runtime.executor import run_iteration
-
     ms = [0.0] * len(batches)
     begun = [0.0]
 
@@ -246,10 +224,6 @@ def saved_bytes(program: Any, shards: dict, batches: list, comm: Any) -> list[in
     """One iteration; per micro-batch, the bytes of the distinct storages autograd saves for backward
     in its forward step (kept per micro-batch: a storage freed by one micro-batch's backward may be
     reused by a later one, but not within one forward)."""
-    import torch
-
-    from hgraph.runtime.executor import run_iteration
-
     seen: list[dict[int, int]] = [{} for _ in batches]
     current: list[Optional[int]] = [None]
 
@@ -290,9 +264,6 @@ def model_facts(model: Any) -> dict[str, int]:
 def _check(
     world_size: int, schemes: Sequence[Degrees], lengths: Sequence[int], repeats: int, model: Any
 ) -> None:
-    from hgraph.core.model_info import model_dims
-    from hgraph.core.strategy import homogeneous
-
     if world_size < 1:
         raise CostModelError(f"world_size={world_size}; profiling needs at least 1 rank")
     if len(set(lengths)) < 3 or min(lengths) < 2:
@@ -318,10 +289,6 @@ def measure_ranks(
 ) -> tuple[dict[str, Any], Path, bool]:
     """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
     ``measure=False``: the cached ones only (``CostModelError`` when there are none)."""
-    import torch
-
-    from hgraph.runtime.launch import launch
-
     name = factory_name(model_factory)
     lengths = sorted(set(int(l) for l in lengths))
     model = resolve_factory(model_factory)()
@@ -345,106 +312,6 @@ def measure_ranks(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(raw))
     return raw, path, False
-
-
-def _stage_ranks(world_size: int, scheme: Degrees) -> list[list[int]]:
-    """Ranks of each stage over all replicas of the homogeneous strategy of ``scheme``."""
-    from hgraph.core.strategy import homogeneous
-
-    pipelines = homogeneous(world_size, scheme.tp, scheme.pp, scheme.cp).pipelines
-    return [[r for p in pipelines for r in p.stage_ranks(s)] for s in range(scheme.pp)]
-
-
-def stage_times(raw: dict[str, Any], scheme: Degrees) -> list[float]:
-    """``T(l)`` per length: the slowest stage's median forward+backward time of the ``l``-token
-    micro-batch, the median taken over every sample of that stage (its ranks times the repeats)."""
-    ms = [by_scheme(rank["compute_ms"], scheme) for rank in raw["per_rank"]]  # [rank][repeat][length]
-    stages = _stage_ranks(raw["world_size"], scheme)
-    repeats = range(raw["repeats"])
-    return [
-        max(statistics.median(ms[r][rep][i] for r in ranks for rep in repeats) for ranks in stages)
-        for i in range(len(raw["lengths"]))
-    ]
-
-
-def stage_noise(raw: dict[str, Any], scheme: Degrees) -> float:
-    """Measurement noise of ``T(l)``: per length, the median relative deviation of the slowest stage's
-    samples from their median; the median over the lengths."""
-    ms = [by_scheme(rank["compute_ms"], scheme) for rank in raw["per_rank"]]
-    out = []
-    for i in range(len(raw["lengths"])):
-        stages = [[ms[r][rep][i] for r in ranks for rep in range(raw["repeats"])]
-                  for ranks in _stage_ranks(raw["world_size"], scheme)]
-        samples = max(stages, key=statistics.median)
-        mid = statistics.median(samples)
-        out.append(statistics.median(abs(v - mid) for v in samples) / mid if mid > 0 else 0.0)
-    return statistics.median(out)
-
-
-def activation_per_token(raw: dict[str, Any], scheme: Degrees) -> float:
-    """Saved-for-backward bytes per token of the whole model on one TP rank (see module docstring);
-    under cp, per token of the micro-batch's ``1/cp`` share on the rank."""
-    hi, lo = len(raw["lengths"]) - 1, len(raw["lengths"]) - 2
-    dl = raw["lengths"][hi] - raw["lengths"][lo]
-    saved = [by_scheme(r["saved_bytes"], scheme) for r in raw["per_rank"]]
-    slope = [(s[hi] - s[lo]) / dl * scheme.cp for s in saved]
-    return sum(max(slope[r] for r in ranks) for ranks in _stage_ranks(raw["world_size"], scheme))
-
-
-def utilization_seqlen(cost: StageCost, longest: int) -> int:
-    """Shortest length (a multiple of 128) whose variable time ``a·l² + b·l`` is at least ``2·c``."""
-    length = 128
-    while cost.seq_time(length) < 2 * cost.c and length < longest:
-        length += 128
-    return length
-
-
-def build_ranks_table(
-    raw: dict[str, Any], memory_gb: float, name: str = "profiled"
-) -> tuple[CostModel, dict[Degrees, Fit], dict[Degrees, list[float]]]:
-    """Fit every scheme of the raw measurements and assemble the cost model (MaxLen from ``memory_gb``)."""
-    if not memory_gb > 0:
-        raise CostModelError(f"memory budget {memory_gb} GB; give a positive number of GB")
-    schemes = [Degrees.parse(s) for s in raw["schemes"]]
-    hidden, layers = raw["hidden"], raw["layers"]
-    times = {s: stage_times(raw, s) for s in schemes}
-    fits = {s: fit_stage_cost(raw["lengths"], times[s]) for s in schemes}
-    activation: dict[int, float] = {}
-    for s in schemes:
-        a_tp = max(activation_per_token(raw, s), 1.0) / (layers * hidden / s.tp)
-        activation[s.tp] = max(activation.get(s.tp, 0.0), a_tp)
-    memory = float(memory_gb) * 1e9
-    regression = MemoryRegression(
-        activation=tuple(sorted(activation.items())),
-        bytes_per_layer_h2=16.0 * raw["block_params"] / hidden**2,
-        alpha=0.75,
-        gap=(("node", 0.0),),
-        safe_bound=0.1 * memory,
-        gpu_memory=memory,
-        hidden=hidden,
-        layers=layers,
-        vocab=raw["vocab"],
-    )
-    util: dict[str, int] = {}
-    for s in sorted(schemes, key=lambda s: (s.tp, s.pp), reverse=True):  # the smallest pp of each tp wins
-        util[f"tp{s.tp}"] = utilization_seqlen(fits[s].cost, max(raw["lengths"]))
-    extra = {
-        "_about": (
-            f"Profiled by hgraph profile on {raw['world_size']} local gloo ranks ({raw['model']}), lengths "
-            f"{raw['lengths']}: T(l) = per-stage forward+backward ms of one l-token micro-batch (slowest "
-            "stage); see hgraph.profiling.profile_ranks."
-        ),
-        "_fit": {
-            str(s): {"r2": f.r2, "max_rel_error": f.max_rel_error, "times_ms": times[s], "noise": stage_noise(raw, s)}
-            for s, f in fits.items()
-        },
-        "utilization_seqlen": dict(sorted(util.items(), key=lambda kv: int(kv[0][2:]))),
-    }
-    model = CostModel(
-        name, {s: f.cost for s, f in fits.items()}, regression, gpus_per_node=raw["world_size"],
-        world_size=raw["world_size"], extra=extra, sources={s: "profiled" for s in fits},
-    )
-    return model, fits, times
 
 
 def profile_ranks(

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from hgraph.errors import ShardingRuleError
+from hgraph.rules.base import op_name
 
 Rule = Callable[..., Any]
 
@@ -84,8 +85,6 @@ def lookup(op: Any) -> Rule | None:
 
 def registered_ops() -> list[str]:
     """Names of every op with a rule (for documentation and the coverage report)."""
-    from hgraph.rules.base import op_name
-
     load_builtin_rules()
     names = [str(op) if isinstance(op, torch._ops.OpOverloadPacket) else op_name(op) for op in _RULES]
     return sorted(names + [name.replace("::", ".") for name in _BY_NAME])

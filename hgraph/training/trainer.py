@@ -18,19 +18,16 @@ import hashlib
 import logging
 import math
 import time
-from collections import Counter
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
 from hgraph.core.batch import longest_packed_row, rank_micro_batches
-from hgraph.errors import CheckpointError, InputError, TrainingError
+from hgraph.errors import InputError, TrainingError
 from hgraph.core.flops import ModelFlops
-from hgraph.core.layout import Layout
 from hgraph.core.placement import Replicate
 from hgraph.core.model_info import model_dims
-from hgraph.lnk import solve
 from hgraph.planner.dispatch import default_dispatch
 from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
@@ -40,12 +37,13 @@ from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
 from hgraph.runtime.executor import run_evaluation, run_iteration
+from hgraph.runtime.feed import scatter_sequences, share_lengths
 from hgraph.runtime.initial_shards import initial_shards
 from hgraph.runtime.metrics import MetricsWriter, peak_memory_bytes, reset_peak_memory
 from hgraph.runtime.optimizer import ShardedAdamW
-from hgraph.runtime.kernels.reshard import execute
 from hgraph.runtime.timeline import Timeline, exposed_communication, gather_events
 from hgraph.training.configs import AdamWConfig, RunConfig
+from hgraph.training.state import TrainerState, params_without_gradient
 
 if TYPE_CHECKING:
     from hgraph.compiler.compiled_model import CompiledModel
@@ -54,30 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("hgraph.trainer")
 
 
-def params_without_gradient(traced: Any) -> frozenset[str]:
-    """FQNs that never get a gradient: frozen (``requires_grad=False``) or not on the loss's path.
-
-    The optimizer skips them, as ``torch.optim.AdamW`` skips a parameter whose ``.grad`` is ``None``
-    (the Push of such a parameter still runs, carrying zeros, so every rank issues the same plans).
-    """
-    graph = traced.graph_module.graph
-    stack = [n for n in graph.nodes if n.op == "output"]
-    reaches_loss: set[str] = set()
-    while stack:
-        for node in stack.pop().all_input_nodes:
-            if node.name not in reaches_loss:
-                reaches_loss.add(node.name)
-                stack.append(node)
-    params = traced.params()
-    return frozenset(
-        fqn
-        for placeholder, fqn in traced.param_names.items()
-        if placeholder not in reaches_loss or not params[fqn].requires_grad
-    )
-
-
-class Trainer:
-    """Trains a ``CompiledModel`` with a sharded AdamW; construct and call it on every rank."""
+class Trainer(TrainerState):
+    """Trains a ``CompiledModel`` with a sharded AdamW; construct and call it on every rank. Its state
+    (full parameters, ``state_dict``, ``save``/``load``) is read through ``hgraph.training.state``."""
 
     def __init__(
         self,
@@ -218,8 +195,6 @@ class Trainer:
         """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
         reads it, every rank receives just its pipeline's tokens); ``None`` when the data are over.
         ``save`` then stores the loader's position."""
-        from hgraph.runtime.feed import scatter_sequences, share_lengths
-
         start = time.perf_counter()
         self.data = loader
         lengths = share_lengths(self, lambda: self._checked(loader.next_batch()))
@@ -234,8 +209,6 @@ class Trainer:
         and forwards under ``torch.no_grad``; parameters and optimizer untouched), with any compiled
         strategy, interleaved pipelines included. Rank 0's ``batches`` count; other ranks
         may pass ``None`` and receive only their pipeline's tokens."""
-        from hgraph.runtime.feed import scatter_sequences, share_lengths
-
         todo = iter(batches or []) if self.rank == 0 else iter(())
         loss_sum, tokens = 0.0, 0
         while True:
@@ -393,84 +366,3 @@ class Trainer:
         if self.timeline is None:
             raise InputError("this Trainer records no timeline; construct it with timeline=True")
         return gather_events(self.timeline.events, self.comm, dst)
-
-    def iter_parameters(self, dst: Optional[int] = None) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
-        """Every parameter in full (fp32), one at a time, gathered from the optimizer shards onto rank
-        ``dst`` alone (``None``: onto every rank); ranks that receive nothing get ``None``. Call on every
-        rank and consume it whole: each step is a collective."""
-        ranks = self.world if dst is None else (dst,)
-        for fqn, shard in self.optimizer.shards.items():
-            src = self.compiled.optimizer_layouts[fqn]
-            dst_layout = Layout(src.shape, ranks, (len(ranks),), (Replicate(),))
-            yield fqn, execute(solve(src, dst_layout), shard.detach(), self.comm)
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter in full (fp32), gathered from the optimizer shards onto every rank."""
-        return {fqn: value for fqn, value in self.iter_parameters() if value is not None}
-
-    def save(self, path: str, extra: Optional[dict[str, Any]] = None) -> Any:
-        """Write a sharded checkpoint (see ``hgraph.runtime.checkpoint``), with the data position of
-        the loader ``step_data`` reads; call on every rank."""
-        from hgraph.runtime import checkpoint
-
-        return checkpoint.save(self, path, extra)
-
-    def load(self, path: str, data: Any = None) -> dict[str, Any]:
-        """Resume from a checkpoint, resharding if the world or layouts changed; returns its ``extra``.
-        ``data``: the ``TokenLoader`` to put back at the saved position (then read by ``step_data``)."""
-        from hgraph.runtime import checkpoint
-
-        path = str(checkpoint.resolve(path))
-        extra = checkpoint.load(self, path)
-        if data is not None:
-            state = checkpoint.read_manifest(path).get("data")
-            if state is None:
-                raise CheckpointError(f"checkpoint {path} holds no data position (it was saved before any "
-                                      "step_data); resume the data another way or pass data=None")
-            data.load_state_dict(state)
-            self.data = data
-        return extra
-
-    def state_items(self, dtype: Optional[torch.dtype] = None, dst: Optional[int] = None,
-                    aliases: bool = True) -> Iterator[tuple[str, Optional[torch.Tensor]]]:
-        """The unmodified model's ``state_dict`` entries one at a time, in its order: parameters gathered
-        from the optimizer shards as they come (one in full at a time), buffers as the model holds
-        them; each on CPU in its dtype in the model (or ``dtype``). Only rank ``dst`` receives values
-        (``None``: every rank); elsewhere they are ``None``. ``aliases=False`` leaves out the second and
-        later names of a tied parameter. Call on every rank and consume it whole."""
-        model = self.compiled.model
-        canonical = {id(p): fqn for fqn, p in model.named_parameters()}
-        refs = model.state_dict(keep_vars=True)
-        names = Counter(canonical[id(ref)] for ref in refs.values() if id(ref) in canonical)
-        layouts = self.compiled.optimizer_layouts
-        ranks = self.world if dst is None else (dst,)
-        receive = self.rank in ranks
-        held: dict[str, Optional[torch.Tensor]] = {}  # gathered values of tied parameters, for their aliases
-        for name, ref in refs.items():
-            fqn = canonical.get(id(ref))
-            if fqn is None:
-                value: Optional[torch.Tensor] = ref.detach().to("cpu").clone() if receive else None
-            elif fqn in held:
-                if not aliases:
-                    continue
-                value = held[fqn]
-            else:
-                src = layouts[fqn]
-                plan = solve(src, Layout(src.shape, ranks, (len(ranks),), (Replicate(),)))
-                value = execute(plan, self.optimizer.shards[fqn].detach(), self.comm)
-                if value is not None:
-                    value = value.to(device="cpu", dtype=dtype or ref.dtype)
-                if names[fqn] > 1:
-                    held[fqn] = value
-            if fqn is None and value is not None and dtype is not None and value.is_floating_point():
-                value = value.to(dtype)
-            yield name, value
-
-    def state_dict(self, dtype: Optional[torch.dtype] = None, dst: Optional[int] = None) -> dict[str, torch.Tensor]:
-        """The unmodified model's ``state_dict`` with the trained parameters: the model's own names
-        (tied aliases included), full tensors on CPU, each in its dtype in the model (or ``dtype``);
-        buffers as the model holds them. Gathered tensor by tensor (``state_items``) onto every rank,
-        or with ``dst`` onto that rank alone (the others get ``{}``). Call on every rank."""
-        items = self.state_items(dtype, dst)
-        out = {name: value for name, value in items if value is not None}
-        return out if dst is None or self.rank == dst else {}

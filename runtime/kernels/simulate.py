@@ -7,15 +7,14 @@ from typing import Mapping
 import torch
 
 from hgraph.lnk.plan import ReshardPlan
+from hgraph.runtime.kernels.reshard import execute
+from hgraph.runtime.kernels.thread_comm import run_threads
 
 
 def simulate(
     plan: ReshardPlan, shards: Mapping[int, torch.Tensor], timeout: float = 60.0
 ) -> dict[int, torch.Tensor]:
     """Execute ``plan`` on ``shards`` (source rank -> local tensor); returns destination rank -> tensor."""
-    from hgraph.runtime.kernels.thread_comm import run_threads
-    from hgraph.runtime.kernels.reshard import execute
-
     first = next(iter(shards.values()), None)
     dtype, device = (first.dtype, first.device) if first is not None else (None, None)
     world = max(plan.ranks) + 1

@@ -10,7 +10,8 @@ from hgraph.cli.command import main
 from hgraph.errors import CostModelError
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import load_cost_model
-from hgraph.profiling.profile import build_table, fit_stage_cost
+from hgraph.planner.fit import fit_stage_cost
+from hgraph.profiling.profile_single import build_table
 
 
 def test_fit_recovers_known_coefficients():
@@ -118,7 +119,8 @@ from dataclasses import dataclass  # noqa: E402
 
 from hgraph.planner.cost import CostModel  # noqa: E402
 from hgraph.profiling.profile import profile_cost_model  # noqa: E402
-from hgraph.profiling.profile_ranks import build_ranks_table, factory_name, parse_schemes, profile_ranks
+from hgraph.profiling.profile_ranks import factory_name, parse_schemes, profile_ranks  # noqa: E402
+from hgraph.profiling.ranks_table import build_ranks_table  # noqa: E402
 
 
 def tiny_llama():
