@@ -158,6 +158,47 @@ def test_no_private_names_across_modules():
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
 
 
+MAX_LINES = 400  # a module longer than this holds a second concept: split it along that (issue 33)
+
+
+def test_no_module_over_the_line_limit():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split each along its second concept): {long}"
+
+
+def function_local_imports(known: dict[str, pathlib.Path]) -> list[str]:
+    """Imports of package modules inside a function body, outside ``if TYPE_CHECKING:`` blocks."""
+    found = []
+    for module, path in known.items():
+        tree = ast.parse(path.read_text())
+        typing_only = [(n.lineno, n.end_lineno) for n in ast.walk(tree)
+                       if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else
+                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                if any(n.split(".")[0] == "hgraph" for n in names) and \
+                        not any(a <= node.lineno <= b for a, b in typing_only):
+                    found.append(f"{module} line {node.lineno}")
+    return sorted(set(found))
+
+
+def test_no_function_local_package_imports():
+    """Imports are at the top, where the layer order is read; a cycle is broken by moving code, not by
+    importing inside a function."""
+    local = function_local_imports(modules())
+    assert not local, "function-local hgraph imports (hoist them):\n" + "\n".join(local)
+
+
+def test_local_import_checker_sees_one(tmp_path):
+    path = tmp_path / "layout.py"
+    path.write_text(modules()["hgraph.core.layout"].read_text() + "\n\ndef f():\n    from hgraph.core import degrees\n")
+    line = len(path.read_text().splitlines())
+    assert function_local_imports({"hgraph.core.layout": path}) == [f"hgraph.core.layout line {line}"]
+
+
 def _module_aliases() -> dict[tuple[str, str], str]:
     """(module, local name) -> package module it names (``from hgraph.runtime.kernels import comm``)."""
     known = modules()

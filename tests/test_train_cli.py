@@ -111,7 +111,7 @@ def test_no_whole_run_timeout_by_default():
 @pytest.mark.timeout(1800)
 def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     from hgraph.planner.assign import Planner
-    from hgraph.cli.train_cli import ModelSpec
+    from hgraph.cli.model_spec import ModelSpec
     from hgraph.cli.train_planning import planner_table, planning_cost_model
     from hgraph.training.train_config import read_config
 

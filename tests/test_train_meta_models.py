@@ -9,7 +9,9 @@ import torch.nn.functional as F
 import transformers
 
 from hgraph.cli.command import main
-from hgraph.cli.train_cli import ModelSpec, length_batches, synthetic_sequence
+from hgraph.cli.model_spec import ModelSpec
+from hgraph.cli.train_cli import length_batches
+from hgraph.cli.train_run import synthetic_sequence
 from hgraph.training.train_config import read_config
 
 MODEL = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,

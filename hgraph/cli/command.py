@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from hgraph.errors import HGraphError
 
 SUBCOMMANDS = {
-    "demo": ("hgraph.cli.demo", "train a small model on local CPU ranks, choosing the strategy per batch"),
+    "demo": ("hgraph.cli.demo_run", "train a small model on local CPU ranks, choosing the strategy per batch"),
     "lnk-demo": ("hgraph.cli.lnk_demo", "plan and execute layout changes with the LNK solver on 4 local ranks"),
     "plan": ("hgraph.cli.plan_cli", "plan iterations for a length file with a cost model"),
     "profile": ("hgraph.profiling.profile", "profile T(l) on this machine and write a cost table"),

@@ -11,10 +11,14 @@ import argparse
 import time
 
 import torch
+import torch.distributed as dist
 
-from hgraph.errors import CommunicationError
 from hgraph.core.layout import Layout, LayoutUnion, replicated, sharded
+from hgraph.errors import CommunicationError
 from hgraph.lnk import assemble, is_partial, local_shards, solve
+from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
+from hgraph.runtime.kernels.reshard import execute
+from hgraph.runtime.launch import launch
 
 WORLD = (0, 1, 2, 3)
 _TP2_1_1 = (sharded((8, 4), (0, 1)), replicated((8, 4), (2,)), replicated((8, 4), (3,)))
@@ -35,11 +39,6 @@ def _global_value(shape: tuple[int, ...]) -> torch.Tensor:
 
 def _rank_main(transitions: list) -> list:
     """Every rank: execute each plan on its shard of the global value."""
-    import torch.distributed as dist
-
-    from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
-    from hgraph.runtime.kernels.reshard import execute
-
     rank, comm = dist.get_rank(), ProcessGroupComm()
     out = []
     for _, src, dst in transitions:
@@ -54,8 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.runtime.launch import launch
-
     print(f"LNK demo: {len(TRANSITIONS)} layout changes on {len(WORLD)} local gloo ranks (float64)\n")
     for name, src, dst in TRANSITIONS:
         plan = solve(src, dst, itemsize=8)

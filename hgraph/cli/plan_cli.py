@@ -30,14 +30,12 @@ from hgraph.planner import baselines
 from hgraph.planner.assign import Planner
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
 from hgraph.planner.context import parse_degrees, with_context_parallel
-from hgraph.planner.cost import load_cost_model
+from hgraph.planner.cost import PRESETS, load_cost_model
 from hgraph.planner.plan import IterationPlan
 from hgraph.planner.proposal import propose
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hgraph.planner.cost import PRESETS
-
     parser.add_argument("--cost-table", default="llama7b_a800",
                         help=f"a preset ({', '.join(PRESETS)}) or a cost table JSON file (default: %(default)s)")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs")

@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from hgraph.runtime import timeline  # noqa: E402
+
 
 def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[dict]] = None,
                heldout: Optional[Sequence[dict]] = None, label: str = "training, hgraph (planner)") -> None:
@@ -81,8 +83,6 @@ def timeline_files(out: Path, events: Sequence[Any]) -> list[str]:
     """Perfetto/Chrome trace and Gantt PNG of the recorded timeline (when the runtime recorded one)."""
     if not events:
         return []
-    from hgraph.runtime import timeline
-
     timeline.write_chrome_trace(events, out / "trace.json")
     last = max(e.iteration for e in events)
     recent = [e for e in events if e.iteration >= last - 1]  # the whole run is in trace.json

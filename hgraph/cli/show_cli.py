@@ -13,6 +13,7 @@ import subprocess
 
 import torch
 
+from hgraph.compiler.entry import compile as compile_model
 from hgraph.errors import InputError
 from hgraph.models import load_factory
 
@@ -29,8 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.compiler.entry import compile as compile_model
-
     model = load_factory(args.model)()
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"--model {args.model!r} returned {type(model).__name__}, not a torch.nn.Module")

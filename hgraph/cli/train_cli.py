@@ -29,115 +29,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from hgraph.cli.train_planning import check_fits, planner_table, planning_cost_model, profiled_table
+from hgraph.cli import plots
+from hgraph.cli.model_spec import ModelSpec, model_vocab
+from hgraph.cli.train_planning import check_fits, planner_table, profiled_table
+from hgraph.cli.train_run import loaders, train_rank
 from hgraph.core.degrees import Degrees
-from hgraph.errors import CommunicationError, HGraphError, InputError
+from hgraph.core.model_info import model_dims
 from hgraph.core.strategy import fits
+from hgraph.errors import CommunicationError, HGraphError, InputError
+from hgraph.planner.batches import make_batches, read_lengths, sample_path
+from hgraph.planner.cost import PRESETS, CostModel
+from hgraph.planner.proposal import propose
 from hgraph.program.options import CompileOptions, OverlapConfig, RecomputeConfig
-from hgraph.runtime.kernels.recompute import MODES
-from hgraph.schedule.lowerings import PIPELINE_SCHEDULES
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
+from hgraph.runtime.kernels.recompute import MODES
+from hgraph.runtime.launch import choose_backend as backend_for
+from hgraph.runtime.launch import init_from_env, launch
+from hgraph.schedule.lowerings import PIPELINE_SCHEDULES, PLACEMENTS
 from hgraph.training.config_sections import DTYPES
-from hgraph.training.train_config import CHOICES, PLANNERS, STDLIB, TrainConfig, check_choices, read_config
+from hgraph.training.train_config import CHOICES, PLANNERS, TrainConfig, check_choices, read_config
 
-__all__ = ["ModelSpec", "TrainConfig", "read_config", "run"]
+__all__ = ["add_arguments", "run"]
+
 SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The config's ``model``: ``module:factory``, an HF ``config.json`` (random init with ``seed``)
-    or a local HF checkpoint directory. Picklable, for the ranks.
-
-    ``meta=True`` (what ``hgraph train`` uses): an HF config or a checkpoint directory with
-    safetensors weights is built on the meta device (no storage); the Trainer then reads the
-    checkpoint by slices (``weights``) or initialises the model layer by layer from ``seed``. With
-    ``meta=False`` (profiling) HF models are built eagerly: ``from_pretrained`` or ``from_config``
-    after ``torch.manual_seed(seed)``."""
-
-    spec: str
-    seed: int = 0
-    meta: bool = False
-
-    @property
-    def path(self) -> Path:
-        return Path(os.path.expanduser(self.spec))
-
-    @property
-    def weights(self) -> Optional[str]:
-        """The checkpoint directory the Trainer reads by slices (a directory with safetensors weights)."""
-        p = self.path
-        return str(p) if p.is_dir() and any(p.glob("*.safetensors")) else None
-
-    def __call__(self) -> torch.nn.Module:
-        p = self.path
-        if ":" in self.spec and not p.exists():
-            from hgraph.models import load_factory
-
-            return load_factory(self.spec)()
-        import transformers
-
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise InputError(f"model {self.spec}: the directory has no config.json")
-            if self.weights is not None and self.meta:
-                config = transformers.AutoConfig.from_pretrained(str(p), local_files_only=True)
-                return self._from_config(transformers, config)
-            if self.weights is not None or any(p.glob("pytorch_model*.bin")):
-                return transformers.AutoModelForCausalLM.from_pretrained(
-                    str(p), local_files_only=True, attn_implementation="sdpa", use_cache=False).eval()
-            p = p / "config.json"
-        if not p.is_file():
-            raise InputError(f"model {self.spec!r}: not 'module:factory', an HF config.json or a checkpoint directory")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-            config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
-        except (KeyError, ValueError) as exc:
-            raise InputError(f"model {self.spec}: not an HF model config ({exc})") from None
-        return self._from_config(transformers, config)
-
-    def _from_config(self, transformers: Any, config: Any) -> torch.nn.Module:
-        config.use_cache = False
-        if self.meta:
-            with torch.device("meta"):
-                return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
-def model_vocab(model: torch.nn.Module) -> Optional[int]:
-    from hgraph.core.model_info import model_dims
-
-    return model_dims(model).get("vocab")
-
-
-def loaders(cfg: TrainConfig) -> tuple[Any, Any]:
-    """The training and held-out ``TokenLoader`` of a config with ``data.paths``."""
-    from hgraph.data import DocumentSource, TokenLoader, load_tokenizer, stdlib_corpus, stdlib_tokenizer
-
-    d = cfg.data
-    assert d is not None
-    tok = stdlib_tokenizer() if d.tokenizer == STDLIB else load_tokenizer(d.tokenizer)
-
-    def make(paths: tuple[str, ...], split: int) -> Any:
-        source = stdlib_corpus()[split] if paths == (STDLIB,) else \
-            DocumentSource.from_paths(list(paths), d.format, d.text_field)
-        return TokenLoader(source, tok, d.context, d.tokens_per_iteration, d.seed, d.long_documents, d.window)
-
-    return make(d.paths, 0), (make(cfg.eval_paths, 1) if cfg.eval_paths else None)
 
 
 def precheck(cfg: TrainConfig) -> None:
@@ -158,10 +82,6 @@ def precheck(cfg: TrainConfig) -> None:
 def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
-    from hgraph.core.model_info import model_dims
-    from hgraph.planner.cost import CostModel
-    from hgraph.planner.proposal import propose
-
     assert cfg.data is not None
     dims = model_dims(ModelSpec(cfg.model, cfg.seed, meta=True)())
     schemes = [text for text in SCHEMES if fits(Degrees.parse(text), cfg.world_size, dims)]
@@ -176,8 +96,6 @@ def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
 def choose_backend(cfg: TrainConfig, world_size: int) -> str:
     """The process-group backend of a run: ``backend``, or from ``device``, or NCCL when CUDA is
     available with enough GPUs (under torchrun: one per local rank), gloo otherwise."""
-    from hgraph.runtime.launch import choose_backend as backend_for
-
     requested = cfg.backend
     if requested == "auto" and cfg.device != "auto":
         requested = "nccl" if cfg.device == "cuda" else "gloo"
@@ -187,175 +105,10 @@ def choose_backend(cfg: TrainConfig, world_size: int) -> str:
         raise InputError(f"config {cfg.source}: backend / device: {exc}") from None
 
 
-def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
-    """A learnable sequence: an arithmetic progression mod ``vocab`` with a random start and step,
-    so the next token follows from the two before it (the loss can fall well below log(vocab))."""
-    start = int(torch.randint(0, vocab, (1,), generator=generator))
-    step = int(torch.randint(1, 8, (1,), generator=generator))
-    return (start + step * torch.arange(length)) % vocab
-
-
 def length_batches(cfg: TrainConfig) -> list[list[int]]:
-    from hgraph.planner.batches import make_batches, read_lengths, sample_path
-
     source = sample_path() if cfg.lengths == "wikipedia" else cfg.lengths
     lengths = [max(16, n // cfg.length_scale) for n in read_lengths(source)]
     return make_batches(lengths, cfg.tokens_per_iteration, cfg.max_len, cfg.iterations, seed=cfg.seed)
-
-
-def train_rank(cfg: TrainConfig, batches: Optional[list[list[int]]] = None, cost_table: Optional[str] = None) -> Any:
-    """Every rank: compile, (resume,) train, evaluate, checkpoint, export; rank 0 returns the record.
-    Data errors come back as ``{"error": ...}`` (every rank gets rank 0's), not as a rank failure."""
-    try:
-        return _train(cfg, batches, cost_table)
-    except InputError as exc:
-        return {"error": str(exc)}
-
-
-def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Optional[str]) -> Any:
-    import torch.distributed as dist
-
-    from hgraph.compiler import entry
-    from hgraph.frontend.meta import is_meta_model
-    from hgraph.runtime.checkpoint_manager import CheckpointManager
-    from hgraph.training.trainer import Trainer
-
-    spec = ModelSpec(cfg.model, cfg.seed, meta=True)
-    model = spec()
-    vocab = model_vocab(model) or 256
-    compiled = entry.compile(model, list(cfg.strategies), example_inputs=torch.randint(0, 8, (1, 16)),
-                             options=cfg.compile)
-    planner = None
-    if cost_table is not None:
-        from hgraph.planner.assign import Planner
-
-        planner = Planner(planning_cost_model(cfg, cost_table), compiled.strategies,
-                          pipeline_schedule=cfg.compile.schedule.pipeline)
-    scheduler = None
-    if not cfg.lr_schedule.constant:
-        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
-            opt, lambda step: cfg.lr_schedule.factor(step, cfg.iterations))
-    # meta-built models: sliced load or layer-wise init; eager ones are released once sharded
-    trainer = Trainer(compiled,
-                      optimizer=replace(cfg.optimizer, lr_scheduler=scheduler),
-                      run=replace(cfg.run, metrics=metrics_config(cfg),
-                                  weights=spec.weights if is_meta_model(model) else None,
-                                  init_seed=cfg.seed, release_model=not is_meta_model(model)),
-                      planner=planner)
-    log_to_file(Path(cfg.out) / "logs", trainer.rank)
-    if trainer.metrics is not None:
-        trainer.metrics.iterations = cfg.iterations
-    train, held = loaders(cfg) if cfg.data is not None else (None, None)
-    checkpoints = None
-    if cfg.checkpoint_dir:
-        checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint_interval, cfg.checkpoint_keep,
-                                        cfg.checkpoint_async)
-    resumed = checkpoints.resume(trainer, data=train) if checkpoints is not None and cfg.resume else None
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    say = print if trainer.rank == 0 else (lambda *a, **k: None)
-    if restart and not cfg.resume:
-        say(f"hgraph train: restart {restart} of this torchrun job starts over (set checkpoint.resume = true "
-            "to continue from the newest checkpoint)", flush=True)
-    if resumed is not None:
-        say(f"hgraph train: resumed from {resumed} at iteration {trainer.iteration}", flush=True)
-    held_batches = held.first_batches(cfg.eval_batches) if held is not None and trainer.rank == 0 else None
-    evals: list[dict[str, Any]] = []
-
-    def evaluate() -> None:
-        if held is not None:
-            evals.append({"iteration": trainer.iteration, "loss": trainer.evaluate(held_batches)})
-            say(f"iter {trainer.iteration}: held-out loss {evals[-1]['loss']:.4f}", flush=True)
-
-    start, first = time.perf_counter(), trainer.iteration
-    preempted = False
-    if cfg.eval_interval:
-        evaluate()
-    while trainer.iteration < cfg.iterations:
-        i = trainer.iteration
-        strategy = None if planner else i % len(compiled.strategies)
-        if train is not None:
-            loss = trainer.step_data(train, strategy)
-            if loss is None:
-                break
-        else:
-            g = torch.Generator().manual_seed(cfg.seed * 100_003 + i)
-            loss = trainer.step([synthetic_sequence(n, vocab, g) for n in batches[i]], strategy)
-        rec = trainer.history[-1]
-        rec["tokens"] = sum(rec["lengths"])
-        if cfg.eval_interval and trainer.iteration % cfg.eval_interval == 0:
-            evaluate()
-        saved = checkpoints.step(trainer) if checkpoints is not None else None
-        if trainer.stop_requested:  # SIGTERM on some rank: every rank stops after this same iteration
-            preempted = True
-            if checkpoints is not None and saved is None:
-                checkpoints.save(trainer)
-            say(f"hgraph train: stopped by a signal after iteration {trainer.iteration}"
-                + (f"; checkpoint in {cfg.checkpoint_dir}" if checkpoints is not None else
-                   " (no checkpoint.dir: nothing saved)"), flush=True)
-            break
-    wall = time.perf_counter() - start
-    if not preempted:
-        if cfg.eval_interval and (not evals or evals[-1]["iteration"] != trainer.iteration):
-            evaluate()
-        if checkpoints is not None and cfg.checkpoint_interval and trainer.iteration % cfg.checkpoint_interval:
-            checkpoints.save(trainer)
-    if checkpoints is not None:
-        checkpoints.close()  # the write in flight is complete (or its error raised) before we return
-    trainer.close()
-    exported = export(trainer, model, cfg.export_dir) if cfg.export_dir and not preempted else None
-    tokens = sum(h["tokens"] for h in trainer.history)
-    return {"history": trainer.history, "evals": evals, "summary": {
-        "iterations": trainer.iteration - first, "first_iteration": first, "tokens": tokens, "wall_s": wall,
-        "tokens_per_s": tokens / wall if wall else None,
-        "loss_first": trainer.history[0]["loss"] if trainer.history else None,
-        "loss_last": trainer.history[-1]["loss"] if trainer.history else None,
-        "heldout_first": evals[0]["loss"] if evals else None, "heldout_last": evals[-1]["loss"] if evals else None,
-        "strategies": [str(s) for s in compiled.strategies], "checkpoint": cfg.checkpoint_dir, "export": exported,
-        "data_position": str(train.position) if train is not None else None,
-        "resumed_from": str(resumed) if resumed is not None else None, "preempted": preempted,
-        "metrics": str(trainer.metrics.directory) if trainer.metrics is not None else None,
-        "planner": "per iteration" if planner is not None else "rotation", "backend": dist.get_backend(),
-        "device": str(trainer.device), "options": {
-            "compute_dtype": str(compiled.options.compute_dtype or torch.float32).removeprefix("torch."),
-            "reduce_dtype": str(compiled.options.reduce_dtype).removeprefix("torch."),
-            "recompute": compiled.options.recompute.mode,
-            "schedule": "none" if compiled.options.schedule.overlap is None else "overlap",
-            "pipeline_schedule": compiled.options.schedule.pipeline}}}
-
-
-def metrics_config(cfg: TrainConfig) -> Any:
-    """The ``[metrics]`` section as a ``MetricsConfig`` (``None`` when every sink is off)."""
-    from hgraph.runtime.metrics import MetricsConfig
-
-    if not (cfg.metrics_jsonl or cfg.metrics_tensorboard or cfg.metrics_console):
-        return None
-    return MetricsConfig(cfg.metrics_dir or str(Path(cfg.out) / "metrics"), cfg.metrics_jsonl,
-                         cfg.metrics_tensorboard, cfg.metrics_console, cfg.peak_tflops)
-
-
-def log_to_file(directory: Path, rank: int) -> Path:
-    """Send hgraph's log records to ``directory/rank<r>.log`` and not to the console, where the
-    progress lines go (so the two never interleave)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rank{rank}.log"
-    logger = logging.getLogger("hgraph")
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    return path
-
-
-def export(trainer: Any, model: torch.nn.Module, path: str) -> str:
-    """HF models: ``export_pretrained``; others: the state as safetensors (``model.safetensors``, or HF
-    shards with an index). Streamed: rank 0 writes one tensor at a time."""
-    from hgraph.training.export import export_pretrained, save_safetensors
-
-    if hasattr(model, "save_pretrained"):
-        return str(export_pretrained(trainer, model, path))
-    files = save_safetensors(trainer, path)
-    return str(files[0] if len(files) == 1 else path)
 
 
 OVERRIDES = ("backend", "device")
@@ -364,14 +117,12 @@ COMPILE_FLAGS = {
     "compute_dtype": ("compile.compute_dtype", tuple(DTYPES)),
     "reduce_dtype": ("compile.reduce_dtype", tuple(DTYPES)),
     "recompute": ("compile.recompute.mode", MODES),
-    "schedule": ("compile.schedule.overlap", ("none", "overlap")),
-    "pipeline_schedule": ("compile.schedule.pipeline", tuple(PIPELINE_SCHEDULES)),
+    "schedule": ("compile.schedule.overlap", PLACEMENTS),
+    "pipeline_schedule": ("compile.schedule.pipeline", PIPELINE_SCHEDULES),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hgraph.planner.cost import PRESETS
-
     parser.epilog = ("Every config field, its default and what it does: docs/config.md. Command-line values "
                      "override the config's.")
     parser.add_argument("config", help="JSON or TOML config (docs/config.md)")
@@ -458,8 +209,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"hgraph train: planner = \"none\": iteration i runs strategy i mod {len(cfg.strategies)} "
               f"({'; '.join(cfg.strategies)}); nothing is planned")
     if torchrun:
-        from hgraph.runtime.launch import init_from_env
-
         init_from_env(backend, timeout=args.comm_timeout)
         try:
             result = train_rank(cfg, batches, cost_table)
@@ -469,8 +218,6 @@ def run(args: argparse.Namespace) -> int:
         if not lead:
             return 0
     else:
-        from hgraph.runtime.launch import launch
-
         result = launch(train_rank, cfg.world_size, args=(cfg, batches, cost_table), timeout=args.timeout,
                         backend=backend, comm_timeout=args.comm_timeout, preemptible=True)[0]
     if "error" in result:
@@ -494,8 +241,6 @@ def leave_at_once_if_stopped(exc: HGraphError) -> None:
 
 
 def write_outputs(out: Path, result: dict[str, Any]) -> None:
-    from hgraph.cli import plots
-
     out.mkdir(parents=True, exist_ok=True)
     first = result["summary"].get("first_iteration") or 0
     if first:  # a resumed run: the records of the iterations before the checkpoint, then this run's

@@ -163,7 +163,6 @@ class Builder:
     def stage_graphs(self, pipeline: Pipeline, gm: fx.GraphModule) -> list[StageGraph]:
         """Step 4: the pipeline's ``pp * vpp`` (virtual) stage programs cut from its local program
         ``gm`` (the partition step with the pipeline-level passes, then the stage passes on each)."""
-        key = pipeline.degrees
         scope = (f"cp{pipeline.cp},tp{pipeline.tp}" + (f",ep{pipeline.ep}" if pipeline.ep > 1 else "")
                  + f",pp{pipeline.pp}" + (f",vpp{pipeline.vpp}" if pipeline.vpp > 1 else ""))
         ctx = self.context(cp=pipeline.cp, tp=pipeline.tp, pp=pipeline.pp, vpp=pipeline.vpp, ep=pipeline.ep,

@@ -118,7 +118,8 @@ def test_train_checkpoint_resume_export(tmp_path, capsys, monkeypatch):
 
 
 def test_example_config_names_the_embedded_corpus():
-    from hgraph.cli.train_cli import loaders, precheck
+    from hgraph.cli.train_cli import precheck
+    from hgraph.cli.train_run import loaders
     from hgraph.training.train_config import read_config
 
     example = Path(__file__).parents[2] / "examples" / "configs" / "stdlib.toml"

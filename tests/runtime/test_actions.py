@@ -143,9 +143,9 @@ def test_one_vocabulary_of_schedules():
     """The config, the planner's terms and the bubble read the one registry's names."""
     from hgraph.errors import CostModelError
     from hgraph.planner.terms import StrategyTerms
-    from hgraph.training.train_config import CHOICES
+    from hgraph.cli.train_cli import COMPILE_FLAGS
 
-    assert CHOICES["pipeline_schedule"] == PIPELINE_SCHEDULES and CHOICES["schedule"] == PLACEMENTS
+    assert COMPILE_FLAGS["pipeline_schedule"][1] == PIPELINE_SCHEDULES and COMPILE_FLAGS["schedule"][1] == PLACEMENTS
     assert set(PIPELINE_SCHEDULES) < set(LOWERINGS) and lowering_name("1f1b", 2) == "interleaved"
     assert [lowering_name(s, 1) for s in PIPELINE_SCHEDULES] == list(PIPELINE_SCHEDULES)
     with pytest.raises(ScheduleError, match="pipeline_schedule='gpipe'; expected one of 1f1b, zb1p"):
