@@ -120,6 +120,9 @@ def _spec(placements: Placements) -> str:
     return "(" + ",".join(map(str, placements)) + ")"
 
 
+_WHOLE_DIM_STEPS = frozenset({"block_order", "unstride", "own_strided", "own_blocks"})
+
+
 class _Planner:
     """Appends the steps of one redistribution, tracking the current placements."""
 
@@ -129,6 +132,12 @@ class _Planner:
         self.steps: list[TransformStep] = []
 
     def add(self, m: int, kind: str, dims: tuple, to: Placement, grad_partial: bool = False) -> None:
+        if kind in _WHOLE_DIM_STEPS:  # blocks and strides are counted on the whole dim, not on a piece of it
+            cutting = [self.mesh[k].name for k, p in enumerate(self.spec)
+                       if k != m and isinstance(p, Shard) and p.dim == dims[0]]
+            if cutting:
+                raise self.refused(m, f"{kind} on dim {dims[0]} needs it whole, but {', '.join(cutting)} cuts it; "
+                                      "this op needs that dim whole on one of the two mesh dims")
         after = self.spec[:m] + (to,) + self.spec[m + 1 :]
         self.steps.append(TransformStep(self.mesh[m].name, kind, dims, self.spec, after, grad_partial))
         self.spec = after

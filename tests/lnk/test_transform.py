@@ -90,6 +90,18 @@ def test_rows_merged_from_cp_tokens_are_refused():
         transform_steps((StridedShard(0, 2), R), (R, R), STAGE)
 
 
+@pytest.mark.parametrize("src, dst", [
+    ((Shard(1), R), (Shard(2), InterleavedShard(1, (2, 2)))),  # tp's blocks taken from a dim cp has cut
+    ((P, InterleavedShard(1, (2, 2))), (Shard(1), InterleavedShard(1, (2, 2)))),  # tp's blocks kept under a cp cut
+    ((Shard(1), R), (Shard(2), StridedShard(1, 2))),
+])
+def test_blocks_on_a_dim_another_mesh_dim_cuts_are_refused(src, dst):
+    """Blocks and strides are counted on the whole dim: cutting them from a piece that the other mesh
+    dim holds would split the wrong sizes (the rule suite's every-spec cases found this), so it is refused."""
+    with pytest.raises(LayoutError, match=r"needs it whole, but (cp|tp) cuts it"):
+        transform_steps(src, dst, STAGE)
+
+
 def test_nothing_makes_a_partial_value():
     with pytest.raises(LayoutError, match=r"from \(R,R\) into \(R,P\) by any communication"):
         transform_steps((R, R), (R, P), STAGE)

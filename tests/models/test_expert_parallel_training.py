@@ -12,7 +12,12 @@ import torch
 
 import hgraph
 from hgraph.models.zoo import zoo_model
-from test_zoo_training import GRAD_ATOL, GRAD_RTOL, PARAM_ATOL, batches, reference_run, train_iterations
+from test_zoo_training import GRAD_RTOL, PARAM_ATOL, batches, reference_run, train_iterations
+
+# Routed experts sum a token's expert outputs in another order on ep ranks than in one process: on
+# deepseek_v3 (transformers 5.24) one element of 16384 of the embedding gradient differs by 2.4e-8 in
+# float32, the same on 4af1a81 as now; the other families stay within GRAD_ATOL.
+EP_GRAD_ATOL = 5e-8
 
 STRATEGIES = ["tp4,ep4", "tp2 + 2x tp1", "tp2,ep2 + 2x tp1"]
 
@@ -40,7 +45,7 @@ def test_switching_between_ep_and_non_ep_on_gloo_equals_adamw(family):
         assert (routing[2][0] is not None) == (rank < 2)  # tp2,ep2 + 2x tp1: its ep pipeline's ranks
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
         for name, value in ref_grads.items():
-            torch.testing.assert_close(grads[name], value, rtol=GRAD_RTOL, atol=GRAD_ATOL,
+            torch.testing.assert_close(grads[name], value, rtol=GRAD_RTOL, atol=EP_GRAD_ATOL,
                                        msg=lambda m: f"step 1 gradient of {name}: {m}")
         for it, (got, want) in enumerate(zip(params, ref_params)):
             for name, value in want.items():
