@@ -79,8 +79,8 @@ def test_trainer_threads_overlap_equals_none():
 @pytest.mark.slow
 def test_real_gloo_overlap_equals_none():
     strategies = ["4x tp1", "tp2,pp2", "tp2 + 2x tp1"]
-    base = hgraph.launch(trainer_run, 4, args=("none", strategies, 3), timeout=300)
-    over = hgraph.launch(trainer_run, 4, args=("overlap", strategies, 3), timeout=300)
+    base = hgraph.launch(trainer_run, 4, args=(None, strategies, 3), timeout=300)
+    over = hgraph.launch(trainer_run, 4, args=(OverlapConfig(), strategies, 3), timeout=300)
     for a, b in zip(base, over):
         assert_identical(a, b)
 
