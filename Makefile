@@ -7,8 +7,11 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 DEMO_ARGS ?=
 TEST_ARGS ?=
+# Test processes (pytest-xdist): one per core, at most 4 (each multi-rank test spawns its own ranks);
+# empty (one process) until the whole suite is checked under xdist: `make test TEST_PARALLEL="-n 2 --dist worksteal"`.
+TEST_PARALLEL ?=
 
-.PHONY: setup demo test test-slow test-all bench clean
+.PHONY: setup demo test test-slow test-all test-profile bench clean
 
 setup: $(STAMP)
 
@@ -25,13 +28,17 @@ demo: $(STAMP)
 
 # `make test` deselects tests marked slow (pyproject addopts); `make test-all` runs them too.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q --durations=15 $(TEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q $(TEST_PARALLEL) --durations=15 $(TEST_ARGS)
 
 test-slow: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m slow --durations=15 $(TEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m slow $(TEST_PARALLEL) --durations=15 $(TEST_ARGS)
 
 test-all: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "slow or not slow" $(TEST_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -m "slow or not slow" $(TEST_PARALLEL) $(TEST_ARGS)
+
+# Where the suite's time goes (one process, no xdist): seconds per test file and per fixture set-up.
+test-profile: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python scripts/test_profile.py -q $(TEST_ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/*_bench.py; do OMP_NUM_THREADS=1 $(VENV)/bin/python $$b || exit 1; done

@@ -9,6 +9,7 @@ It finds, breadth first, the fewest messages after which every destination rank 
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,16 +93,28 @@ def tiny_transitions(draw):
     return src, dst
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tiny_transitions())
-def test_bound_equals_brute_force_on_one_element(case):
-    src, dst = case
+def check_against_brute_force(src, dst) -> None:
     bound, exact = lower_bound(src, dst, itemsize=1)
     fewest = fewest_messages(src, dst)
     moved = solve(src, dst, itemsize=1).bytes_moved
     assert bound <= fewest <= moved, f"{src} -> {dst}"
     if exact:
         assert bound == fewest == moved, f"{src} -> {dst}"
+
+
+# The brute-force search takes ~0.5 s a case: a small derandomized budget in `make test`, a larger
+# random one with the slow tests.
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_transitions())
+def test_bound_equals_brute_force_on_one_element(case):
+    check_against_brute_force(*case)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tiny_transitions())
+def test_bound_equals_brute_force_on_one_element_many(case):
+    check_against_brute_force(*case)
 
 
 def test_duplicated_partial_destinations_are_only_bounded():
