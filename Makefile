@@ -7,8 +7,8 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 DEMO_ARGS ?=
 TEST_ARGS ?=
-# Test processes (pytest-xdist): one per core, at most 4 (each multi-rank test spawns its own ranks);
-# empty (one process) until the whole suite is checked under xdist: `make test TEST_PARALLEL="-n 2 --dist worksteal"`.
+# pytest-xdist arguments; empty (one process) until the whole suite has passed under xdist. Two processes:
+# `make test TEST_PARALLEL="-n 2 --dist worksteal"`.
 TEST_PARALLEL ?=
 
 .PHONY: setup demo test test-slow test-all test-profile bench clean
