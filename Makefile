@@ -7,9 +7,9 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 DEMO_ARGS ?=
 TEST_ARGS ?=
-# pytest-xdist arguments; empty (one process) until the whole suite has passed under xdist. Two processes:
-# `make test TEST_PARALLEL="-n 2 --dist worksteal"`.
-TEST_PARALLEL ?=
+# pytest-xdist arguments: two worker processes (the CI machine's two cores); one process:
+# `make test TEST_PARALLEL=`.
+TEST_PARALLEL ?= -n 2 --dist worksteal
 
 .PHONY: setup demo test test-slow test-all test-profile bench clean
 

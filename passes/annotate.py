@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import Partial, Replicate, Shard
-from hgraph.rules.base import CP, Decision, local_shape, REPLICATED, RuleInput, Spec, spec_str
+from hgraph.rules.base import CP, Decision, local_shape, REPLICATED, RuleInput, scalar_decision, Spec, spec_str
 from hgraph.rules.mesh import EXPERT_MESH, MESH_DIMS, MESH_KEY, ShardingOptions
 from hgraph.rules.registry import lookup
 
@@ -153,7 +153,7 @@ def _decide(node: fx.Node, rin: RuleInput) -> Decision:
             "(hgraph never replicates an unknown op silently)"
         )
     rin.interleave_aware = bool(getattr(rule, "interleave_aware", False))
-    decision = rule(node, rin)
+    decision = scalar_decision(node, rin) or rule(node, rin)
     if not isinstance(decision, Decision):
         raise rin.error(f"rule {getattr(rule, '__name__', rule)} returned {type(decision).__name__}, not a Decision")
     for inp, req in decision.inputs.items():

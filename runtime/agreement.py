@@ -20,7 +20,7 @@ tensor and ranks.
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
@@ -129,3 +129,22 @@ def _described(other: torch.Tensor, ref: torch.Tensor, statistics: bool) -> str:
     if statistics:
         return f"sum {float(other[0]):.6g} vs {float(ref[0]):.6g}"
     return "its bytes differ"
+
+
+def first_failure(message: Optional[str], comm: Communicator, world: Group,
+                  device: torch.device) -> Optional[tuple[int, str]]:
+    """Every rank's view of a step each rank tried on its own: ``(rank, message)`` of the first rank in
+    ``world`` whose ``message`` is not ``None``, or ``None`` when every rank succeeded. Collective."""
+    if len(world) == 1:
+        return None if message is None else (world[0], message)
+    flags = comm.all_gather(torch.tensor([0 if message is None else 1], device=device), world).reshape(-1).cpu()
+    failed = [world[i] for i, flag in enumerate(flags.tolist()) if flag]
+    if not failed:
+        return None
+    first = failed[0]
+    text = (message or "?").encode() if comm.rank == first else b""
+    size = comm.broadcast(torch.tensor([len(text)], device=device), first, world)
+    buf = torch.zeros(int(size[0]), dtype=torch.uint8, device=device)
+    if comm.rank == first:
+        buf = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
+    return first, bytes(comm.broadcast(buf, first, world).cpu().tolist()).decode()

@@ -31,22 +31,19 @@ from typing import Any, Optional, Union
 import torch
 
 from hgraph.errors import CheckpointError, HGraphError
+from hgraph.core import atomic_files
 from hgraph.core.layout import Layout
 from hgraph.core.placement import parse_placement, Replicate
 from hgraph.runtime.kernels.simulate import simulate
 from hgraph.lnk import solve
 from hgraph.runtime.kernels.reshard import execute
+from hgraph.runtime.checkpoint_manifest import FORMAT, MANIFEST, MANIFEST_KEYS, rank_file, read_manifest
 
-FORMAT = "hgraph-checkpoint-v1"
-MANIFEST = "manifest.json"
+__all__ = ["FORMAT", "MANIFEST", "MANIFEST_KEYS", "Snapshot", "full_state", "load", "rank_file", "read_manifest",
+           "read_rank_file", "resolve", "run_identity", "save", "snapshot", "verify", "write"]
+
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
-MANIFEST_KEYS = ("format", "world_size", "iteration", "strategies", "parameters", "optimizer", "lr_scheduler",
-                 "files", "extra")
 PathLike = Union[str, os.PathLike]
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
 
 
 def _sha256(path: Path) -> str:
@@ -65,6 +62,18 @@ def _layout_json(layout: Layout) -> dict[str, Any]:
 def _layout_from_json(shape: list[int], entry: dict[str, Any]) -> Layout:
     return Layout(tuple(shape), tuple(entry["ranks"]), tuple(entry["mesh"]),
                   tuple(parse_placement(p) for p in entry["placements"]))
+
+
+def run_identity(trainer: Any, data: Any = None) -> dict[str, Any]:
+    """What makes two checkpoints the same run's: the model (class, parameter names and shapes) and,
+    when a ``TokenLoader`` feeds it, the data it reads in which order (``data``, else ``trainer.data``;
+    rank 0 holds it). Not the world size, strategies or learning rate: a run may resume under others."""
+    shapes = json.dumps(sorted((fqn, list(layout.shape)) for fqn, layout in trainer.compiled.optimizer_layouts.items()))
+    source = data if data is not None else getattr(trainer, "data", None)
+    loader = source.state_dict().get("loader") if hasattr(source, "state_dict") else None
+    return {"model": type(trainer.compiled.model).__name__,
+            "parameters": hashlib.sha256(shapes.encode()).hexdigest()[:16],
+            "data": json.loads(json.dumps(loader)) if loader is not None else None}
 
 
 def _digest_tensor(hexdigest: str, size: int) -> torch.Tensor:
@@ -131,6 +140,7 @@ def snapshot(trainer: Any, extra: Optional[dict[str, Any]] = None) -> Snapshot:
         # what the planner learnt (its online correction); rank 0's is the one that plans
         "planner": planner.state_dict() if hasattr(planner, "state_dict") else None,
         "tensors": {key: {"shape": list(v.shape), "dtype": str(v.dtype)} for key, v in tensors.items()},
+        "run": run_identity(trainer),
     }
     try:
         json.dumps(manifest)
@@ -160,10 +170,8 @@ def write(snap: Snapshot, path: PathLike, comm: Any) -> Path:
         partial.mkdir(parents=True)
     comm.barrier(world)
     file = partial / rank_file(rank)
-    with open(file, "wb") as fh:
+    with atomic_files.atomic_open(file, "wb") as fh:
         torch.save(snap.tensors, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
     digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
     if rank == world[0]:
         _write_manifest(snap, partial, digests.cpu())
@@ -214,10 +222,7 @@ def _write_manifest(snap: Snapshot, partial: Path, digests: torch.Tensor) -> Non
         files[name] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32], "tensors": tensors}
     manifest["files"] = files
     text = json.dumps(manifest, indent=1, sort_keys=True)
-    with open(partial / MANIFEST, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
+    atomic_files.write_text(partial / MANIFEST, text)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -229,25 +234,6 @@ def resolve(path: PathLike) -> Path:
     if not (final / MANIFEST).is_file() and (old / MANIFEST).is_file():
         return old
     return final
-
-
-def read_manifest(path: PathLike) -> dict[str, Any]:
-    """The manifest of checkpoint ``path``; ``CheckpointError`` when it is missing or malformed."""
-    file = Path(path) / MANIFEST
-    if not file.is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing "
-                              "(a save that did not finish, or the wrong directory)")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{file} has format {found!r}; expected {FORMAT!r}")
-    missing = sorted(set(MANIFEST_KEYS) - set(manifest))
-    if missing:
-        raise CheckpointError(f"{file} lacks the fields {missing}; a manifest has {list(MANIFEST_KEYS)}")
-    return manifest
 
 
 def read_rank_file(path: PathLike, manifest: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
@@ -296,6 +282,32 @@ def _check_model(manifest: dict[str, Any], trainer: Any, path: PathLike) -> None
             )
 
 
+def _same_layouts(manifest: dict[str, Any], trainer: Any) -> bool:
+    """Whether the checkpoint was saved at this world size and optimizer layout (no resharding)."""
+    layouts = trainer.compiled.optimizer_layouts
+    return int(manifest["world_size"]) == len(trainer.world) and all(
+        _layout_from_json(p["shape"], p["optimizer_layout"]) == layouts[fqn]
+        for fqn, p in manifest["parameters"].items()
+    )
+
+
+def _files_to_read(manifest: dict[str, Any], trainer: Any) -> list[str]:
+    """The rank files ``load`` reads on this rank: its own at the same layouts, else all."""
+    if _same_layouts(manifest, trainer):
+        return [rank_file(trainer.rank)]
+    return [rank_file(r) for r in range(int(manifest["world_size"]))]
+
+
+def verify(trainer: Any, path: PathLike) -> None:
+    """Check, on this rank, that ``load(trainer, path)`` can read checkpoint ``path``: the manifest by
+    type, the model, and the checksum and contents of every rank file this rank reads (``CheckpointError``)."""
+    path = resolve(path)
+    manifest = read_manifest(path)
+    _check_model(manifest, trainer, path)
+    for name in _files_to_read(manifest, trainer):
+        read_rank_file(path, manifest, name)
+
+
 def load(trainer: Any, path: PathLike) -> dict[str, Any]:
     """Restore ``trainer`` from checkpoint ``path`` on every rank; returns the saved ``extra``.
 
@@ -308,11 +320,7 @@ def load(trainer: Any, path: PathLike) -> dict[str, Any]:
     rank = trainer.rank
     saved_world = int(manifest["world_size"])
     layouts = trainer.compiled.optimizer_layouts
-    same = saved_world == len(trainer.world) and all(
-        _layout_from_json(p["shape"], p["optimizer_layout"]) == layouts[fqn]
-        for fqn, p in manifest["parameters"].items()
-    )
-    if same:
+    if _same_layouts(manifest, trainer):
         mine = read_rank_file(path, manifest, rank_file(rank))
         rng, cuda_rng = mine["rng/cpu"], mine.get("rng/cuda")
         shards = {name: {key: mine[f"{key}/{name}"] for key in STATE_KEYS + ("step",)} for name in layouts}

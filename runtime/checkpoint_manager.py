@@ -9,11 +9,21 @@
         checkpoints.step(trainer)            # every `interval` iterations: save (in the background)
     checkpoints.close()                      # waits for the write in flight; raises its error
 
-Layout: ``DIR/step-00000100/`` per checkpoint (``hgraph.runtime.checkpoint``'s format); the newest
-complete one (with a manifest) is the one to resume, and rank 0 decides it for every rank. After a
-new checkpoint is complete the oldest beyond ``keep`` are deleted (``keep=0``: none). A restarted job
-(``torchrun --max-restarts``) that calls ``resume`` continues exactly where the newest checkpoint
+Layout: ``DIR/step-00000100/`` per checkpoint (``hgraph.runtime.checkpoint``'s format). A restarted
+job (``torchrun --max-restarts``) that calls ``resume`` continues exactly where the newest checkpoint
 stopped: parameters, Adam state, learning-rate schedule, data position, RNG and planner state.
+
+A folder belongs to one run (``checkpoint.run_identity``: the model and the data, in the manifest):
+
+* ``resume`` loads the newest checkpoint that verifies on every rank (manifest by type, the checksum of
+  every rank file each rank reads); a damaged newer one is skipped with a ``CheckpointWarning`` naming
+  it. Checkpoints of another run make it refuse, naming the folder and what to do. A crash between the
+  two renames of a replacing save left ``.step-N.old``: it is put back as ``step-N`` first.
+* the first ``save`` of a manager refuses (before writing anything) to write into a folder holding
+  checkpoints it did not resume from: another run's, or this run's newer ones (a restart without
+  ``resume`` would write over them and retention would then delete the new ones).
+* after a new checkpoint is complete, this run's oldest beyond ``keep`` are deleted (``keep=0``: none);
+  never another run's.
 
 Asynchronous writes (``async_write=True``, the default on process groups): ``save`` copies the
 rank's shards to host memory on the training thread (``checkpoint.snapshot``), then a background
@@ -32,6 +42,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,10 +51,16 @@ import torch.distributed as dist
 
 from hgraph.errors import CheckpointError, HGraphError
 from hgraph.runtime import checkpoint
+from hgraph.runtime.agreement import first_failure
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.failures import comm_timeout
 
 STEP = re.compile(r"^step-(\d+)$")
+OLD = re.compile(r"^\.step-(\d+)\.old$")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (damaged) or recovered; the message names it."""
 
 
 def step_name(iteration: int) -> str:
@@ -61,6 +78,44 @@ def complete_steps(directory: str | Path) -> list[tuple[int, Path]]:
         if m and (child / checkpoint.MANIFEST).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def recover_replaced(directory: str | Path) -> list[Path]:
+    """Put back ``.step-N.old`` as ``step-N`` where a save that replaced ``step-N`` was killed between
+    its two renames (``step-N`` has no manifest); returns the checkpoints put back. Rank 0 only."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    back = []
+    for child in sorted(root.iterdir()):
+        m = OLD.match(child.name)
+        final = root / step_name(int(m.group(1))) if m else None
+        if final is None or (final / checkpoint.MANIFEST).is_file() or not (child / checkpoint.MANIFEST).is_file():
+            continue
+        shutil.rmtree(final, ignore_errors=True)
+        child.rename(final)
+        back.append(final)
+        warnings.warn(f"checkpoint {final} put back from {child.name}: a save that replaced it was interrupted",
+                      CheckpointWarning, stacklevel=3)
+    return back
+
+
+def _identity_of(path: Path) -> tuple[Optional[dict[str, Any]], str]:
+    """``(run identity, "")`` of checkpoint ``path``, or ``(None, why it cannot be read)``; a manifest
+    written before run identities were recorded reads as ``({}, "")``."""
+    try:
+        return checkpoint.read_manifest(path).get("run") or {}, ""
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
+def same_run(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
+    """Whether a checkpoint's run identity is this run's: the same model, and the same data where both
+    say (a resume given no loader knows none); one recorded before identities were: by its model."""
+    if not saved:
+        return True
+    keys = [k for k in set(saved) | set(mine) if k != "data" or (saved.get(k) is not None and mine.get(k) is not None)]
+    return all(saved.get(k) == mine.get(k) for k in keys)
 
 
 def latest(directory: str | Path) -> Optional[Path]:
@@ -106,6 +161,9 @@ class CheckpointManager:
         self._error: Optional[BaseException] = None
         self._pending: Optional[Path] = None
         self.saved: list[Path] = []  # checkpoints this manager completed, oldest first
+        self._resumed: Optional[Path] = None  # the checkpoint resume() loaded
+        self._skipped: list[Path] = []  # damaged newer checkpoints resume() skipped (a save may replace them)
+        self._identity: Optional[dict[str, Any]] = None  # this run's, once the folder was checked
         self.write_seconds: list[float] = []  # how long each write took (snapshot to commit)
 
     def __str__(self) -> str:
@@ -114,17 +172,63 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ resume
     def resume(self, trainer: Any, data: Any = None) -> Optional[Path]:
-        """Load the newest complete checkpoint into ``trainer`` (and ``data``'s position) on every rank;
-        returns it, or ``None`` when there is none (a fresh start). Rank 0 chooses for all ranks."""
-        found = latest(self.directory) if trainer.rank == 0 else None
+        """Load the newest verified checkpoint of this run into ``trainer`` (and ``data``'s position) on
+        every rank; returns it, or ``None`` when the folder holds none (a fresh start). Rank 0 lists
+        the candidates; each is verified on every rank before any state is loaded."""
+        message, candidates = "", []
         if trainer.rank == 0:
+            recover_replaced(self.directory)
             for leftover in self.directory.glob(".step-*.partial"):  # saves a crash interrupted
                 shutil.rmtree(leftover, ignore_errors=True)
-        chosen = json.loads(trainer._broadcast_bytes(json.dumps(str(found or "")).encode()))
-        if not chosen:
-            return None
-        trainer.load(chosen, data=data if data is not None and checkpoint.read_manifest(chosen).get("data") else None)
-        return Path(chosen)
+            message, candidates = self._candidates(checkpoint.run_identity(trainer, data))
+        message, candidates = json.loads(trainer._broadcast_bytes(json.dumps([message, candidates]).encode()))
+        if message:
+            raise CheckpointError(message)
+        skipped = []
+        for path in candidates:
+            problem = None
+            try:
+                checkpoint.verify(trainer, path)
+            except CheckpointError as exc:
+                problem = str(exc)
+            failure = first_failure(problem, trainer.comm, trainer.world, trainer.device)
+            if failure is None:
+                self._resumed, self._skipped = Path(path), [Path(p) for p in skipped]
+                manifest = checkpoint.read_manifest(path)
+                trainer.load(path, data=data if data is not None and manifest.get("data") else None)
+                return Path(path)
+            skipped.append(path)
+            if trainer.rank == 0:
+                warnings.warn(f"checkpoint {path} skipped, rank {failure[0]} cannot use it: {failure[1]}",
+                              CheckpointWarning, stacklevel=2)
+        if skipped:
+            raise CheckpointError(f"{self.directory}: none of its {len(skipped)} checkpoints of this run "
+                                  f"verifies (newest {skipped[0]}); see the warnings for each, or start "
+                                  "afresh in another folder")
+        return None
+
+    def _candidates(self, mine: dict[str, Any]) -> tuple[str, list[str]]:
+        """Rank 0: this run's checkpoints in the folder, newest first, or why the folder is not this
+        run's (``(message, [])``)."""
+        found, foreign = [], []
+        for _, path in reversed(complete_steps(self.directory)):
+            identity, _ = _identity_of(path)
+            if identity is None or same_run(identity, mine):  # unreadable: verify() says why, then skipped
+                found.append(str(path))
+            else:
+                foreign.append((path, identity))
+        if foreign:
+            return self._foreign_message(foreign[0], mine), []
+        return "", found
+
+    def _foreign_message(self, other: tuple[Path, dict[str, Any]], mine: dict[str, Any]) -> str:
+        path, identity = other
+        diff = ", ".join(f"{k}: {identity.get(k)!r} there, {mine.get(k)!r} here"
+                         for k in sorted(set(identity) | set(mine))
+                         if identity.get(k) != mine.get(k) and not same_run({k: identity.get(k)}, {k: mine.get(k)}))
+        return (f"checkpoint folder {self.directory} holds another run's checkpoints ({path.name}: {diff}); "
+                "hgraph never writes over them: give this run another checkpoint folder, or delete those "
+                "checkpoints if they are not needed")
 
     # ------------------------------------------------------------------ saving
     def step(self, trainer: Any) -> Optional[Path]:
@@ -138,6 +242,8 @@ class CheckpointManager:
         once (the write continues in the background) unless ``blocking`` or writes are synchronous."""
         self.wait()
         path = self.directory / step_name(trainer.iteration)
+        if self._identity is None:
+            self._check_folder(trainer)
         if trainer.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
@@ -157,6 +263,32 @@ class CheckpointManager:
             self.wait()
         return path
 
+    def _check_folder(self, trainer: Any) -> None:
+        """Before the first save, on every rank: refuse (``CheckpointError``) a folder whose checkpoints
+        this manager did not resume from, so that nothing of another run, or later, is written over."""
+        mine = checkpoint.run_identity(trainer)
+        message = ""
+        if trainer.rank == 0:
+            recover_replaced(self.directory)
+            base = -1 if self._resumed is None else int(STEP.match(self._resumed.name).group(1))
+            skipped = {p.name for p in self._skipped}
+            for iteration, path in reversed(complete_steps(self.directory)):
+                identity, problem = _identity_of(path)
+                if identity is not None and not same_run(identity, mine):
+                    message = self._foreign_message((path, identity), mine)
+                elif path.name not in skipped and iteration > base:
+                    what = "resumed from " + self._resumed.name if self._resumed else "did not resume"
+                    message = (f"checkpoint folder {self.directory} holds {path.name}, newer than where this run "
+                               f"starts (it {what}): saving would write over or mix with it. Resume from it "
+                               "(CheckpointManager.resume; `checkpoint.resume = true`), give this run another "
+                               "checkpoint folder, or delete that checkpoint")
+                if message:
+                    break
+        message = json.loads(trainer._broadcast_bytes(json.dumps(message).encode()))
+        if message:
+            raise CheckpointError(message)
+        self._identity = mine
+
     def _write(self, snap: checkpoint.Snapshot, path: Path, started: float) -> None:
         try:
             checkpoint.write(snap, path, self._side)
@@ -168,7 +300,9 @@ class CheckpointManager:
         self.write_seconds.append(time.perf_counter() - started)
         self.saved.append(path)
         if rank == 0 and self.keep:
-            for _, old in complete_steps(self.directory)[: -self.keep]:
+            ours = [p for _, p in complete_steps(self.directory)
+                    if (identity := _identity_of(p)[0]) is not None and same_run(identity, self._identity or {})]
+            for old in ours[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
 
     @property

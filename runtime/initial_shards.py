@@ -29,7 +29,7 @@ from hgraph.errors import CheckpointError, HGraphError, InputError
 from hgraph.frontend.layerwise_init import initialize
 from hgraph.core.layout import Layout
 from hgraph.frontend.meta import is_meta_model
-from hgraph.runtime.agreement import check_same_shards, fingerprints
+from hgraph.runtime.agreement import check_same_shards, fingerprints, first_failure
 from hgraph.runtime.kernels.comm import Communicator
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -123,22 +123,10 @@ def _persistent_buffers(compiled: Any) -> dict[str, list[torch.Tensor]]:
 def _shared_failure(error: Optional[HGraphError], comm: Communicator, world: tuple[int, ...],
                     device: torch.device) -> None:
     """Raise on every rank if ``error`` happened on any: the first failing rank's message."""
-    if len(world) == 1:
-        if error is not None:
-            raise error
+    failure = first_failure(None if error is None else str(error), comm, world, device)
+    if failure is None:
         return
-    flags = comm.all_gather(torch.tensor([0 if error is None else 1], device=device), world).reshape(-1).cpu()
-    failed = [world[i] for i, flag in enumerate(flags.tolist()) if flag]
-    if not failed:
-        return
-    first = failed[0]
-    text = str(error).encode() if comm.rank == first and error is not None else b""
-    text = text or b"?"
-    size = comm.broadcast(torch.tensor([len(text)], device=device), first, world)
-    buf = torch.zeros(int(size[0]), dtype=torch.uint8, device=device)
-    if comm.rank == first:
-        buf = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)
-    message = bytes(comm.broadcast(buf, first, world).cpu().tolist()).decode()
+    first, message = failure
     if error is not None and comm.rank == first:
         raise error
     kind = type(error) if error is not None else CheckpointError

@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from hgraph.errors import InputError
+from hgraph.core import atomic_files
 from hgraph.core.flops import ModelFlops
 
 JSONL = "metrics.jsonl"
@@ -198,9 +199,7 @@ def _drop_from(path: Path, iteration: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             continue  # a line torn by a kill mid-write
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_files.write_text(path, "".join(k + "\n" for k in kept))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -25,11 +25,13 @@ import pickle
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from hgraph.core import atomic_files
 from hgraph.errors import InputError
 
 COMPUTE_KINDS = ("forward", "backward")
@@ -211,8 +213,7 @@ def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
 
 def write_chrome_trace(events: Sequence[Event], path: str) -> str:
     """Write ``events`` as Chrome trace JSON (opens in ui.perfetto.dev and chrome://tracing)."""
-    with open(path, "w") as f:
-        json.dump(chrome_trace(events), f)
+    atomic_files.write_text(path, json.dumps(chrome_trace(events)))
     return path
 
 
@@ -241,6 +242,7 @@ def plot_gantt(events: Sequence[Event], path: str, title: Optional[str] = None) 
     used = [k for k in KINDS if any(e.kind == k for e in events)]
     ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in used], loc="upper right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_files.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format=Path(path).suffix.lstrip(".") or "png", dpi=100)
     plt.close(fig)
     return path

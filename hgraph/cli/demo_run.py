@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hgraph.cli import plots
 from hgraph.cli.demo import (MAX_LEN, SIZES, TOKENS_PER_ITERATION, WORLD_SIZE, DemoConfig, corpus_batches,
                              corpus_loaders, model_factory, profiled_cost_table, with_iteration_terms)
+from hgraph.core import atomic_files
 from hgraph.compiler import entry
 from hgraph.errors import HGraphError
 from hgraph.planner.assign import Planner
@@ -164,7 +165,7 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
          "pipelines": [[[h["lengths"][i] for i in mb] for mb in p] for p in h["dispatch"]]}
         for h in history
     ]
-    (out / "plans.json").write_text(json.dumps(plans, indent=1))
+    atomic_files.write_text(out / "plans.json", json.dumps(plans, indent=1))
     plots.loss_curve(out / "loss.png", history, comparison["history"] if comparison else None,
                      result.get("evals"))
     plots.strategy_and_loads(out / "strategies.png", history)
@@ -200,8 +201,8 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         summary["homogeneous"] = {"strategy": base[0]["strategy"], "step_s_total_after_first": base_s,
                                   "loss_last": base[-1]["loss"], "wall_s": comparison.get("wall_s")}
         summary["measured_speedup"] = base_s / measured if measured else None
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text(_summary_text(summary) + "\n")
+    atomic_files.write_text(out / "summary.json", json.dumps(summary, indent=1))
+    atomic_files.write_text(out / "summary.md", _summary_text(summary) + "\n")
     return summary
 
 

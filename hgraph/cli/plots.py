@@ -11,7 +11,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from hgraph.core import atomic_files  # noqa: E402
 from hgraph.runtime import timeline  # noqa: E402
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Write ``fig`` to ``path`` atomically (the format from its suffix)."""
+    with atomic_files.atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format=Path(path).suffix.lstrip(".") or "png", dpi=110)
 
 
 def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[dict]] = None,
@@ -28,7 +35,7 @@ def loss_curve(path: Path, history: Sequence[dict], baseline: Optional[Sequence[
     ax.set_title("loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -59,7 +66,7 @@ def strategy_and_loads(path: Path, history: Sequence[dict]) -> None:
     bottom.set_title("tokens per pipeline")
     bottom.legend(fontsize=7, ncol=4)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -75,7 +82,7 @@ def predicted_vs_measured(path: Path, history: Sequence[dict]) -> None:
     ax.set_title("iteration time: predicted vs measured")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
 
 

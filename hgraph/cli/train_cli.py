@@ -42,10 +42,11 @@ from hgraph.cli import plots
 from hgraph.cli.model_spec import ModelSpec, model_vocab
 from hgraph.cli.train_planning import check_fits, planner_table, profiled_table
 from hgraph.cli.train_run import loaders, train_rank
+from hgraph.core import atomic_files
 from hgraph.core.degrees import Degrees
 from hgraph.core.model_info import model_dims
-from hgraph.core.strategy import fits
-from hgraph.errors import CommunicationError, HGraphError, InputError
+from hgraph.core.strategy import Strategy, fits
+from hgraph.errors import CommunicationError, HGraphError, InputError, StrategyError
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
 from hgraph.planner.cost import PRESETS, CostModel
 from hgraph.planner.proposal import propose
@@ -65,8 +66,16 @@ SCHEMES = ("tp1", "tp2", "tp4", "tp8", "tp1,pp2", "tp2,pp2", "tp1,pp4")
 
 
 def precheck(cfg: TrainConfig) -> None:
-    """Everything that can be checked before ranks start: model, tokenizer vocabulary, first batch."""
+    """Everything that can be checked before ranks start: model, strategies against it, tokenizer
+    vocabulary, first batch."""
     model = ModelSpec(cfg.model, cfg.seed, meta=True)()
+    if not cfg.auto:
+        dims = model_dims(model)
+        for i, text in enumerate(cfg.strategies):
+            try:
+                Strategy.parse(text).check(cfg.world_size, dims)
+            except StrategyError as exc:
+                raise InputError(f"config {cfg.source}: strategies[{i}] = {text!r}: {exc}") from None
     if cfg.data is None:
         return
     train, held = loaders(cfg)
@@ -151,7 +160,9 @@ def configured(args: argparse.Namespace) -> TrainConfig:
     cfg = read_config(args.config)
     over: dict[str, Any] = {k: getattr(args, k) for k in (*OVERRIDES, "planner", "cost_table")
                             if getattr(args, k, None) is not None}
-    if getattr(args, "world_size", None):
+    if getattr(args, "world_size", None) is not None:
+        if args.world_size < 1:
+            raise InputError(f"--world-size {args.world_size}; expected an integer >= 1 (local ranks)")
         over["world_size"] = args.world_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         over["world_size"] = int(os.environ["WORLD_SIZE"])
@@ -246,9 +257,9 @@ def write_outputs(out: Path, result: dict[str, Any]) -> None:
     if first:  # a resumed run: the records of the iterations before the checkpoint, then this run's
         result = {**result, "history": _earlier(out / "history.json", first) + result["history"],
                   "evals": _earlier(out / "eval.json", first) + result["evals"]}
-    (out / "history.json").write_text(json.dumps(result["history"], indent=1))
-    (out / "eval.json").write_text(json.dumps(result["evals"], indent=1))
-    (out / "summary.json").write_text(json.dumps(result["summary"], indent=1))
+    atomic_files.write_text(out / "history.json", json.dumps(result["history"], indent=1))
+    atomic_files.write_text(out / "eval.json", json.dumps(result["evals"], indent=1))
+    atomic_files.write_text(out / "summary.json", json.dumps(result["summary"], indent=1))
     if result["history"]:
         plots.train_and_heldout(out / "loss.png", result["history"], result["evals"])
     s = result["summary"]

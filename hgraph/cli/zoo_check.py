@@ -18,7 +18,8 @@ from torch import nn
 
 from hgraph.compiler import entry
 from hgraph.compiler.packing_proof import PackingWarning
-from hgraph.errors import HGraphError, PackingError
+from hgraph.errors import HGraphError, InputError, PackingError
+from hgraph.frontend.loss_module import output_logits
 from hgraph.models.zoo import zoo_model
 
 STRATEGY_KINDS: dict[str, str] = {
@@ -77,7 +78,7 @@ def reference_gradients(
     for ids in documents:
         targets = torch.full_like(ids, -100)
         targets[:, :-1] = ids[:, 1:]
-        logits = model(ids).logits
+        logits = output_logits(model(ids))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
         (loss / tokens).backward()
         total = total + loss.detach()
@@ -100,6 +101,18 @@ def _compare(loss, grads, ref_loss, ref_grads, rtol: float, atol: float) -> str:
     return where
 
 
+def model_vocab(model: nn.Module) -> int:
+    """``model.config.vocab_size``, else the ``num_embeddings`` of the first ``nn.Embedding`` in ``model``."""
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.num_embeddings
+    raise InputError(f"{type(model).__name__}: no config.vocab_size and no nn.Embedding to read the vocabulary from; "
+                      "pass documents= with token ids the model accepts")
+
+
 def check_model(
     model: nn.Module,
     strategies: Sequence[str] = tuple(STRATEGY_KINDS.values()),
@@ -115,9 +128,10 @@ def check_model(
 
     Strategies without cp are compiled together (one trace), each cp strategy on its own, so one
     refusal names itself. Any model works, so a new family is checked before it joins ``FAMILIES``:
-    ``check_model(AutoModelForCausalLM.from_config(config).eval())``.
+    ``check_model(AutoModelForCausalLM.from_config(config).eval())``. The vocabulary is
+    ``config.vocab_size``, else the size of the model's first ``nn.Embedding``.
     """
-    vocab = model.config.vocab_size
+    vocab = model_vocab(model)
     if documents is None:
         documents = zoo_documents(vocab)
     example_ids = torch.randint(0, vocab, example, generator=torch.Generator().manual_seed(1))

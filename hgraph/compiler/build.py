@@ -135,7 +135,9 @@ class Builder:
         try:
             out, records = self.passes["mesh"].run(gm, self.context(cp=cp, tp=tp, ep=ep), scope)
         except ShardingRuleError as exc:
-            raise self._router_error(exc, scope) if ep > 1 else exc
+            if ep > 1:
+                raise self._router_error(exc, scope) from exc
+            raise
         self.pass_history += records
         return out
 

@@ -32,16 +32,14 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
+from hgraph.core import atomic_files
+from hgraph.core.cache_entry import CacheWarning
 from hgraph.errors import InputError
 
 ENV = "HGRAPH_COMPILE_CACHE"
 FORMAT = 2  # 1: a pickle (before 0.2); 2: JSON data
 _HEADER_KEYS = {"hgraph_compile_cache", "key", "sha256"}
 T = TypeVar("T")
-
-
-class CacheWarning(UserWarning):
-    """A compile cache entry could not be used and was rebuilt."""
 
 
 def _version() -> str:
@@ -150,8 +148,5 @@ class CompileCache:
         payload = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
         header = json.dumps({"hgraph_compile_cache": FORMAT, "key": self.key,
                              "sha256": hashlib.sha256(payload).hexdigest()}).encode()
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if self.trust_shared else 0o644)
-        with os.fdopen(fd, "wb") as fh:
+        with atomic_files.atomic_open(self.path, "wb", permissions=0o666 if self.trust_shared else 0o644) as fh:
             fh.write(header + b"\n" + payload)
-        os.replace(tmp, self.path)

@@ -23,13 +23,14 @@ from hgraph.program.options import CompileOptions
 
 def compile(
     model: nn.Module,
-    strategies: Sequence[Union[Strategy, Pipeline, str]],
+    strategies: Union[Sequence[Union[Strategy, Pipeline, str]], Strategy, Pipeline, str],
     example_inputs: Any = None,
     *,
     loss_fn: Any = None,
     options: CompileOptions = CompileOptions(),
 ) -> CompiledModel:
-    """Trace ``model`` once and compile it for every strategy (all must cover the same world size).
+    """Trace ``model`` once and compile it for every strategy (all must cover the same world size);
+    one strategy alone (``"tp2 + 2x tp1"``, a ``Strategy``) is compiled as the only one.
 
     ``example_inputs``: ``input_ids`` ``[batch, seq]`` (or a tuple/dict with ``position_ids``,
     ``targets``). ``loss_fn``: the loss of the model's output (default: next-token cross entropy, with
@@ -54,12 +55,13 @@ def compile(
     # pass as torch.autocast would apply it (hgraph.passes.precision).
     with COMPILE_LOCK:  # torch.export keeps global tracing state: one capture at a time per process
         with gc_paused():
-            traced = trace(model, example_inputs, loss_fn)
+            traced = trace(model, example_inputs, loss_fn, max_seq_len=options.max_seq_len)
         if not traced.dynamic:
             raise TraceError(
-                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch shape, and "
-                f"this model specialises on its input shape — {traced.static_reason or 'export fixed its sizes'}; "
-                "write that computation without Python control flow over sizes (or supply a layer that does)"
+                f"cannot compile {type(model).__name__}: one traced graph must serve every micro-batch length, and "
+                f"{traced.static_reason or 'export fixed its sizes'}; compute that value with tensor ops "
+                "(torch.where, masks) instead of an `if` on the length — a maximum length (an assert, a sliced "
+                "table) is fine, or give CompileOptions(max_seq_len=...)"
             )
         own = _own_rank(world) if options.build.rank == "auto" else options.build.rank
         return CompiledModel(model, traced, strategies, options, own)

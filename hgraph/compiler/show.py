@@ -14,6 +14,7 @@ from typing import Any, Protocol, Union
 import torch
 import torch.fx as fx
 
+from hgraph.core import atomic_files
 from hgraph.core.strategy import Strategy
 from hgraph.passes.backward import comm_nodes
 from hgraph.passes.recompute import regions
@@ -94,8 +95,7 @@ def write_dot(compiled: Inspectable, strategy: StrategyLike, rank: int, path: st
             lines.append(f'  "{a.name}" -> "{n.name}";')
     lines.append("}")
     text = "\n".join(lines) + "\n"
-    with open(path, "w") as fh:
-        fh.write(text)
+    atomic_files.write_text(path, text)
     return text
 
 

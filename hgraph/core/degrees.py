@@ -111,12 +111,17 @@ class Degrees:
 def parse_degrees(text: str, names: Sequence[str] = DEGREES) -> Union[dict[str, int], str]:
     """The one parser of a pipeline's degrees, written ``tp2,pp2`` (``(tp2,pp2)`` is read too): every
     name of ``names`` -> its degree (omitted: 1), or the token it cannot read (callers name it in their
-    own error)."""
+    own error). A degree named twice (``tp2,tp4``) raises ``StrategyError``."""
     degrees = dict.fromkeys(names, 1)
+    named: dict[str, str] = {}
     pattern = re.compile(rf"({'|'.join(sorted(names, key=len, reverse=True))})(\d+)")
     for token in filter(None, (t.strip() for t in text.strip().strip("()").split(","))):
         m = pattern.fullmatch(token)
         if not m:
             return token
+        if m.group(1) in named:
+            raise StrategyError(f"degree {m.group(1)} is named twice in {text!r} ({named[m.group(1)]} and {token}); "
+                                "name each degree once, e.g. 'tp2,pp2'")
+        named[m.group(1)] = token
         degrees[m.group(1)] = int(m.group(2))
     return degrees

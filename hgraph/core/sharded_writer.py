@@ -8,6 +8,11 @@ as ``save_pretrained(max_shard_size=...)`` does. One file is ``model.safetensors
 ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json`` (``metadata.total_size``
 and the ``weight_map`` from tensor to file), which ``from_pretrained`` and ``SafetensorsCheckpoint``
 read.
+
+Each file is written under a temporary name and moved into place only when ``close`` has every
+tensor, so a killed export leaves no file at a final name; ``close`` then removes the weight files
+and index a previous export left in the folder (as ``save_pretrained`` does), so a reader never
+mixes two exports.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from typing import Any, Sequence, Union
 
 import torch
 
+from hgraph.core import atomic_files
 from hgraph.core.checkpoint_files import CODES, INDEX_NAME, SINGLE_NAME
 from hgraph.errors import InputError
 
 DEFAULT_SHARD_SIZE = "5GB"  # HF's default in save_pretrained
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -66,8 +73,8 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[
 
 
 class _File:
-    """One safetensors file: its header written at once, each tensor written at its offset when it
-    arrives (in any order); closed when the last one is in."""
+    """One safetensors file, under a temporary name: its header written at once, each tensor written
+    at its offset when it arrives (in any order); closed when the last one is in."""
 
     def __init__(self, path: Path, specs: list[TensorSpec]) -> None:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -83,7 +90,7 @@ class _File:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.path = path
         self.offsets = {name: 8 + len(raw) + at for name, at in offsets.items()}
-        self.fh = open(path, "wb")
+        self.temporary, self.fh = atomic_files.create_temporary(path)
         self.fh.write(len(raw).to_bytes(8, "little") + raw)
         self.fh.truncate(8 + len(raw) + offset)
 
@@ -122,18 +129,40 @@ class ShardedWriter:
         self.files[shard].write(spec, value)
 
     def close(self) -> list[Path]:
-        """Check every tensor arrived, write the index of a sharded checkpoint; returns the files written."""
+        """Check every tensor arrived, move the files into place, write the index of a sharded
+        checkpoint and remove a previous export's other weight files; returns the files written."""
         if self.pending:
+            self.abort()
             raise InputError(f"ShardedWriter closed with {len(self.pending)} tensors not written, e.g. "
                              f"{next(iter(self.pending))!r}")
         files = [self.directory / name for name in self.names]
+        for i, file in sorted(self.files.items()):
+            atomic_files.publish(file.temporary, self.directory / self.names[i])
         if len(self.shards) > 1:
             weight_map = {spec.name: self.names[i] for i, shard in enumerate(self.shards) for spec in shard}
             total = sum(spec.nbytes for shard in self.shards for spec in shard)
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            atomic_files.write_text(self.directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
             files.append(self.directory / INDEX_NAME)
+        self._remove_stale(files)
         return files
+
+    def abort(self) -> None:
+        """Remove the unfinished temporary files (no final name is touched)."""
+        for file in self.files.values():
+            file.fh.close()
+            atomic_files.discard(file.temporary)
+
+    def _remove_stale(self, written: list[Path]) -> None:
+        """Remove the weight files and index of an earlier export that this one did not write
+        (the index first: a reader prefers it)."""
+        keep = {p.name for p in written}
+        stale = sorted((p for p in self.directory.iterdir() if _WEIGHT_FILE.fullmatch(p.name) and p.name not in keep),
+                       key=lambda p: p.name != INDEX_NAME)
+        for path in stale:
+            path.unlink()
+        if stale:
+            atomic_files.fsync_directory(self.directory)
 
 
 __all__ = ["DEFAULT_SHARD_SIZE", "ShardedWriter", "TensorSpec", "parse_size", "plan_shards"]

@@ -253,8 +253,14 @@ def homogeneous(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
     return Strategy(tuple(Pipeline(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=ep) for _ in range(world_size // size)))
 
 
-def as_strategies(strategies: Iterable[Strategy | Pipeline | str]) -> list[Strategy]:
-    """Normalise user input: a Strategy, a single Pipeline or the readable string form."""
+def as_strategies(strategies: Iterable[Strategy | Pipeline | str] | Strategy | Pipeline | str) -> list[Strategy]:
+    """Normalise user input: Strategies, Pipelines or their readable string form; one of them alone
+    (``"tp2 + 2x tp1"``) is one strategy."""
+    if isinstance(strategies, (str, Strategy, Pipeline)):
+        strategies = [strategies]
+    if not isinstance(strategies, Iterable):
+        raise StrategyError(f"strategies={strategies!r}; give a strategy such as 'tp2 + 2x tp1', a Strategy, "
+                            "or a list of them")
     out = []
     for s in strategies:
         if isinstance(s, Strategy):

@@ -19,6 +19,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from hgraph.core import atomic_files
 from hgraph.data.documents import DocumentSource
 from hgraph.data.tokenizer import TextTokenizer, load_tokenizer
 
@@ -90,7 +91,6 @@ def train_bpe(files: list[str], vocab_size: int, path: Path, budget: int = TRAIN
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train(sample, trainer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
+    with atomic_files.atomic_path(path) as tmp:
+        tok.save(str(tmp))
     return path

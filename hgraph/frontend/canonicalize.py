@@ -52,6 +52,7 @@ from hgraph.frontend.functionalize import functionalize_fresh_writes
 from hgraph.frontend.grad_regions import inline_grad_regions
 from hgraph.frontend.linear_attention import packed_sequence_mixers
 from hgraph.frontend.mask_probe import NOT_CAUSAL, AttentionPattern, ScoreTerms, prove_attention
+from hgraph.frontend.traced_layout import with_traced_layout
 from hgraph.runtime.kernels.packed_attention import packed_attention
 
 aten = torch.ops.aten
@@ -370,6 +371,7 @@ def _replace(gm: fx.GraphModule, att: _Attention, positions: fx.Node, pattern: A
         if att.merged_view is not None:  # back to the [b·h, s, d] the model continues with
             new = _call(graph, aten.view.default, (new, att.merged_view))
             new.meta = {**node.meta, "val": new.meta["val"]}
+    new = with_traced_layout(graph, new, node.meta.get("val"))  # the strides later views were traced with
     node.replace_all_uses_with(new)
     graph.erase_node(node)
 

@@ -19,7 +19,7 @@ user ``loss_fn(outputs, targets)`` must likewise return a summed loss. ``targets
 shifted next tokens (prepared outside the graph).
 
 Batch and sequence dims are dynamic (``torch.export.Dim``), so one graph serves every micro-batch
-length. A model that specialises on its input shape is traced again per shape instead (static
+length; the sequence is bounded where the model bounds it (``hgraph.frontend.seq_bounds``). A model that specialises on its input shape is traced again per shape instead (static
 fallback, cached per shape in ``TracedModel.graph_for``; rank threads share it, ``CAPTURE_LOCK``).
 
 After capture the graph is canonicalised (``canonicalize``): no-op conversions, eval-mode dropout
@@ -53,6 +53,7 @@ from hgraph.frontend.lift import lift_exported
 from hgraph.frontend.loss_module import LossModule, default_loss
 from hgraph.frontend.linear_attention import hf_kernels, refuse_unsupported_mixers
 from hgraph.frontend.meta import fake_parameters, materialize_buffers
+from hgraph.frontend.seq_bounds import SizeGuards, refined_spec, sequence_spec, watching
 
 INPUT_NAMES = ("input_ids", "position_ids", "targets")
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -179,12 +180,14 @@ def trace(
     example_inputs: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | torch.Tensor,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     dynamic: bool = True,
+    max_seq_len: int | None = None,
 ) -> TracedModel:
     """Capture ``loss_fn(model(input_ids, position_ids), targets)`` as a ``TracedModel``.
 
     ``example_inputs``: ``input_ids`` ``[b, s]`` alone, a tuple ``(input_ids[, position_ids[, targets]])``
     or a dict with those keys; missing position ids default to ``arange``, missing targets are made up
-    (only shapes matter). ``loss_fn`` defaults to ``default_loss``.
+    (only shapes matter). ``loss_fn`` defaults to ``default_loss``. ``max_seq_len``: the longest
+    sequence the graph must serve (default: the bound the model states, as export finds it).
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"trace needs a torch.nn.Module, got {type(model).__name__}")
@@ -192,7 +195,7 @@ def trace(
     refuse_unsupported_mixers(model)
     materialize_buffers(model)  # a meta model's construction-time buffers (rotary tables), by its own scheme
     wrapper = LossModule(model, loss_fn or default_loss)
-    graph, param_names, buffer_names, tied, is_dynamic, static_reason = _capture(wrapper, inputs, dynamic)
+    graph, param_names, buffer_names, tied, is_dynamic, static_reason = _capture(wrapper, inputs, dynamic, max_seq_len)
     shape = tuple(inputs[0].shape)
     return TracedModel(model, wrapper.loss_fn, graph, param_names, buffer_names, tied, is_dynamic, shape,
                        static_reason)
@@ -269,34 +272,22 @@ def _tracing_examples(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, .
 
 # ----------------------------------------------------------------------------- capture
 def _capture(
-    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
+    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool, max_seq_len: int | None = None
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool, str]:
     """Export ``wrapper``; on a dynamic-shape failure fall back to static shapes. Meta parameters
     are traced as fake CPU tensors (``hgraph.frontend.meta.fake_parameters``): the graph is the eager model's.
     Returns the graph, parameter, buffer and tied names, whether shapes are dynamic, and why not
     (the failed dynamic capture's message; ``""`` when dynamic or when static shapes were asked for)."""
     with fake_parameters(wrapper.model):
-        return _capture_model(wrapper, inputs, dynamic)
+        return _capture_model(wrapper, inputs, dynamic, max_seq_len)
 
 
 def _capture_model(
-    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool
+    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], dynamic: bool, max_seq_len: int | None = None
 ) -> tuple[fx.GraphModule, dict[str, str], dict[str, str], dict[str, str], bool, str]:
     reason = ""
     if dynamic:
-        program = None
-        # Unbounded first; then below the model's position limit (MPT slices a max_seq_len ALiBi
-        # table, which only specialises at the limit itself).
-        for limit in dict.fromkeys([None, _position_limit(wrapper.model)]):
-            batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=limit)
-            spec = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
-            try:
-                program = _export(wrapper, _tracing_examples(inputs), spec)
-                break
-            except TraceError as exc:
-                if not exc.shape_specialised:  # type: ignore[attr-defined]
-                    raise
-                reason = str(exc)
+        program, reason = _export_dynamic(wrapper, inputs, max_seq_len)
         dynamic = program is not None
     if not dynamic:
         program = _export(wrapper, inputs, None)
@@ -308,27 +299,45 @@ def _capture_model(
     return graph, param_names, buffer_names, tied, dynamic, "" if dynamic else reason
 
 
-def _position_limit(model: nn.Module) -> int | None:
-    """One less than the longest sequence the model's config allows, if it names one."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 2:
-            return value - 1
-    return None
+def _export_dynamic(
+    wrapper: LossModule, inputs: tuple[torch.Tensor, ...], max_seq_len: int | None
+) -> tuple[torch.export.ExportedProgram | None, str]:
+    """Export with dynamic batch and sequence, bounded where the model bounds its length: export's own
+    suggested fix is taken while it only lowers ``seq``'s maximum (``hgraph.frontend.seq_bounds``; a
+    bound at the limit itself, as MPT's ALiBi slice, takes a second round). Else (None, why)."""
+    examples = _tracing_examples(inputs)
+    spec: Any = sequence_spec(INPUT_NAMES, max_seq_len)
+    guards = SizeGuards(wrapper.model)
+    for _ in range(4):
+        guards.guards.clear()
+        try:
+            with watching(guards):
+                return _export(wrapper, examples, spec), ""
+        except TraceError as exc:
+            if not exc.shape_specialised:  # type: ignore[attr-defined]
+                raise
+            branch = guards.branch()
+            if branch is not None:
+                return None, f"it branches on the sequence length in Python: {branch}"
+            refined = refined_spec(exc.__cause__, spec, examples[0].shape[1])
+            if refined is None:
+                return None, f"it specialises on its input shape ({exc})"
+            spec = refined
+    return None, "export kept asking for a tighter sequence bound; give CompileOptions(max_seq_len=...)"
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """torch.export prints partial graphs and warnings on failure; our TraceError says what matters."""
+    """torch.export prints partial graphs and warnings on failure; our TraceError says what matters.
+    (The shapes logger's records still reach handlers of its own: ``seq_bounds.SizeGuards``.)"""
     logger = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    propagate = logger.propagate
+    logger.propagate = False
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
-        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def _export(

@@ -58,11 +58,11 @@ class _Holders:
 def initialize(model: nn.Module, seed: int, on_ready: OnReady, names: Any = None) -> None:
     """Run ``model``'s own initialisation from ``seed`` (see the module docstring) and call
     ``on_ready(fqn, value)`` once per meta parameter (canonical names; ``names``: only those)."""
-    holders = _Holders(model)
-    metas = {fqn: p for fqn, p in holders.original.items() if p.is_meta}
-    wanted = set(metas if names is None else names)
-    keys = {storage_key(p): fqn for fqn, p in metas.items()}
-    with _WALK_LOCK:
+    with _WALK_LOCK:  # also while reading the slots: another rank's walk swaps live tensors into them
+        holders = _Holders(model)
+        metas = {fqn: p for fqn, p in holders.original.items() if p.is_meta}
+        wanted = set(metas if names is None else names)
+        keys = {storage_key(p): fqn for fqn, p in metas.items()}
         touches = _dry_run(model, keys)
         written = set().union(*(w for _, w in touches)) if touches else set()
         missing = [fqn for fqn in metas if fqn not in written]

@@ -10,11 +10,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy over ``targets`` (-100 ignored); takes ``.logits`` of HF outputs."""
+def output_logits(outputs: Any) -> Any:
+    """The logits of a forward's result: ``.logits`` (HF outputs), the first item of a tuple (nanoGPT's
+    ``(logits, loss)``), or the tensor itself."""
     logits = outputs.logits if hasattr(outputs, "logits") else outputs
-    if isinstance(logits, (tuple, list)):
-        logits = logits[0]
+    return logits[0] if isinstance(logits, (tuple, list)) else logits
+
+
+def default_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over ``targets`` (-100 ignored), on ``output_logits(outputs)``."""
+    logits = output_logits(outputs)
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum", ignore_index=-100)
 
 

@@ -32,6 +32,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hgraph.core import atomic_files
 from hgraph.core.degrees import Degrees
 from hgraph.errors import CostModelError, StrategyError
 from hgraph.planner.memory import MemoryRegression, get_field, get_section, integer, number, only_keys
@@ -301,7 +302,7 @@ class CostModel:
 
     def save(self, path: str | Path) -> None:
         """Write ``to_table()`` as JSON."""
-        Path(path).write_text(json.dumps(self.to_table(), indent=1) + "\n")
+        atomic_files.write_text(path, json.dumps(self.to_table(), indent=1) + "\n")
 
 
 def _read_entry(entry: Any, where: str) -> tuple[Degrees, StageCost]:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hgraph.core.cache_entry import load_entry, store_entry
 from hgraph.core.degrees import Degrees
 from hgraph.errors import CostModelError
 from hgraph.models import Llama, LlamaConfig
@@ -130,6 +132,9 @@ def _parse_schemes(text: str) -> list[int]:
     return sorted(set(pps))
 
 
+_SINGLE_FIELDS = ("lengths", "layers", "hidden", "model_ms", "block_params", "block_saved_bytes_per_token", "device_memory", "vocab", "device", "dtype")  # what build_table reads
+
+
 def _cache_path(key: dict[str, Any]) -> Path:
     root = Path(os.environ.get("HGRAPH_CACHE", Path.home() / ".cache" / "hgraph"))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -137,6 +142,9 @@ def _cache_path(key: dict[str, Any]) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--memory-gb", args.memory_gb), ("--timeout", args.timeout)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise CostModelError(f"{flag} {value}: expected a finite number > 0")
     if args.world_size is not None:
         return _run_ranks(args)
     if args.strategies:
@@ -168,15 +176,14 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
     }
     cache = _cache_path(key)
-    if cache.exists() and not args.no_cache:
-        raw = json.loads(cache.read_text())
+    raw = None if args.no_cache else load_entry(cache, "profile", key, _SINGLE_FIELDS)
+    if raw is not None:
         print(f"using cached measurements {cache}")
     else:
         start = time.perf_counter()
         raw = measure(args.model, lengths, device, dtype, repeats)
         print(f"measured {len(lengths)} lengths on {device} in {time.perf_counter() - start:.1f} s")
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(raw))
+        store_entry(cache, "profile", key, raw)
     if args.memory_gb is not None:
         raw = {**raw, "device_memory": args.memory_gb * 1e9}
     model, fits = build_table(raw, pps, args.name)

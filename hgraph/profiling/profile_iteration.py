@@ -41,6 +41,7 @@ import torch
 from scipy.optimize import nnls
 
 from hgraph.compiler.entry import compile as compile_model
+from hgraph.core.cache_entry import load_entry, store_entry
 from hgraph.core.model_info import embedding_of
 from hgraph.core.strategy import Strategy, as_strategies
 from hgraph.errors import CostModelError
@@ -176,14 +177,14 @@ def measure_iteration(
         "stage_costs": table["strategies"],
     }
     path = _cache_path(key)
-    if use_cache and path.exists():
-        return json.loads(path.read_text()), path, True
+    cached = load_entry(path, "profile-iteration", key, ("per_rank", "seconds", *key)) if use_cache else None
+    if cached is not None:
+        return cached, path, True
     start = time.perf_counter()
     per_rank = launch(_rank_main, world_size, args=(model_factory, names, batches, repeats, table),
                       timeout=timeout)
     raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(raw))
+    store_entry(path, "profile-iteration", key, raw)
     return raw, path, False
 
 

@@ -42,6 +42,7 @@ from typing import Any, Optional, Union
 import torch
 
 from hgraph.compiler.entry import compile as compile_model
+from hgraph.core.cache_entry import load_entry, store_entry
 from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
 from hgraph.core.degrees import Degrees
 from hgraph.core.model_info import decoder_blocks, embedding_of, model_dims
@@ -299,8 +300,9 @@ def measure_ranks(
         "repeats": repeats, "torch": torch.__version__, "method": _METHOD, "machine": machine(),
     }
     path = _cache_path(key)
-    if use_cache and path.exists():
-        return json.loads(path.read_text()), path, True
+    cached = load_entry(path, "profile-ranks", key, ("per_rank", "seconds", *key)) if use_cache else None
+    if cached is not None:
+        return cached, path, True
     if not measure:
         raise CostModelError(f"no profile of {name} on {world_size} ranks of this machine is cached (looked for {path})")
     start = time.perf_counter()
@@ -309,8 +311,7 @@ def measure_ranks(
         timeout=timeout,
     )
     raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(raw))
+    store_entry(path, "profile-ranks", key, raw)
     return raw, path, False
 
 

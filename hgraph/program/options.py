@@ -190,6 +190,9 @@ class CompileOptions:
     """User ``hgraph.passes.pipeline.Pass`` objects, placed at named points (``after="localize"``)."""
     disable: frozenset[str] = frozenset()
     """Names of built-in passes to skip."""
+    max_seq_len: Optional[int] = None
+    """The longest sequence (tokens per row) the compiled graph must serve; none: the bound the model
+    states, as torch.export finds it (a sliced position table, a ``block_size`` assert), else unbounded."""
 
     def __post_init__(self) -> None:
         if self.layer_costs is not None:
@@ -198,6 +201,8 @@ class CompileOptions:
         if isinstance(self.disable, str):
             raise HGraphError(f"disable={self.disable!r}; expected a collection of pass names, e.g. ({self.disable!r},)")
         object.__setattr__(self, "disable", frozenset(self.disable))
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise HGraphError(f"max_seq_len={self.max_seq_len!r}; expected None or an int of at least 2")
         if self.packing not in PACKING_MODES:
             raise HGraphError(f"packing={self.packing!r}; expected one of {', '.join(map(repr, PACKING_MODES))}")
         for name, kind in (("schedule", ScheduleConfig), ("build", BuildConfig)):
@@ -208,7 +213,7 @@ class CompileOptions:
         elif not isinstance(self.recompute, RecomputeConfig):
             raise HGraphError(f"recompute={self.recompute!r}; expected a RecomputeConfig or a mapping from "
                               "pipeline shape to one, e.g. {'tp2,pp2': RecomputeConfig('full')}")
-        self.recompute_by_shape  # checks the mapping's keys and values
+        _ = self.recompute_by_shape  # checks the mapping's keys and values
 
     @property
     def recompute_by_shape(self) -> dict[Degrees, RecomputeConfig]:

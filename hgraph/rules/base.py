@@ -280,6 +280,38 @@ def op_name(target: Any) -> str:
     return f"{module}.{getattr(target, '__qualname__', repr(target))}".lstrip(".")
 
 
+def wrap_dim(dim: int, ndim: int) -> int:
+    """``dim`` as a non-negative index, the way PyTorch wraps a dim argument: a 0-d tensor accepts
+    ``0`` and ``-1`` as if it were 1-d (``maybe_wrap_dim`` with ``wrap_scalar``)."""
+    return dim % max(ndim, 1)
+
+
+def _has_dim_argument(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return any(a.name in ("dim", "dims", "dim0", "dim1") for a in target._schema.arguments)
+
+
+def scalar_decision(node: fx.Node, rin: RuleInput) -> Optional[Decision]:
+    """The decision for an op with a dim argument applied to a 0-d tensor (``sum(x, 0)``,
+    ``sort(x, -1)``, ``index_add(x, 0, i, s)`` of a scalar, which PyTorch allows): nothing can be
+    cut, so every input is made Replicate (a Partial one is reduced, since the op need not be
+    linear) and the op runs whole on every rank. ``None`` for any other node (its rule decides)."""
+    if not _has_dim_argument(node.target):
+        return None
+    tensors = rin.tensor_inputs(node)
+    if not node.args or node.args[0] not in tensors or rin.ndim(node.args[0]):
+        return None
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        output: Any = REPLICATED
+    elif isinstance(val, (list, tuple)) and val and all(isinstance(v, torch.Tensor) for v in val):
+        output = tuple(REPLICATED for _ in val)
+    else:
+        return None
+    return Decision(output=output, inputs=dict.fromkeys(tensors, REPLICATED), note="0-d")
+
+
 def local_size(size: int, degree: int, what: str, rin: RuleInput) -> int:
     """``size // degree``, raising when it does not divide."""
     if size % degree:

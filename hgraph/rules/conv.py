@@ -24,7 +24,8 @@ aten = torch.ops.aten
 
 def conv1d_rule(node: fx.Node, rin: RuleInput) -> Decision:
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-    defaults = (None, [1], [0], [1], 1)[len(node.args) - 2:]
+    padding = "valid" if node.target is aten.conv1d.padding else [0]  # the overload's own default
+    defaults = (None, [1], padding, [1], 1)[len(node.args) - 2:]
     args = [*node.args, *(node.kwargs.get(n, d) for n, d in zip(names[len(node.args):], defaults))]
     x, w, bias, groups = args[0], args[1], args[2], args[6]
     nd = rin.ndim(x)

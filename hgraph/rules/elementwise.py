@@ -1,11 +1,11 @@
-"""Rules for pointwise ops, copies/casts, factories and size queries.
+"""Rules for pointwise ops, copies/casts, triangular masks, factories and size queries.
 
 Pointwise ops follow their inputs: on each mesh dim the first input sharded on a (broadcast-aligned)
 dim decides the output shard, and every other input that is not broadcast along that dim is brought
 to the same shard. Partial inputs are reduced first (all-reduce, or reduce-scatter to the sequence
 dim under sequence parallelism): a nonlinear op of a pending sum is wrong, and reducing at the first
-consumer is exactly where Megatron reduces (after a row-parallel linear). Copies and casts keep a
-Partial value as it is.
+consumer is exactly where Megatron reduces (after a row-parallel linear). Copies and widening floating
+casts keep a Partial value as it is; integer, bool and narrowing casts reduce it first.
 """
 
 from __future__ import annotations
@@ -61,9 +61,32 @@ def pointwise_rule(node: fx.Node, rin: RuleInput) -> Decision:
 
 
 def copy_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """Copies and casts: the output has the input's spec, Partial included (a ``type_as``/``to``
-    reference tensor only lends its dtype, so it is not converted)."""
-    return pointwise_decision(node, rin, rin.tensor_inputs(node)[:1], keep_partial=True)
+    """Copies and casts: the output has the input's spec (a ``type_as``/``to`` reference tensor only
+    lends its dtype, so it is not converted). Partial is kept only where the cast is exact on every
+    piece: a copy, or a cast to a floating/complex type that holds every value of the input's (the
+    sum of the pieces' casts is then the cast of the sum). A cast to an integer or bool type (the sum
+    of truncated pieces is not the truncated sum) or to a narrower float (each piece rounds on its
+    own, and pieces larger than their sum lose the sum's digits) reduces a Partial input first, in
+    the input's precision."""
+    inputs = rin.tensor_inputs(node)[:1]
+    return pointwise_decision(node, rin, inputs, keep_partial=bool(inputs) and _exact_cast(inputs[0], node))
+
+
+def _exact_cast(source: fx.Node, node: fx.Node) -> bool:
+    """Whether casting ``source``'s values to ``node``'s dtype is exact (a widening float cast)."""
+    src, out = source.meta.get("val"), node.meta.get("val")
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if not (out.is_floating_point() or out.is_complex()) or not (src.is_floating_point() or src.is_complex()):
+        return False
+    if src.is_complex() and not out.is_complex():
+        return False
+    have, want = torch.finfo(_real(src.dtype)), torch.finfo(_real(out.dtype))
+    return want.eps <= have.eps and want.max >= have.max and want.tiny <= have.tiny
+
+
+def _real(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
 
 
 def dropout_rule(node: fx.Node, rin: RuleInput) -> Decision:
@@ -131,6 +154,16 @@ def _cut_like(size: fx.Node, rin: RuleInput) -> "list | None":
     return [p if isinstance(p, Shard) and p.dim % nd == dim % nd else None for p in spec]
 
 
+def triangle_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``tril`` / ``triu``: which elements of the last two dims survive depends on their global row and
+    column, so those dims are whole on every rank; leading dims stay cut. A mask is linear: a Partial
+    input stays Partial."""
+    x = node.args[0]
+    nd = rin.ndim(x)
+    spec = tuple(R if isinstance(p, Shard) and p.dim % nd >= nd - 2 else p for p in rin.spec(x))
+    return Decision(output=spec, inputs={x: spec})
+
+
 def no_tensor_output_rule(node: fx.Node, rin: RuleInput) -> Decision:
     """Size queries and metadata assertions read the local tensor; nothing to convert."""
     return Decision(output=None, inputs={})
@@ -159,5 +192,7 @@ for _name in FACTORIES:
 for _name in LIKE:
     register(getattr(aten, _name), like_rule)
 register(aten.dropout, dropout_rule)
+register(aten.tril, triangle_rule)
+register(aten.triu, triangle_rule)
 for _op in (aten.sym_size, aten.sym_numel, aten.sym_stride, aten._assert_tensor_metadata):
     register(_op, no_tensor_output_rule)

@@ -39,6 +39,14 @@ def _reads_position_ids(node: fx.Node, name: str) -> bool:
 def embedding_rule(node: fx.Node, rin: RuleInput) -> Decision:
     weight, ids = node.args[0], node.args[1]
     padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    if node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False):
+        raise rin.error("sparse=True makes the table's gradient a sparse tensor, which the gradient push and "
+                        "the ZeRO optimizer do not take; build the embedding with sparse=False "
+                        "(nn.Embedding's default)")
+    if _scales_by_frequency(node):
+        # each word's gradient is divided by its count over all ids: with ids cut, each rank would
+        # count only its own, so the lookup runs whole on every rank
+        return Decision(output=(R, R), inputs={weight: (R, R), ids: (R, R)}, note="scale_grad_by_freq")
     ids_spec = rin.spec(ids)
     req_ids, req_w, out = [R, R], [R, R], [R, R]
     cp_place = ids_spec[CP]
@@ -66,6 +74,10 @@ def embedding_rule(node: fx.Node, rin: RuleInput) -> Decision:
         return lc.call(vocab_parallel_embedding, (lc.local(ids), lc.local(weight), "tp", *padding))
 
     return Decision(output=(out[0], out[1]), inputs=inputs, lower=lower, note="vocab-parallel")
+
+
+def _scales_by_frequency(node: fx.Node) -> bool:
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False))
 
 
 register(aten.embedding, embedding_rule)

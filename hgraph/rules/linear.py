@@ -13,8 +13,9 @@ weights are replicated. ``linear`` weights are ``[out, in]``; ``mm``/``addmm``/`
 
 from __future__ import annotations
 
+import math
 import operator
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,7 +28,7 @@ from hgraph.rules.shape import split_sizes
 aten = torch.ops.aten
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 
 
@@ -45,6 +46,9 @@ def fused_blocks(node: fx.Node, rin: RuleInput) -> Optional[tuple[int, ...]]:
             target, args = user.target, user.args
             if target in _VIEWS and args[0] is value and rin.shape(user)[-1] == n:
                 frontier.append(user)
+            elif target in _VIEWS and args[0] is value and _packed_count(rin.shape(value), rin.shape(user), rin.degree(TP)):
+                k = _packed_count(rin.shape(value), rin.shape(user), rin.degree(TP))
+                cuts.update(n // k * i for i in range(1, k))
             elif target in (aten.sym_size.int,):
                 continue
             elif target in _SPLITS and args[0] is value and (args[2] if len(args) > 2 else 0) % nd == nd - 1:
@@ -68,6 +72,17 @@ def fused_blocks(node: fx.Node, rin: RuleInput) -> Optional[tuple[int, ...]]:
     if len(blocks) < 2 or any(b % rin.degree(TP) for b in blocks):
         return None
     return blocks
+
+
+def _packed_count(src: Sequence[int], dst: Sequence[int], degree: int) -> int:
+    """``k`` when a view unflattens the last dim into ``(k, n // k, ...)`` with ``k`` not divisible by
+    tp (``nn.MultiheadAttention``'s ``(..., 3 * E) -> (..., 3, E)``): ``k`` packed blocks, cut each on
+    its own. 0 otherwise (``(..., heads, 3 * head_dim)`` cuts the heads as a plain shard)."""
+    lead = len(src) - 1
+    if len(dst) < lead + 2 or tuple(dst[:lead]) != tuple(src[:lead]) or math.prod(dst[lead:]) != src[-1]:
+        return 0
+    k = dst[lead]
+    return k if k > 1 and k % degree and (src[-1] // k) % degree == 0 else 0
 
 
 _FEATURE_PRESERVING = {aten.to.dtype, aten._to_copy.default, aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.add.Tensor,
@@ -184,6 +199,17 @@ def addmm_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return _weight_decision(node, rin, x, w, bias, transposed=False)
 
 
+def _dot_decision(rin: RuleInput, x: fx.Node, y: fx.Node) -> Decision:
+    """``matmul`` of two vectors, a 0-d dot product: both cut alike on a mesh dim give a Partial
+    result there, anything else is made Replicate (a 0-d output has no dim to shard)."""
+    req_x, req_y, out = [R, R], [R, R], [R, R]
+    for m in (CP, TP):
+        px, py = rin.placement(x, m), rin.placement(y, m)
+        if rin.degree(m) > 1 and isinstance(px, Shard) and px == py:
+            req_x[m], req_y[m], out[m] = Shard(0), Shard(0), P
+    return Decision(output=(out[0], out[1]), inputs={x: (req_x[0], req_x[1]), y: (req_y[0], req_y[1])})
+
+
 def matmul_rule(
     node: fx.Node, rin: RuleInput, pair: Optional[tuple[fx.Node, fx.Node]] = None, extra: Optional[fx.Node] = None
 ) -> Decision:
@@ -196,6 +222,8 @@ def matmul_rule(
         req = {t: (R, R) for t in (x, y, extra) if t is not None}
         return Decision(output=(R, R), inputs=req)
     req_x, req_y, out = [R, R], [R, R], [R, R]
+    if nd == 1:
+        return _dot_decision(rin, x, y)
     for m in (CP, TP):
         if rin.degree(m) == 1:
             continue

@@ -31,7 +31,7 @@ def _whole_dim(spec: Spec, dim: int, ndim: int) -> Spec:
 
 
 def topk_rule(node: fx.Node, rin: RuleInput) -> Decision:
-    """topk / sort (values, indices) and cumsum: the op's dim whole on every rank, other dims kept."""
+    """topk / sort (values, indices), argsort and cumsum: the op's dim whole on every rank, other dims kept."""
     x = node.args[0]
     nd = rin.ndim(x)
     if node.target is aten.topk.default:
@@ -104,9 +104,10 @@ def grouped_mm_rule(node: fx.Node, rin: RuleInput) -> Decision:
     )
 
 
-for _op in (aten.topk, aten.sort):  # cumsum: hgraph.rules.indexing
+for _op in (aten.topk, aten.sort, aten.argsort):  # cumsum: hgraph.rules.indexing
     register(_op, topk_rule)
 register(aten.histc, whole_tensor_rule)
+register(aten.bincount, whole_tensor_rule)  # its length is the largest value: counted over every element
 register(aten.index_put_, index_put_rule)
 register(aten.index_put, index_put_rule_functional)
 for _name in ("div_", "mul_", "add_", "sub_"):

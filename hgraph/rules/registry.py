@@ -23,7 +23,7 @@ _RULES: dict[Any, Rule] = {}
 _BY_NAME: dict[str, Rule] = {}  # ops of libraries that register them on import (``transformers::...``)
 
 _BUILTIN_MODULES = ("elementwise", "shape", "linear", "embedding", "attention", "norm", "loss", "indexing", "moe",
-                    "scatter_gather", "complex", "conv", "linear_attention", "experts")
+                    "scatter_gather", "complex", "conv", "linear_attention", "experts", "einsum")
 _loaded = False
 _LOAD_LOCK = threading.RLock()
 

@@ -111,7 +111,7 @@ def gather_rule(node: fx.Node, rin: RuleInput) -> Decision:
             d = shard.dim % len(out_shape)
             if d == dim:  # x cut along the indexed dim: whole first
                 _reads_across(rin, m, dim, "gather")
-            elif rin.shape(x)[d] == out_shape[d]:
+            elif len(rin.shape(x)) == len(out_shape) and rin.shape(x)[d] == out_shape[d]:  # (a 0-d x: whole)
                 req_x[m] = req_i[m] = out[m] = Shard(d)
                 continue
         if isinstance(px, Partial):

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Shard, StridedShard
-from hgraph.rules.base import CP, Decision, interleave_aware, P, R, RuleInput, shard_degrees, TP
+from hgraph.rules.base import CP, Decision, interleave_aware, P, R, RuleInput, shard_degrees, TP, wrap_dim
 from hgraph.rules.mesh import MESH_DIMS
 from hgraph.rules.registry import register
 
@@ -74,8 +74,10 @@ def _view_placement(
     targets = [j for j in gj if dst[j] != 1]
     if not targets:
         return None
-    if isinstance(p, InterleavedShard):  # blocks survive a view only where the dim stays whole
-        return dataclasses.replace(p, dim=targets[0]) if len(gi) == 1 and targets == list(gj) == [targets[0]] else None
+    if isinstance(p, InterleavedShard):  # blocks survive a view where the dim stays whole ...
+        if len(gi) == 1 and targets == list(gj) == [targets[0]]:
+            return dataclasses.replace(p, dim=targets[0])
+        return _blocks_unflattened(p, dst, gi, targets, degree)
     if isinstance(p, StridedShard):
         if len(gi) != 1:
             return None
@@ -104,6 +106,17 @@ def _view_placement(
     if len(targets) != 1 or src[d] % degree:
         return None
     return StridedShard(targets[0], math.prod(src[i] for i in leading))
+
+
+def _blocks_unflattened(p: InterleavedShard, dst: Sequence[int], gi: Sequence[int], targets: Sequence[int],
+                        degree: int) -> Optional[Placement]:
+    """... and where it is unflattened into (blocks, block): ``nn.MultiheadAttention``'s packed q/k/v,
+    ``(..., 3 * E) -> (..., 3, E)``. Each rank holds its chunk of every block, so the view keeps the
+    blocks dim whole and cuts the dim after it (the block's first non-1 dim)."""
+    if len(gi) != 1 or len(targets) < 2 or dst[targets[0]] != len(p.blocks) or len(set(p.blocks)) != 1:
+        return None
+    inner = targets[1]
+    return Shard(inner) if dst[inner] % degree == 0 and math.prod(dst[j] for j in targets[1:]) == p.blocks[0] else None
 
 
 def _rewrite_sizes(sizes: Sequence, first_dim: int, cuts: Sequence[int], rin: RuleInput) -> list:
@@ -196,14 +209,19 @@ def unsqueeze_rule(node: fx.Node, rin: RuleInput) -> Decision:
 
 
 def squeeze_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """The dims to drop are read from the global shape and named explicitly in the local op
+    (``squeeze.dims``): a cut dim whose local piece has size 1 must stay."""
     x = node.args[0]
     shape = rin.shape(x)
     if len(node.args) > 1:
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
-        gone = {d % len(shape) for d in dims if shape[d] == 1}
+        gone = {wrap_dim(d, len(shape)) for d in dims if shape and shape[wrap_dim(d, len(shape))] == 1}
     else:
         gone = {d for d, s in enumerate(shape) if s == 1}
-    return _dim_map_rule(node, rin, lambda d: None if d in gone else d - sum(g < d for g in gone))
+    decision = _dim_map_rule(node, rin, lambda d: None if d in gone else d - sum(g < d for g in gone))
+    if shape:
+        decision.target, decision.args, decision.kwargs = aten.squeeze.dims, (x, sorted(gone)), {}
+    return decision
 
 
 def slice_rule(node: fx.Node, rin: RuleInput) -> Decision:

@@ -8,6 +8,7 @@ docs/config.md's rows for them are generated from the field docstrings (``refere
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from hgraph.core import atomic_files
 from hgraph.core.field_docs import field_docs
 from hgraph.errors import HGraphError, InputError
 from hgraph.program.options import BuildConfig, CompileOptions, OverlapConfig, RecomputeConfig, ScheduleConfig
@@ -113,11 +115,15 @@ def _value(path: str, section: Section, key: str, annotation: str, value: Any, d
         kind = float if "float" in annotation else int
         if not isinstance(value, list) or not all(_is(v, kind) for v in value):
             raise _fail(path, where, f"expected a list of {kind.__name__}s, got {value!r}")
+        if kind is float and not all(math.isfinite(v) for v in value):
+            raise _fail(path, where, f"{value!r}; expected finite numbers")
         return tuple(kind(v) for v in value) if kind is float else frozenset(value)
     for kind in (bool, float, int, str):
         if kind.__name__ in annotation:
             if not _is(value, kind):
                 raise _fail(path, where, f"expected {kind.__name__}, got {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise _fail(path, where, f"{value}; expected a finite number")
             return float(value) if kind is float else value
     raise _fail(path, where, f"cannot be set in a config ({annotation})")
 
@@ -173,7 +179,7 @@ def update_reference(page: Optional[str] = None) -> None:
     path = Path(page) if page else Path(__file__).resolve().parents[2] / "docs" / "config.md"
     text = path.read_text(encoding="utf-8")
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    path.write_text(text[:start] + reference() + text[end:], encoding="utf-8")
+    atomic_files.write_text(path, text[:start] + reference() + text[end:])
 
 
 __all__ = ["DTYPES", "SECTIONS", "Section", "read_sections", "reference", "toml_default", "update_reference"]

@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from hgraph.core import atomic_files
 from hgraph.errors import InputError
 from hgraph.core.sharded_writer import DEFAULT_SHARD_SIZE, ShardedWriter, TensorSpec
 
@@ -46,10 +47,15 @@ def save_safetensors(trainer: Any, path: Union[str, Path], dtype: Optional[torch
     every rank (rank 0 writes). Returns the files written (empty on other ranks)."""
     specs = state_specs(trainer.compiled.model, dtype)
     writer = ShardedWriter(path, specs, max_shard_size) if trainer.rank == WRITER else None
-    for name, value in trainer.state_items(dtype, dst=WRITER, aliases=False):
+    try:
+        for name, value in trainer.state_items(dtype, dst=WRITER, aliases=False):
+            if writer is not None:
+                assert value is not None
+                writer.write(name, value)
+    except BaseException:
         if writer is not None:
-            assert value is not None
-            writer.write(name, value)
+            writer.abort()
+        raise
     files = writer.close() if writer is not None else []
     trainer.comm.barrier(trainer.world)
     return files
@@ -78,10 +84,11 @@ def export_pretrained(trainer: Any, model: Any, path: Union[str, Path], dtype: O
         written = dtype or (floating[0] if floating else torch.float32)
         config.dtype = str(written).split(".")[1]
         config.architectures = [type(model).__name__]
-        config.save_pretrained(str(out))
+        atomic_files.write_text(out / "config.json", config.to_json_string(use_diff=True))
         can_generate = getattr(model, "can_generate", None)
         if callable(can_generate) and can_generate() and getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(str(out))
+            atomic_files.write_text(out / "generation_config.json",
+                                    model.generation_config.to_json_string(use_diff=True))
     trainer.comm.barrier(trainer.world)
     return out
 

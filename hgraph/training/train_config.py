@@ -25,6 +25,7 @@ output directories (``out``, checkpoint, export) to the working directory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -180,6 +181,8 @@ class _Fields:
             value, ok = float(value), True
         if not ok:
             raise self.fail(key, f"expected {kind.__name__}, got {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise self.fail(key, f"{value}; expected a finite number")
         if minimum is not None and value < minimum:
             raise self.fail(key, f"{value} is below the minimum {minimum:g}")
         return value

@@ -118,3 +118,37 @@ def test_a_parameter_no_scheme_writes_raises():
     with pytest.raises(InputError, match=r"parameter 'scale' .*not written by _Unscheduled's own initialisation"):
         initialize(model, 0, lambda n, v: None)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_thread_ranks_initialising_one_meta_model_at_once_each_get_every_parameter():
+    """Simulated ranks are threads sharing one model: one rank's walk swaps live tensors into the
+    module slots while another starts; each must still see the model as built (regression: the
+    second read a half-swapped model, missed its live parameters and raised a raw KeyError)."""
+    import sys
+    import threading
+    import time
+
+    with torch.device("meta"):
+        model = hf_llama()
+    names = [fqn for fqn, _ in model.named_parameters()]
+    got: list[list[str]] = [[], [], [], []]
+    start = threading.Barrier(len(got))
+
+    def rank(i: int) -> None:
+        start.wait()
+        for k in range(5):
+            time.sleep(0.003 * ((i * 7 + k * 3) % 10))  # start at varied points of another rank's walk
+            initialize(model, i, lambda fqn, value: got[i].append(fqn))
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(got))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so the walks interleave everywhere they can
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(sorted(g) == sorted(names * 5) for g in got)
+    assert all(p.is_meta for p in model.parameters())

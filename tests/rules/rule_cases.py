@@ -253,6 +253,29 @@ CASES: dict[str, list[Case]] = {
     ],
     "aten.bmm": [case(aten.bmm.default, lambda g: Sample((rand(g, 4, 8, 4), rand(g, 4, 4, 8))))],
     "aten.matmul": [case(aten.matmul.default, lambda g: Sample((rand(g, 4, 4, 8, 4), rand(g, 4, 4, 4, 8))))],
+    "aten.tril": [
+        case(aten.tril.default, lambda g: Sample((rand(g, 4, 8, 8),))),
+        case(aten.tril.default, lambda g: Sample((rand(g, 4, 8, 8), -1)), "offset"),
+    ],
+    "aten.triu": [case(aten.triu.default, lambda g: Sample((rand(g, 4, 8, 8), 1)))],
+    "aten.argsort": [
+        case(aten.argsort.default, lambda g: Sample((rand(g, 4, 8, 8), 1))),
+        case(aten.argsort.stable, lambda g: Sample((rand(g, 4, 8, 8),), {"stable": True, "dim": -1, "descending": True}), "stable"),
+    ],
+    "aten.bincount": [case(aten.bincount.default, lambda g: Sample((ints(g, 16),)))],
+    # ---------------------------------------------------------------- einsum.py
+    "aten.einsum": [
+        case(aten.einsum.default, lambda g: Sample(("bqhd,bkhd->bhqk", [rand(g, 2, 8, 4, 4), rand(g, 2, 8, 4, 4)])), "scores"),
+        case(aten.einsum.default, lambda g: Sample(("bhqk,bkhd->bqhd", [rand(g, 2, 4, 8, 8), rand(g, 2, 8, 4, 4)])), "values"),
+        case(aten.einsum.default, lambda g: Sample(("...ij,...jk", [rand(g, 4, 4, 8), rand(g, 4, 8, 4)])), "ellipsis-implicit"),
+        case(aten.einsum.default, lambda g: Sample(("btd,hd->bth", [rand(g, 4, 8, 8), rand(g, 8, 8)]), names=("x", "p_w"),
+                                                   params=frozenset({"p_w"})), "weight"),
+        case(aten.einsum.default, lambda g: Sample(("bij->bi", [rand(g, 4, 8, 4)])), "summed"),
+        case(aten.einsum.default, lambda g: Sample(("ii->i", [rand(g, 8, 8)])), "diagonal"),
+        case(aten.einsum.default, lambda g: Sample(("i,j->ij", [rand(g, 8), rand(g, 4)])), "outer"),
+        case(aten.einsum.default, lambda g: Sample(("ij,jk,kl->il", [rand(g, 4, 8), rand(g, 8, 4), rand(g, 4, 8)])), "chain"),
+        case(aten.einsum.default, lambda g: Sample(("bij,bjk->bik", [rand(g, 1, 4, 8), rand(g, 4, 8, 4)])), "broadcast"),
+    ],
     # ---------------------------------------------------------------- embedding.py, loss.py
     "aten.embedding": [
         case(aten.embedding.default, lambda g: Sample((rand(g, 16, 8), ints(g, 4, 8)), names=("p_w", "ids"),

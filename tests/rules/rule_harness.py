@@ -69,6 +69,11 @@ class Sample:
     params: frozenset[str] = frozenset()
     values: bool = True  # False: only shapes and dtypes are defined (``empty``)
     inplace: bool = False  # mutates its first input: forward only (autograd refuses in-place on leaves)
+    differentiable: bool = True  # False: the op has no derivative (floor_divide): forward only
+
+    @property
+    def forward_only(self) -> bool:
+        return self.inplace or not self.differentiable
 
 
 @dataclass
@@ -131,7 +136,7 @@ def assemble(pieces: Sequence[torch.Tensor], shape: Sequence[int], spec: Spec, t
         ca, cb = COORDS[a], COORDS[b]
         differ = [m for m in range(2) if ca[m] != cb[m]]
         if all(not isinstance(spec[m], Shard) and m not in sum_dims for m in differ):
-            torch.testing.assert_close(pieces[a], pieces[b], msg=lambda s, a=a, b=b: f"{what}: ranks {a} and {b} should hold the same value under {spec_str(spec)}: {s}")
+            torch.testing.assert_close(pieces[a], pieces[b], equal_nan=True, msg=lambda s, a=a, b=b: f"{what}: ranks {a} and {b} should hold the same value under {spec_str(spec)}: {s}")
     assert counts is not None and full is not None
     expected = 1
     for m in sum_dims:
@@ -140,23 +145,69 @@ def assemble(pieces: Sequence[torch.Tensor], shape: Sequence[int], spec: Spec, t
     return full.reshape(tuple(shape))
 
 
+SPARE_BITS = 5  # below a float's mantissa: room for up to 4 terms of up to 4x the value, summed in any order
+
+
+def on_grid(full: torch.Tensor) -> torch.Tensor:
+    """``full`` rounded to a grid of ``2**(e - mantissa bits + SPARE_BITS)`` (``2**e`` above every finite
+    ``|value|``), so that Partial terms drawn on the same grid sum to it exactly in any order and
+    grouping: the reduction the runtime does then adds no rounding of its own, and the oracle sees
+    the very value the ranks sum to (kinks such as ``abs`` at 0 and exact ties stay where they are)."""
+    if not _inexact(full):
+        return full
+    real = torch.view_as_real(full) if full.is_complex() else full
+    finite = real[torch.isfinite(real)]
+    top = float(finite.abs().max()) if finite.numel() else 0.0
+    if top == 0.0:
+        return full
+    grid = _grid(real.dtype, top)
+    if grid == 0.0:
+        return full
+    rounded = torch.where(torch.isfinite(real), torch.round(real / grid) * grid, real)
+    return torch.view_as_complex(rounded) if full.is_complex() else rounded
+
+
+def _grid(dtype: torch.dtype, top: float) -> float:
+    info = torch.finfo(dtype)
+    e = math.frexp(top)[1]  # top < 2**e
+    mantissa_bits = 1 - math.frexp(info.eps)[1]  # eps == 2**-mantissa_bits
+    grid = math.ldexp(1.0, e - mantissa_bits + SPARE_BITS)
+    return grid if grid >= info.tiny else 0.0
+
+
 def partial_terms(full: torch.Tensor, spec: Spec, token_order: bool, rng: torch.Generator) -> list[torch.Tensor]:
-    """Every rank's local value: its cut, split into per-rank terms along the Partial mesh dims."""
+    """Every rank's local value: its cut, split into per-rank terms along the Partial mesh dims. Each
+    term but the last of a group is noise of the value's scale on ``on_grid``'s grid, the last is the
+    rest; for ``full`` on that grid the terms sum to it exactly."""
     pdims = [m for m, p in enumerate(spec) if isinstance(p, Partial)]
     base = [cut(full, spec, c, token_order) for c in COORDS]
     if not pdims or not _inexact(full):
         return [b.clone() for b in base]
-    k = 1
-    for m in pdims:
-        k *= MESH[m]
+    real = torch.view_as_real(full) if full.is_complex() else full
+    finite = real[torch.isfinite(real)]
+    top = float(finite.abs().max()) if finite.numel() else 0.0
+    grid = _grid(real.dtype, top) if top else 0.0
+    scale = math.ldexp(1.0, math.frexp(top)[1]) if top else 1.0
+    bound = min(4.0, torch.finfo(real.dtype).max / (16 * scale))  # noise up to 4x the value, kept finite
     # a replicated mesh dim must see equal terms: the noise depends on the Shard and Partial coords only
     key = [tuple(c[m] if not isinstance(spec[m], Replicate) else 0 for m in range(2)) for c in COORDS]
-    table = {kk: torch.randn(base[key.index(kk)].shape, generator=rng, dtype=full.dtype) for kk in sorted(set(key))}
+
+    def noise(shape: torch.Size) -> torch.Tensor:
+        n = torch.randn(tuple(shape) + ((2,) if full.is_complex() else ()), generator=rng, dtype=torch.float64)
+        n = n.clamp(-bound, bound) * scale
+        n = (torch.round(n / grid) * grid if grid else n).to(real.dtype)
+        return torch.view_as_complex(n) if full.is_complex() else n
+
+    table = {kk: noise(base[key.index(kk)].shape) for kk in sorted(set(key))}
     out = []
     for rank, coord in enumerate(COORDS):
         group = [r for r, c in enumerate(COORDS) if all(c[m] == coord[m] for m in range(2) if m not in pdims)]
-        mean = sum(table[key[r]] for r in group) / len(group)
-        out.append(base[rank] / k + table[key[rank]] - mean)
+        last = max(key[r] for r in group)
+        if key[rank] != last:
+            out.append(table[key[rank]].clone())
+        else:
+            others = {key[r] for r in group if key[r] != last}
+            out.append(base[rank] - sum((table[kk] for kk in sorted(others)), torch.zeros_like(base[rank])))
     return out
 
 
@@ -265,11 +316,15 @@ def check(target: Any, sample: Sample, specs: dict[str, Spec], seed: int = 0) ->
 def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, params, local, seed) -> None:
     rng = torch.Generator().manual_seed(seed)
     fulls = [p.meta["val"] for p in placeholders]
+    summed = [i for i, p in enumerate(placeholders) if any(isinstance(q, Partial) for q in all_specs[p] or ())]
+    fulls = [on_grid(f) if i in summed else f for i, f in enumerate(fulls)]
     local_inputs = []
     for p, full in zip(placeholders, fulls):
         token = p.name not in params
         local_inputs.append(partial_terms(full, all_specs[p], token, rng))
     out_vals = [o.meta["val"] for o in outputs]
+    if summed and sample.values:
+        out_vals = _reference_outputs(target, sample, fulls, out_vals)
     cots = [
         torch.randn(v.shape, generator=rng, dtype=v.dtype) if isinstance(v, torch.Tensor) and _inexact(v) and sample.values else None
         for v in out_vals
@@ -278,7 +333,7 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
     def body(comm):
         rank = comm.rank
         groups = mesh_groups(rank, MESH)
-        xs = [li[rank].clone().requires_grad_(_inexact(li[rank]) and not sample.inplace) for li in local_inputs]
+        xs = [li[rank].clone().requires_grad_(_inexact(li[rank]) and not sample.forward_only) for li in local_inputs]
         result = local(*xs, RankContext(rank, comm, groups))
         pairs = []
         for o, v, c in zip(outputs, result, cots):
@@ -303,8 +358,8 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
             continue
         sums = [m for m, q in enumerate(spec) if isinstance(q, Partial)]
         got = assemble([r[0][i] for r in results], v.shape, spec, True, sums, f"{label}: output {i}")
-        torch.testing.assert_close(got, v, msg=lambda s, i=i: f"{label}: forward output {i} ({spec_str(spec)}): {s}")
-    diff_outs = [(v, c) for v, c in zip(out_vals, cots) if c is not None and not sample.inplace]
+        torch.testing.assert_close(got, v, equal_nan=True, msg=lambda s, i=i: f"{label}: forward output {i} ({spec_str(spec)}): {s}")
+    diff_outs = [(v, c) for v, c in zip(out_vals, cots) if c is not None and not sample.forward_only]
     wanted = [j for j, f in enumerate(fulls) if _inexact(f)]
     if not diff_outs or not wanted:
         return
@@ -323,7 +378,17 @@ def _run_and_compare(target, sample, placeholders, outputs, all_specs, partial, 
         spec = all_specs[p]
         sums = [m for m in partial.get(p, ()) if p.name in params and isinstance(spec[m], Replicate)]
         got = assemble(pieces, fulls[j].shape, spec, p.name not in params, sums, f"{label}: grad of {p.name}")
-        torch.testing.assert_close(got, ref, msg=lambda s, p=p: f"{label}: gradient of {p.name}: {s}")
+        torch.testing.assert_close(got, ref, equal_nan=True, msg=lambda s, p=p: f"{label}: gradient of {p.name}: {s}")
+
+
+def _reference_outputs(target, sample: Sample, fulls: list[torch.Tensor], out_vals: list) -> list:
+    """The op's outputs on ``fulls`` (the Partial inputs moved onto their grid), in ``out_vals``' order."""
+    args, kwargs = _substitute(sample, [f.clone() for f in fulls])
+    with torch.no_grad():
+        ref = target(*args, **kwargs)
+    ref = list(ref) if isinstance(ref, (list, tuple)) else [ref]
+    assert len(ref) == len(out_vals), f"{target}: {len(ref)} outputs on full tensors, the graph has {len(out_vals)}"
+    return [r if isinstance(v, torch.Tensor) else v for r, v in zip(ref, out_vals)]
 
 
 def _substitute(sample: Sample, leaves: list[torch.Tensor]) -> tuple[tuple, dict]:

@@ -31,7 +31,7 @@ def held_out():
 @pytest.mark.parametrize("m", [1, 2, 5])
 def test_forward_lowering_has_only_forwards_and_dry_runs_clean(pp, vpp, m):
     programs = {s: forward_only(pp, vpp, s, m) for s in range(pp)}
-    for stage, actions in programs.items():
+    for actions in programs.values():
         assert {a.kind for a in actions} <= {Kind.FORWARD, Kind.SEND_ACT, Kind.RECV_ACT}
         assert sorted((a.chunk, a.mb) for a in actions if a.kind is Kind.FORWARD) == \
             [(c, mb) for c in range(vpp) for mb in range(m)]

@@ -1,0 +1,85 @@
+"""The manifest of a checkpoint (``hgraph.runtime.checkpoint``): its format, and its validation by
+key and by type, so that a well-formed but wrong manifest is refused by name, not inside ``load``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Union
+
+from hgraph.errors import CheckpointError
+
+PathLike = Union[str, os.PathLike]
+FORMAT = "hgraph-checkpoint-v1"
+MANIFEST = "manifest.json"
+MANIFEST_KEYS = ("format", "world_size", "iteration", "strategies", "parameters", "optimizer", "lr_scheduler",
+                 "files", "extra")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def read_manifest(path: PathLike) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``; ``CheckpointError`` when it is missing or malformed."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: {MANIFEST} is missing "
+                              "(a save that did not finish, or the wrong directory)")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{file} has format {found!r}; expected {FORMAT!r}")
+    missing = sorted(set(MANIFEST_KEYS) - set(manifest))
+    if missing:
+        raise CheckpointError(f"{file} lacks the fields {missing}; a manifest has {list(MANIFEST_KEYS)}")
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"{file} is malformed: {problem}")
+    return manifest
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str:
+    """What is wrong with the types of a manifest's fields (``""``: nothing), so that a well-formed but
+    wrong manifest is refused by name instead of failing later inside ``load``."""
+    if not _is_int(manifest["world_size"], 1):
+        return f"world_size is {manifest['world_size']!r}; expected an integer >= 1"
+    if not _is_int(manifest["iteration"]):
+        return f"iteration is {manifest['iteration']!r}; expected an integer >= 0"
+    for key, kind in (("strategies", list), ("parameters", dict), ("optimizer", dict), ("files", dict),
+                      ("extra", dict)):
+        if not isinstance(manifest[key], kind):
+            return f"{key} is a {type(manifest[key]).__name__}; expected a {kind.__name__}"
+    if manifest["lr_scheduler"] is not None and not isinstance(manifest["lr_scheduler"], dict):
+        return f"lr_scheduler is a {type(manifest['lr_scheduler']).__name__}; expected a dict or null"
+    for fqn, entry in manifest["parameters"].items():
+        layout = entry.get("optimizer_layout") if isinstance(entry, dict) else None
+        if not (isinstance(layout, dict) and _is_shape(entry.get("shape")) and _is_shape(layout.get("mesh"))
+                and _is_shape(layout.get("ranks")) and isinstance(layout.get("placements"), list)
+                and all(isinstance(p, str) for p in layout["placements"])):
+            return (f"parameters[{fqn!r}] is {entry!r}; expected {{'shape': [ints], 'optimizer_layout': "
+                    "{'mesh': [ints], 'ranks': [ints], 'placements': [strings]}}")
+    for name, entry in manifest["files"].items():
+        ok = (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _is_int(entry.get("bytes"))
+              and isinstance(entry.get("tensors"), dict)
+              and all(isinstance(t, dict) and _is_shape(t.get("shape")) and isinstance(t.get("dtype"), str)
+                      for t in entry["tensors"].values()))
+        if not ok:
+            return (f"files[{name!r}] is not {{'sha256': string, 'bytes': int, 'tensors': "
+                    "{key: {'shape': [ints], 'dtype': string}}}")
+    missing = [rank_file(r) for r in range(manifest["world_size"]) if rank_file(r) not in manifest["files"]]
+    if missing:
+        return f"files lacks {missing[0]} of a world of {manifest['world_size']}"
+    return ""
