@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.world_size < 1 or args.iterations < 1:
         raise HGraphError(f"--world-size {args.world_size} and --iterations {args.iterations} must be >= 1")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise HGraphError(f"--timeout {args.timeout}: expected a finite number of seconds > 0")
+    if args.eval_interval < 0:
+        raise HGraphError(f"--eval-interval {args.eval_interval}: expected N >= 0 (0: never)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = DemoConfig(size=args.model_size, world_size=args.world_size, iterations=args.iterations,

@@ -55,3 +55,36 @@ def test_a_bad_strategy_on_four_ranks_is_one_line_from_the_command(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hgraph", "train", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 1 and out.stderr.count("\n") == 1 and "rank" not in out.stderr, out.stderr
+
+
+def command_refuses(capsys, tmp_path, argv):
+    """``hgraph ARGV`` fails in the parent with one line, within 2 s, and writes no run folder."""
+    start = time.perf_counter()
+    code = main([*argv, "--out", str(tmp_path / "run")])
+    seconds = time.perf_counter() - start
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert seconds < 2.0 and not (tmp_path / "run").exists(), (seconds, err)
+    return err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--world-size", "0"], "--world-size 0"),
+    (["--timeout", "nan"], "--timeout nan: expected a finite number"),
+    (["--timeout", "-1"], "--timeout -1.0: expected a finite number"),
+    (["--eval-interval", "-3"], "--eval-interval -3: expected N >= 0"),
+])
+def test_bad_demo_flags_stop_before_ranks_start(capsys, tmp_path, flags, match):
+    assert match in command_refuses(capsys, tmp_path, ["demo", *flags])
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--world-size", "0"], "world_size=0"),
+    (["--schemes", "tpx"], "cannot parse scheme 'tpx'"),
+    (["--world-size", "4", "--schemes", "tp3"], "does not divide world size 4"),
+    (["--memory-gb", "nan"], "--memory-gb nan: expected a finite number"),
+    (["--timeout", "inf"], "--timeout inf: expected a finite number"),
+    (["--repeats", "0"], "--repeats 0"),
+])
+def test_bad_profile_flags_stop_before_ranks_start(capsys, tmp_path, flags, match):
+    assert match in command_refuses(capsys, tmp_path, ["profile", *flags])
