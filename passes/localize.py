@@ -217,6 +217,8 @@ class _Builder(LowerContext):
             args = (value, name, *dims) + ((step.grad_partial,) if fn is all_gather else ())
             return self._comm(fn, args, step.src, step.dst, tensor, like)
         degree = self.options.degrees[self.options.mesh_names.index(name)]
+        if kind in ("balanced_order", "natural_order"):
+            self._check_token_chunks(step, tensor, like, degree)
         if kind == "block_order":
             value = self._reorder(value, dims[0], dims[1], degree)
         elif kind == "unstride":
@@ -229,6 +231,20 @@ class _Builder(LowerContext):
             value = self._permute_chunks(value, dims[0], degree, to_balanced=kind == "balanced_order")
         value.meta["hgraph_spec"] = step.dst
         return value
+
+    def _check_token_chunks(self, step: TransformStep, tensor: str, like: fx.Node, degree: int) -> None:
+        """Refuse, naming the op, cp's token order on a dim that does not split into ``2·cp`` equal chunks
+        (a rule asking a cp shard of a size-1 or odd-sized dim)."""
+        shape = _global_shape(like)
+        if shape is None:
+            return
+        dim = step.dims[0]
+        size = local_shape(shape, step.src, self.options.degrees)[dim]
+        if size % (2 * degree):
+            raise ShardingRuleError(
+                f"{self._where()}: '{tensor}' dim {dim} of size {size} cannot be cut into the {2 * degree} "
+                f"load-balanced token chunks of cp={degree}; use a strategy without cp for this model"
+            )
 
     def _reorder(self, gathered: fx.Node, dim: int, blocks: tuple[int, ...], degree: int) -> fx.Node:
         """Rank-major pieces ``[rank][block]`` of a gathered interleaved dim -> block order."""

@@ -7,7 +7,7 @@ every spec. A dim the op reads across (``diff`` along its dim, tiling by ``repea
 advanced index selects from) must be whole: on tp the input is gathered first; on cp the op is
 refused, naming it (every cp rank would hold and compute the whole sequence). Every other dim keeps its shard. ``repeat_interleave`` keeps a shard of its
 own dim (each element's copies stay next to it), and ``index.Tensor`` with a sharded index (a table
-looked up by cp-split position ids) is sharded like the index.
+looked up by cp-split position ids) is sharded like the index; a bool mask index is made whole.
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ def numpy_t_rule(node: fx.Node, rin: RuleInput) -> Decision:
     return Decision(output=_spec(out), inputs={x: _spec(req)})
 
 
+def _is_mask(index: fx.Node) -> bool:
+    """A bool (or legacy uint8) index: a mask over as many dims of x as it has, not positions."""
+    val = index.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8)
+
+
 def index_rule(node: fx.Node, rin: RuleInput) -> Decision:
     """``x[i0, i1, ...]`` (advanced indexing, ``None`` entries keep their dim).
 
@@ -132,12 +138,19 @@ def index_rule(node: fx.Node, rin: RuleInput) -> Decision:
     adjacent, else in front of the kept dims. Per mesh dim: a sharded index (a table looked up by
     cp-split position ids) shards the result like the index and needs x replicated; else a shard of
     a kept dim of x moves with it, a shard of an indexed dim needs x whole, a Partial x stays Partial
-    (indexing is linear).
+    (indexing is linear). A mask (bool index) covers as many dims of x as it has and selects a
+    data-dependent count of elements: it is made whole, and so are the other indices beside it.
     """
     x, indices = node.args[0], list(node.args[1])
     ndim = rin.ndim(x)
-    indexed = [d for d, i in enumerate(indices) if i is not None]
     tensors = [i for i in indices if isinstance(i, fx.Node)]
+    masked = any(_is_mask(t) for t in tensors)
+    indexed, d = [], 0
+    for i in indices:
+        covers = rin.ndim(i) if isinstance(i, fx.Node) and _is_mask(i) else 1
+        if i is not None:
+            indexed += range(d, d + covers)
+        d += covers
     index_ndim = rin.ndim(node) - (ndim - len(indexed))
     adjacent = indexed == list(range(indexed[0], indexed[-1] + 1))
     start = indexed[0] if adjacent else 0
@@ -154,7 +167,7 @@ def index_rule(node: fx.Node, rin: RuleInput) -> Decision:
     req_index: list[list[Placement]] = [[R, R] for _ in tensors]
     for m in range(len(MESH_DIMS)):
         shards = [rin.spec(t)[m] for t in tensors if isinstance(rin.spec(t)[m], Shard)]
-        if not shards:
+        if not shards or masked:
             continue
         owner = next(t for t in tensors if isinstance(rin.spec(t)[m], Shard))
         aligned = shards[0].dim % rin.ndim(owner) + index_ndim - rin.ndim(owner)

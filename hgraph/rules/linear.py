@@ -230,10 +230,12 @@ def matmul_rule(
         px, py = (R if isinstance(p, Partial) else p for p in (rin.placement(x, m), rin.placement(y, m)))
         dx = px.dim % nd if isinstance(px, Shard) else None
         dy = py.dim % nd if isinstance(py, Shard) else None
-        if dx is not None and dx < nd - 2:
-            req_x[m] = req_y[m] = out[m] = Shard(dx)
-        elif dy is not None and dy < nd - 2:
-            req_x[m] = req_y[m] = out[m] = Shard(dy)
+        batch = dx if dx is not None and dx < nd - 2 else dy if dy is not None and dy < nd - 2 else None
+        if batch is not None:
+            out[m] = Shard(batch)
+            # an operand of size 1 there is broadcast: every rank keeps it whole
+            req_x[m] = Shard(batch) if rin.shape(x)[batch] != 1 else R
+            req_y[m] = Shard(batch) if rin.shape(y)[batch] != 1 else R
         elif dx == nd - 1 and dy == nd - 2:
             req_x[m], req_y[m], out[m] = Shard(nd - 1), Shard(nd - 2), P
         elif dx == nd - 2:

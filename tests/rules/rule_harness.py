@@ -177,8 +177,8 @@ def _grid(dtype: torch.dtype, top: float) -> float:
 
 def partial_terms(full: torch.Tensor, spec: Spec, token_order: bool, rng: torch.Generator) -> list[torch.Tensor]:
     """Every rank's local value: its cut, split into per-rank terms along the Partial mesh dims. Each
-    term but the last of a group is noise of the value's scale on ``on_grid``'s grid, the last is the
-    rest; for ``full`` on that grid the terms sum to it exactly."""
+    term but the last of a group is noise of the value's scale (1 for an all-zero value) on
+    ``on_grid``'s grid, the last is the rest; for ``full`` on that grid the terms sum to it exactly."""
     pdims = [m for m, p in enumerate(spec) if isinstance(p, Partial)]
     base = [cut(full, spec, c, token_order) for c in COORDS]
     if not pdims or not _inexact(full):
@@ -186,8 +186,9 @@ def partial_terms(full: torch.Tensor, spec: Spec, token_order: bool, rng: torch.
     real = torch.view_as_real(full) if full.is_complex() else full
     finite = real[torch.isfinite(real)]
     top = float(finite.abs().max()) if finite.numel() else 0.0
-    grid = _grid(real.dtype, top) if top else 0.0
-    scale = math.ldexp(1.0, math.frexp(top)[1]) if top else 1.0
+    top = top or 1.0  # all zero: terms of unit scale on its grid still cancel exactly
+    grid = _grid(real.dtype, top)
+    scale = math.ldexp(1.0, math.frexp(top)[1])
     bound = min(4.0, torch.finfo(real.dtype).max / (16 * scale))  # noise up to 4x the value, kept finite
     # a replicated mesh dim must see equal terms: the noise depends on the Shard and Partial coords only
     key = [tuple(c[m] if not isinstance(spec[m], Replicate) else 0 for m in range(2)) for c in COORDS]

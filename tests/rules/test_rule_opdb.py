@@ -55,10 +55,13 @@ def test_opdb_samples_equal_single_device(key):
     _assert_sound(key, 1, FAST_LIMIT)
 
 
-@pytest.mark.parametrize("key", ["nn.functional.embedding", "gather"])
+@pytest.mark.parametrize("key", ["nn.functional.embedding", "gather", "matmul", "__getitem__", "signal.windows.kaiser"])
 def test_every_sample_of_entries_the_all_samples_run_caught(key):
     """Every sample (not only the first): embedding with ``sparse=True`` (a sparse gradient; now refused
-    by name) and gather of a 0-d tensor by a 2-d index (the rule indexed x's shape by the index's dim)."""
+    by name), gather of a 0-d tensor by a 2-d index (the rule indexed x's shape by the index's dim),
+    matmul with a broadcast batch dim of size 1 (its operand was asked the other's batch shard),
+    ``x[mask]`` with a sharded bool mask (treated as an integer index) and kaiser's sqrt of zeros
+    under Partial (the harness's terms of a zero value did not cancel exactly)."""
     _assert_sound(key, None, 8)
 
 

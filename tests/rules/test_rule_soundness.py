@@ -144,3 +144,86 @@ def test_packed_blocks_unflattened_keep_each_ranks_chunks(target, args):
     decision, (x,) = decide(target, sample, {"x0": (R, InterleavedShard(2, (8, 8, 8)))})
     assert decision.inputs[x] == (R, InterleavedShard(2, (8, 8, 8))) and decision.output == (R, Shard(3))
     assert check(target, sample, {"x0": (R, InterleavedShard(2, (8, 8, 8)))})
+
+
+@pytest.mark.parametrize("x, y", [((8, 4, 4), (1, 4, 4)), ((1, 4, 4), (8, 4, 4)), ((8, 8, 4, 4), (8, 1, 4, 4))],
+                         ids=["y-broadcast", "x-broadcast", "inner-batch-broadcast"])
+def test_matmul_keeps_a_broadcast_batch_dim_of_size_1_whole(x, y):
+    # op_db's `matmul` sample 14 scaled ([20, 20, 20] @ [1, 20, 20]): the batch shard of one operand
+    # was asked of the other's size-1 dim too, and the local program cut 1 element into cp's 4 chunks
+    sample = Sample((full(*x), full(*y)))
+    batch = next(d for d in range(len(x) - 2) if x[d] != y[d])
+    sharded = "x0" if x[batch] != 1 else "x1"
+    decision, (a, b) = decide(aten.matmul.default, sample, {"x0": (R, R), "x1": (R, R), sharded: (Shard(batch), R)})
+    assert decision.output == (Shard(batch), R)
+    assert decision.inputs[b if sharded == "x0" else a] == (R, R)
+    assert_sound(aten.matmul.default, lambda g: sample)
+
+
+MASKS = {
+    "1-d": lambda: [torch.arange(8) % 3 == 0],
+    "2-d": lambda: [torch.arange(64).reshape(8, 8) % 3 == 0],
+    "after-None": lambda: [None, torch.arange(8) % 3 == 1],
+    "beside-an-int-index": lambda: [torch.arange(8) % 2 == 0, torch.tensor([0, 1, 2, 3])],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_index_by_a_bool_mask_makes_the_mask_whole(name):
+    # op_db's `__getitem__` sample 14 scaled (x[mask]): a sharded mask was treated as a sharded integer
+    # index, leaving each rank a half mask of a whole dim
+    sample = Sample((full(8, 8, 4), MASKS[name]()))
+    specs = {"x0": (R, R), **{f"x{i + 1}": (R, Shard(0)) for i in range(len([t for t in sample.args[1] if t is not None]))}}
+    decision, (x, *indices) = decide(aten.index.Tensor, sample, specs)
+    assert all(decision.inputs[i] == (R, R) for i in indices)
+    assert_sound(aten.index.Tensor, lambda g: sample)
+
+
+def test_partial_terms_of_an_all_zero_value_cancel_exactly():
+    # op_db's `signal.windows.kaiser` sample 4 (sqrt of zeros under (P, P)): the terms of a zero value
+    # were off any grid, their sum a rounding residue, and sqrt of -1e-17 is nan
+    from rule_harness import partial_terms
+
+    zeros = torch.zeros(8, dtype=torch.float64)
+    for seed in range(20):
+        terms = partial_terms(zeros, (P, P), True, torch.Generator().manual_seed(seed))
+        assert any(t.abs().max() > 0 for t in terms)
+        for order in (terms, terms[::-1], [terms[1], terms[3], terms[0], terms[2]]):
+            assert torch.equal(sum(order, torch.zeros(8, dtype=torch.float64)), zeros)
+        assert check(aten.sqrt.default, Sample((zeros,)), {"x0": (P, P)}, seed)
+
+
+def _broadcast_add(x, y):
+    return x + y
+
+
+def test_a_cp_shard_of_a_dim_too_short_for_its_token_chunks_is_refused_by_name(monkeypatch):
+    # the backstop behind the matmul fix: a rule asking a cp shard of a size-1 dim is refused by
+    # localize, naming op and node, instead of an IndexError in the local program
+    import rule_harness
+
+    from hgraph.errors import ShardingRuleError
+    from hgraph.passes.localize import localize
+    from hgraph.rules.base import Decision
+    from hgraph.rules.registry import register, unregister
+
+    def shard_both(node, rin):
+        x, y = node.args
+        return Decision(output=(Shard(0), R), inputs={x: (Shard(0), R), y: (Shard(0), R)})
+
+    refusals = []
+
+    def recording(gm, options):
+        try:
+            return localize(gm, options)
+        except ShardingRuleError as e:
+            refusals.append(str(e))
+            raise
+
+    monkeypatch.setattr(rule_harness, "localize", recording)
+    register(_broadcast_add, shard_both)
+    try:
+        assert not check(_broadcast_add, Sample((full(8, 4), full(1, 4))), {"x0": (Shard(0), R), "x1": (R, R)})
+    finally:
+        unregister(_broadcast_add)
+    assert len(refusals) == 1 and "_broadcast_add at node" in refusals[0] and "load-balanced token chunks" in refusals[0]
