@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hgraph.compiler import entry
-from hgraph.program.options import CompileOptions
 from hgraph.compiler.packing_proof import PackingWarning
 from hgraph.errors import HGraphError, InputError, PackingError
 from hgraph.frontend.loss_module import output_logits
 from hgraph.models.zoo import zoo_model
+from hgraph.program.options import CompileOptions
 
 STRATEGY_KINDS: dict[str, str] = {
     "tp + dp": "tp2 + 2x tp1",

@@ -1,12 +1,12 @@
 """Rules for mixture-of-experts layers (Mixtral, Qwen2-MoE as HuggingFace traces them).
 
 Routing stays replicated on tp: ``topk``, ``sort``, ``cumsum`` need their whole dim, ``histc`` and
-``nonzero`` (``torch.where(mask)``) the whole tensor, and ``index``/``index_put_`` permute tokens. The experts are sharded like dense FFNs:
-``transformers::grouped_mm_fallback(tokens, weight [E, in, out], offsets)`` is column-parallel when its
-tokens are replicated (the gate/up projection, each block cut when its output is chunked into gate
-and up) and row-parallel when they are cut on features (the down projection, output Partial). On cp
-the routed tokens would be split, and sorting them needs them all: those specs are refused by
-``localize`` with a clear error.
+``nonzero`` (``torch.where(mask)``) the whole tensor, and ``index``/``index_put_`` permute tokens. The
+experts are sharded like dense FFNs: ``transformers::grouped_mm_fallback(tokens, weight [E, in, out],
+offsets)`` is column-parallel when its tokens are replicated (the gate/up projection, each block cut
+when its output is chunked into gate and up) and row-parallel when they are cut on features (the down
+projection, output Partial). On cp the routed tokens would be split, and sorting them needs them all:
+those specs are refused by ``localize`` with a clear error.
 """
 
 from __future__ import annotations
