@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q --no-deps litgpt==0.5.13 torchtune==0.6.1  # see pyproject's test extra
 	touch $(STAMP)
 
 demo: $(STAMP)

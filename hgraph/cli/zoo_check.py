@@ -21,6 +21,7 @@ from hgraph.compiler.packing_proof import PackingWarning
 from hgraph.errors import HGraphError, InputError, PackingError
 from hgraph.frontend.loss_module import output_logits
 from hgraph.models.zoo import zoo_model
+from hgraph.program.options import CompileOptions
 
 STRATEGY_KINDS: dict[str, str] = {
     "tp + dp": "tp2 + 2x tp1",
@@ -121,6 +122,7 @@ def check_model(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     name: str = "",
+    options: CompileOptions = CompileOptions(),
 ) -> list[ZooResult]:
     """Compile ``model`` (in the mode it is in) for each strategy; ``simulate`` the packed ``documents``
     (default: ``zoo_documents`` of ``DOCUMENT_LENGTHS``) exactly as training packs them, against the
@@ -129,7 +131,8 @@ def check_model(
     Strategies without cp are compiled together (one trace), each cp strategy on its own, so one
     refusal names itself. Any model works, so a new family is checked before it joins ``FAMILIES``:
     ``check_model(AutoModelForCausalLM.from_config(config).eval())``. The vocabulary is
-    ``config.vocab_size``, else the size of the model's first ``nn.Embedding``.
+    ``config.vocab_size``, else the size of the model's first ``nn.Embedding``. ``options``: passed to
+    ``compile`` (``CompileOptions(max_seq_len=...)`` where the model's length check asks for it).
     """
     vocab = model_vocab(model)
     if documents is None:
@@ -143,7 +146,7 @@ def check_model(
         try:
             with warnings.catch_warnings():  # an unproved model's PackingWarning: kept in the result
                 warnings.simplefilter("ignore", PackingWarning)
-                compiled = entry.compile(model, group, example_inputs=example_ids)
+                compiled = entry.compile(model, group, example_inputs=example_ids, options=options)
         except HGraphError as exc:
             packing = "refused" if isinstance(exc, PackingError) else ""
             results += [ZooResult(name, s, "error", f"{type(exc).__name__}: {exc}", packing) for s in group]

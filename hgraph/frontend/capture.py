@@ -320,8 +320,9 @@ def _export_dynamic(
             if branch is not None:
                 return None, f"it branches on the sequence length in Python: {branch}"
             refined = refined_spec(exc.__cause__, spec, examples[0].shape[1])
-            if refined is None:
-                return None, f"it specialises on its input shape ({exc})"
+            if refined is None:  # not a bound after all: name the condition the user's code stated
+                where = f": {guards.guards[0]}" if guards.guards else ""
+                return None, f"it specialises on its input shape{where} ({exc})"
             spec = refined
     return None, "export kept asking for a tighter sequence bound; give CompileOptions(max_seq_len=...)"
 

@@ -2,8 +2,10 @@
 
 Real models cap their length in many ways — a position table or rotary cache sliced ``[:t]``, a
 ``tril`` buffer sliced to ``t``, ``assert t <= config.block_size`` — under whatever name their author
-chose. Rather than guess names, hgraph exports with an unbounded (or ``max_seq_len``-bounded) ``seq``
-and, when export reports ``Constraints violated``, takes export's own suggested fix
+chose — or ``if t > self.max_seq_length: raise ValueError(...)`` (an ``if`` whose only body raises
+states a bound as an ``assert`` does: ``raises_only``). Rather than guess names, hgraph exports with
+an unbounded (or ``max_seq_len``-bounded) ``seq`` and, when export reports ``Constraints violated``,
+takes export's own suggested fix
 (``torch.export.dynamic_shapes.refine_dynamic_shapes_from_suggested_fixes``) and exports again. A fix
 that only lowers ``seq``'s maximum is a bound: accepted. Any other fix (a constant, a multiple, a
 minimum above 2) means the model branches on the length in Python: refused, naming the module and
@@ -12,6 +14,8 @@ source line where the guard was added (``SizeGuards`` records them while export 
 
 from __future__ import annotations
 
+import ast
+import linecache
 import logging
 import os
 import re
@@ -71,12 +75,30 @@ class SizeGuards(logging.Handler):
         self.guards.append(SizeGuard(str(record.args[1]), filename, location.lineno, code, module))
 
     def branch(self) -> Optional[SizeGuard]:
-        """The first size condition the user's Python branched on (an ``assert`` or ``torch._check``
-        states a bound and is no branch)."""
+        """The first size condition the user's Python branched on (an ``assert``, a ``torch._check`` or
+        an ``if`` that only raises states a bound and is no branch)."""
         for guard in self.guards:
-            if not guard.code.startswith("assert") and "torch._check" not in guard.code:
+            stated = guard.code.startswith("assert") or "torch._check" in guard.code
+            if not stated and not raises_only(guard.filename, guard.lineno):
                 return guard
         return None
+
+
+def raises_only(filename: str, lineno: int) -> bool:
+    """Whether the statement at ``filename:lineno`` is an ``if`` without ``else`` whose body is a single
+    ``raise``: its condition can only stop the model (a bound), never pick another computation."""
+    statement = _statements(filename).get(lineno)
+    return (isinstance(statement, ast.If) and not statement.orelse and len(statement.body) == 1
+            and isinstance(statement.body[0], ast.Raise))
+
+
+def _statements(filename: str) -> dict[int, ast.stmt]:
+    """The ``if`` statements of a source file by first line ({} when it cannot be read or parsed)."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return {}
+    return {node.lineno: node for node in ast.walk(tree) if isinstance(node, ast.If)}
 
 
 def watching(guards: SizeGuards) -> "_Watch":
@@ -148,4 +170,4 @@ def _dims(spec: dict[str, dict[int, Any]]) -> Iterator[Any]:
         yield from per_input.values()
 
 
-__all__ = ["SizeGuard", "SizeGuards", "refined_spec", "sequence_spec", "watching"]
+__all__ = ["SizeGuard", "SizeGuards", "raises_only", "refined_spec", "sequence_spec", "watching"]

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from hgraph.errors import ShardingRuleError
 from hgraph.core.placement import InterleavedShard, Partial, Placement, Replicate, Shard, StridedShard
@@ -130,14 +131,15 @@ class LowerContext:
 
 
 def example_size(size: Any) -> int:
-    """A size as an int: dynamic (symbolic) sizes at the example value they were traced with."""
+    """A size as an int: dynamic (symbolic) sizes at the example value they were traced with; a
+    data-dependent size (``nonzero``'s count, no example value) at torch's optimisation hint."""
     if isinstance(size, int):
         return size
     if isinstance(size, torch.SymInt):
         hint = size.node.hint
         if hint is not None:
             return int(hint)
-        return int(size.node.shape_env.size_hint(size.node.expr))
+        return int(optimization_hint(size))  # data-dependent (nonzero's count): torch's own estimate
     return int(size)
 
 

@@ -1,12 +1,12 @@
 """Rules for mixture-of-experts layers (Mixtral, Qwen2-MoE as HuggingFace traces them).
 
-Routing stays replicated on tp: ``topk``, ``sort``, ``cumsum`` need their whole dim, ``histc`` the
-whole tensor, and ``index``/``index_put_`` permute tokens. The experts are sharded like dense FFNs:
-``transformers::grouped_mm_fallback(tokens, weight [E, in, out], offsets)`` is column-parallel when its
-tokens are replicated (the gate/up projection, each block cut when its output is chunked into gate
-and up) and row-parallel when they are cut on features (the down projection, output Partial). On cp
-the routed tokens would be split, and sorting them needs them all: those specs are refused by
-``localize`` with a clear error.
+Routing stays replicated on tp: ``topk``, ``sort``, ``cumsum`` need their whole dim, ``histc`` and
+``nonzero`` (``torch.where(mask)``) the whole tensor, and ``index``/``index_put_`` permute tokens. The
+experts are sharded like dense FFNs: ``transformers::grouped_mm_fallback(tokens, weight [E, in, out],
+offsets)`` is column-parallel when its tokens are replicated (the gate/up projection, each block cut
+when its output is chunked into gate and up) and row-parallel when they are cut on features (the down
+projection, output Partial). On cp the routed tokens would be split, and sorting them needs them all:
+those specs are refused by ``localize`` with a clear error.
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def topk_rule(node: fx.Node, rin: RuleInput) -> Decision:
 def whole_tensor_rule(node: fx.Node, rin: RuleInput) -> Decision:
     """histc and other reductions of every element: the whole tensor on every rank."""
     return Decision(output=REPLICATED, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
+
+
+def nonzero_rule(node: fx.Node, rin: RuleInput) -> Decision:
+    """``nonzero(x)`` and one-argument ``where(x)`` (a tuple of index tensors, as routing by
+    ``torch.where(expert_mask)`` calls it): the positions of every element, on whole tensors."""
+    val = node.meta.get("val")
+    out = tuple(REPLICATED for _ in val) if isinstance(val, (list, tuple)) else REPLICATED
+    return Decision(output=out, inputs={t: REPLICATED for t in rin.tensor_inputs(node)})
 
 
 def index_put_rule(node: fx.Node, rin: RuleInput) -> Decision:
@@ -108,6 +116,8 @@ for _op in (aten.topk, aten.sort, aten.argsort):  # cumsum: hgraph.rules.indexin
     register(_op, topk_rule)
 register(aten.histc, whole_tensor_rule)
 register(aten.bincount, whole_tensor_rule)  # its length is the largest value: counted over every element
+register(aten.nonzero, nonzero_rule)
+register(aten.where.default, nonzero_rule)  # where(cond, x, y) is pointwise: hgraph.rules.elementwise
 register(aten.index_put_, index_put_rule)
 register(aten.index_put, index_put_rule_functional)
 for _name in ("div_", "mul_", "add_", "sub_"):

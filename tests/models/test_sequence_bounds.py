@@ -1,7 +1,7 @@
 """Sequence bounds from what the model says (``hgraph.frontend.seq_bounds``): a model whose only size
 dependence is a maximum length traces with a dynamic sequence, whatever the bound is called and however
 it is written — a config attribute of any name slicing a position table, a ``tril`` buffer sliced to
-the length, an ``assert`` — and the graph equals the model at other lengths. ``CompileOptions(max_seq_len=...)``
+the length, an ``assert``, an ``if`` that only raises — and the graph equals the model at other lengths. ``CompileOptions(max_seq_len=...)``
 bounds it by hand. A real Python branch on the length is refused naming the module and the source line.
 """
 
@@ -75,6 +75,26 @@ class Asserted(Tiny):
         return h
 
 
+class RaisedOnLength(Tiny):
+    """``if t > self.max_len: raise ValueError(...)`` (litgpt's check): an ``if`` that only raises is a bound."""
+
+    max_len = 32
+
+    def body(self, h):
+        if self.max_len < h.shape[1]:
+            raise ValueError(f"sequence of {h.shape[1]} is longer than {self.max_len}")
+        return h
+
+
+class EvenOnly(Tiny):
+    """An ``if`` that only raises but states no maximum (even lengths only): refused, naming the line."""
+
+    def body(self, h):
+        if h.shape[1] % 2:
+            raise ValueError("even lengths only")
+        return h
+
+
 class Branching(Tiny):
     """A real Python branch on the length: one graph cannot serve every length."""
 
@@ -93,7 +113,7 @@ class Halving(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("model_type", [SlicedTable, SlicedBuffer, Asserted])
+@pytest.mark.parametrize("model_type", [SlicedTable, SlicedBuffer, Asserted, RaisedOnLength])
 def test_a_maximum_length_traces_with_a_dynamic_sequence(model_type):
     torch.manual_seed(0)
     model = model_type().eval()
@@ -112,6 +132,14 @@ def test_a_python_branch_on_the_length_is_refused_naming_module_and_line():
     assert "module 'block.mixer' (Halving)" in message
     assert "test_sequence_bounds.py" in message and "`if h.shape[1] > 8:`" in message
     assert "max_seq_len" in message and "Traceback" not in message
+
+
+def test_a_raise_on_a_condition_that_is_no_bound_is_refused_naming_the_line():
+    with pytest.raises(TraceError) as info:
+        hgraph.compile(EvenOnly(), ["tp1"], example_inputs=torch.randint(0, 64, (2, 8)))
+    message = str(info.value)
+    assert "module '<root>' (EvenOnly)" in message and "`if h.shape[1] % 2:`" in message
+    assert "test_sequence_bounds.py" in message
 
 
 def test_max_seq_len_bounds_the_sequence_by_hand():

@@ -309,6 +309,9 @@ CASES: dict[str, list[Case]] = {
     "aten.sort": unary(aten.sort.default, rand, -1),
     "aten.cumsum": unary(aten.cumsum.default, rand, 1),
     "aten.histc": unary(aten.histc.default, rand, 4, -2.0, 2.0),
+    # routing by ``torch.where(expert_mask)`` (litgpt's LLaMAMoE): the positions of every True element
+    "aten.nonzero": [case(aten.nonzero.default, lambda g: Sample((mask(g, 8, 4),)))],
+    "aten.where.default": [case(aten.where.default, lambda g: Sample((mask(g, 8, 4),)))],
     "aten.cumprod": unary(aten.cumprod.default, positive, 1),
     # ---------------------------------------------------------------- norm.py: max / min / arg reductions
     "aten.max": unary(aten.max.dim, rand, -1) + unary(aten.max.dim, rand, 1, True) + binary(aten.max.other)

@@ -41,7 +41,7 @@ FAST_ENTRIES = (
     'sigmoid', 'sign', 'sin', 'slice', 'slice_scatter', 'sort', 'split', 'split.list_args', 'square',
     'squeeze', 'squeeze.multiple', 'stack', 'sum', 't', 'to', 'topk', 'unflatten', 'unravel_index',
     'view_as', 'view_as_complex', 'zeros', 'zeros_like',
-) + ('byte', 'half', 'einsum', 'tril', 'triu', 'argsort', 'bincount')  # casts whose rule differs by dtype; ops with rules added since
+) + ('byte', 'half', 'einsum', 'tril', 'triu', 'argsort', 'bincount', 'nonzero')  # casts whose rule differs by dtype; ops with rules added since
 
 
 def _assert_sound(key: str, max_samples: int, limit: int) -> None:
