@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.errors import StrategyError
+from hgraph.frontend.traced_layout import with_traced_layout
 from hgraph.rules.mesh import EXPERT_MESH, MESH_KEY
 from hgraph.rules.base import module_of
 from hgraph.runtime.kernels.expert_dispatch import combine, dispatch, permute_tokens, unpermute_tokens
@@ -249,8 +250,8 @@ def _rewrite(graph: fx.Graph, block: ExpertsBlock) -> None:
         combined = add(combine, (block.result, order, counts, layout), block.result)
     with graph.inserting_after(combined):
         out = add(unpermute_tokens, (combined, order, block.top_k_weights), block.output)
-    block.output.replace_all_uses_with(out)
     out.meta["val"] = block.output.meta["val"]
+    block.output.replace_all_uses_with(with_traced_layout(graph, out, block.output.meta["val"]))
 
 
 __all__ = ["ExpertsBlock", "find_expert_blocks", "is_grouped_mm", "route_experts"]

@@ -235,10 +235,9 @@ class _Builder(LowerContext):
     def _check_token_chunks(self, step: TransformStep, tensor: str, like: fx.Node, degree: int) -> None:
         """Refuse, naming the op, cp's token order on a dim that does not split into ``2·cp`` equal chunks
         (a rule asking a cp shard of a size-1 or odd-sized dim)."""
-        shape = _global_shape(like)
-        if shape is None:
-            return
-        dim = step.dims[0]
+        shape, dim = _global_shape(like), step.dims[0]
+        if shape is None or not isinstance(like.meta["val"].shape[dim], int):
+            return  # a dynamic (sequence) dim: packing pads every micro-batch to the chunks
         size = local_shape(shape, step.src, self.options.degrees)[dim]
         if size % (2 * degree):
             raise ShardingRuleError(

@@ -31,6 +31,7 @@ from torch import fx, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hgraph.errors import TraceError
+from hgraph.frontend.traced_layout import with_traced_layout
 from hgraph.runtime.kernels.linear_attention import gated_delta_rule, packed_causal_conv1d, packed_gated_delta_rule
 
 aten = torch.ops.aten
@@ -153,7 +154,7 @@ def _swap(graph: fx.Graph, node: fx.Node, target: Any, args: tuple, kwargs: dict
     with graph.inserting_before(node):
         new = graph.call_function(target, args, kwargs)
     new.meta = dict(node.meta)
-    node.replace_all_uses_with(new)
+    node.replace_all_uses_with(with_traced_layout(graph, new, node.meta.get("val")))
     graph.erase_node(node)
     return new
 
