@@ -190,10 +190,24 @@ def with_flags(options: CompileOptions, flags: dict[str, str], source: str) -> C
         raise InputError(f"config {source} with the command line's flags: {exc}") from None
 
 
+def export_over_source(cfg: Any) -> str:
+    """A one-line notice when ``export.dir`` is the model folder the run loads its weights from
+    (the export replaces them once it is complete; a failed export leaves them), else ``""``."""
+    if not cfg.export_dir or not Path(cfg.model).is_dir():
+        return ""
+    if Path(cfg.export_dir).resolve() != Path(cfg.model).resolve():
+        return ""
+    return (f"note: export.dir {cfg.export_dir} is the model folder this run loads from: its weights are "
+            "replaced when the export completes (a failed export leaves them); give another export.dir to keep them")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = configured(args)
     torchrun = "RANK" in os.environ
     lead = not torchrun or int(os.environ["RANK"]) == 0
+    notice = export_over_source(cfg)
+    if notice and lead:
+        print(notice, file=sys.stderr)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else cfg.world_size
     backend = choose_backend(cfg, local_ranks)
     if torchrun:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0

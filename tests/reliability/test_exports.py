@@ -7,13 +7,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+from hgraph.cli.train_cli import export_over_source
 from hgraph.core.checkpoint_files import INDEX_NAME, SINGLE_NAME, SafetensorsCheckpoint
 from hgraph.core.sharded_writer import ShardedWriter, TensorSpec
 from hgraph.errors import InputError
+from hgraph.training.train_config import read_config
 
 
 def export(directory, tensors, max_shard_bytes):
@@ -88,3 +91,15 @@ def test_an_export_killed_while_its_file_grows_leaves_the_previous_export(tmp_pa
     assert proc.returncode == -signal.SIGKILL
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [SINGLE_NAME]
     assert torch.equal(read(tmp_path)["w0"], torch.full((4,), 7.0))
+
+
+def test_an_export_into_the_folder_the_model_loads_from_says_so(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"model": "hgraph.cli.demo:tiny_model", "strategies": ["tp1"]}')
+    cfg = read_config(str(path))
+    source = tmp_path / "hf-model"
+    source.mkdir()
+    assert export_over_source(replace(cfg, model=str(source), export_dir=str(tmp_path / "elsewhere"))) == ""
+    assert export_over_source(replace(cfg, export_dir=str(source))) == ""  # a factory, not a folder
+    notice = export_over_source(replace(cfg, model=str(source), export_dir=str(source / ".." / "hf-model")))
+    assert str(source / ".." / "hf-model") in notice and "replaced when the export completes" in notice
