@@ -24,6 +24,8 @@ targets), all in fp32:
   barrier), one thread like every rank, the whole batch as ``[batch, seq]``.
 
 A step is timed from a barrier to a barrier on every rank (the median of ``steps`` after ``warmup``).
+hgraph rows also give ``optimizer_ms``: the median over those steps of the reporting rank's global
+gradient norm + ``ShardedAdamW.apply`` (``Trainer.history``'s ``optimizer_ms``).
 The first losses of all sides are reported: they must agree, which shows they compute the same thing.
 Strategy switching: after every strategy has run, ``switch_strategies`` run as A A B B A A ...; the
 first step of each pair follows a switch, the second repeats the strategy; the difference of their
@@ -121,6 +123,8 @@ def _hgraph(cfg: BenchConfig, batch: list[torch.Tensor]) -> dict:
     for index, label in enumerate(cfg.strategies):
         seconds, losses = _timed_steps(lambda: trainer.step(batch, strategy=index), cfg.warmup + cfg.steps)
         out["strategies"][label] = _summary(seconds, losses, cfg.warmup)
+        timed = trainer.history[-cfg.steps:]  # this rank's grad norm + AdamW apply, as Trainer records it
+        out["strategies"][label]["optimizer_ms"] = round(statistics.median(r["optimizer_ms"] for r in timed), 3)
         first_loss = losses[0] if first_loss is None else first_loss
     out["first_loss"] = first_loss
     a, b = (compiled.strategy_index(s) for s in cfg.switch_strategies)

@@ -18,6 +18,25 @@ from hgraph.errors import CheckpointError, TrainingError
 from hgraph.runtime.kernels.comm import Communicator
 
 _NORM_CHUNK = 1 << 16
+_FOREACH_CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 per foreach chunk on an accelerator (multi-tensor kernels)
+_FOREACH_CHUNK_ELEMENTS_CPU = 1 << 18  # 1 MB on CPU: foreach runs one kernel per tensor there, and chunks
+# that fit the cache keep the per-parameter loop's locality (64 MB chunks measured ~1.3-2x slower than it)
+
+
+def _chunks_by_elements(pairs: list, limit: int) -> list[list]:
+    """Consecutive runs of ``(param, grad)`` pairs whose parameters hold at most ``limit`` elements
+    together (a single larger parameter makes a run alone)."""
+    chunks, current, size = [], [], 0
+    for pair in pairs:
+        n = pair[0].numel()
+        if current and size + n > limit:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(pair)
+        size += n
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -67,27 +86,49 @@ class ShardedAdamW(torch.optim.Optimizer):
     def apply(self, grads: dict[str, Optional[torch.Tensor]], scale: float = 1.0) -> None:
         """One AdamW step with ``grads * scale``. A parameter whose grad is missing or ``None`` is
         skipped as ``torch.optim.AdamW`` skips one whose ``.grad`` is ``None``: no weight decay, no
-        moment decay, its step count unchanged."""
+        moment decay, its step count unchanged.
+
+        The update runs as ``torch._foreach_*`` ops over the parameters that have a gradient, a few
+        kernels per chunk instead of ~7 per parameter, with the same element-wise operations in the
+        same order as ``torch.optim.AdamW`` (bias corrections per parameter, from its own step).
+        Peak memory: the per-parameter loop held one shard-sized temporary (the denominator) at a
+        time; foreach holds one per parameter of a chunk at once (plus fp32/scaled gradient copies
+        where the gradient is not already fp32 at scale 1), so chunks are capped at
+        ``_FOREACH_CHUNK_ELEMENTS`` elements (64 MB of fp32; 1 MB on CPU, ``_FOREACH_CHUNK_ELEMENTS_CPU``)
+        and a larger shard forms a chunk alone."""
         group = self.param_groups[0]
         self._opt_called = True  # what torch's LR schedulers check: this is our optimizer step
+        with_grad = [(p, grads[name]) for name, p in zip(self.names, group["params"]) if grads.get(name) is not None]
+        on_cpu = bool(with_grad) and with_grad[0][0].device.type == "cpu"
+        limit = _FOREACH_CHUNK_ELEMENTS_CPU if on_cpu else _FOREACH_CHUNK_ELEMENTS
+        for chunk in _chunks_by_elements(with_grad, limit):
+            self._foreach_step(group, [p for p, _ in chunk], [g for _, g in chunk], scale)
+
+    def _foreach_step(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:
+        """The AdamW update of ``params`` (all with a gradient) as foreach ops over the lists."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        for name, p in zip(self.names, group["params"]):
-            g = grads.get(name)
-            if g is None:
-                continue
-            g = g.to(torch.float32)
-            if scale != 1.0:
-                g = g * scale
-            state = self.state[p]
-            state["step"] += 1
-            step = state["step"]
-            p.mul_(1 - lr * wd)
-            state["exp_avg"].lerp_(g, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        grads = [g.to(torch.float32) for g in grads]
+        if scale != 1.0:
+            grads = torch._foreach_mul(grads, scale)
+        states = [self.state[p] for p in params]
+        exp_avgs = [st["exp_avg"] for st in states]
+        exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+        step_sizes, bias2_sqrts = [], []
+        for st in states:
+            st["step"] += 1
+            step = st["step"]
             bias1 = 1 - beta1**step
             bias2_sqrt = (1 - beta2**step) ** 0.5
-            denom = state["exp_avg_sq"].sqrt().div_(bias2_sqrt).add_(eps)  # one temporary the size of the shard
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+            step_sizes.append(-lr / bias1)
+            bias2_sqrts.append(bias2_sqrt)
+        torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)  # one temporary per parameter of the chunk
+        torch._foreach_div_(denoms, bias2_sqrts)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
 
     def shard_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Plain tensors per parameter: master shard, Adam moments and step (for checkpoints)."""

@@ -106,3 +106,28 @@ def test_trainer_leaves_frozen_and_unused_parameters_as_torch_adamw_does():
     got = run_threads(lambda comm: _trainer_run(comm, compiled, batches), 2)[0]
     for name, want in model.named_parameters():
         torch.testing.assert_close(got[name], want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_foreach_chunks_with_differing_steps_match_torch_adamw(monkeypatch):
+    """Several parameters over several foreach chunks, one without a gradient at some steps (so step
+    counts differ within a chunk), gradients scaled: still bitwise torch.optim.AdamW."""
+    import hgraph.runtime.optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "_FOREACH_CHUNK_ELEMENTS_CPU", 20)
+    g = torch.Generator().manual_seed(3)
+    shapes = {"a": (4, 3), "b": (7,), "c": (2, 5), "d": ()}
+    full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    refs = {n: t.clone().requires_grad_(True) for n, t in full.items()}
+    opt = torch.optim.AdamW(list(refs.values()), lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    mine = ShardedAdamW(full, 1e-2, (0.8, 0.95), 1e-6, 0.1)
+    for it in range(4):
+        grads = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        if it in (1, 2):
+            grads["b"] = None
+        for n, ref in refs.items():
+            ref.grad = None if grads[n] is None else grads[n] * 0.5
+        opt.step()
+        mine.apply(grads, scale=0.5)
+        for n, ref in refs.items():
+            assert torch.equal(mine.shards[n], ref.detach()), (it, n)
+    assert mine.shard_state()["b"]["step"] == 2 and mine.shard_state()["a"]["step"] == 4
