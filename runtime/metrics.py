@@ -15,10 +15,12 @@ rank 0 writes one record with
 
 Files in ``dir``: ``metrics.jsonl`` (one JSON object per line, flushed per iteration) and
 ``tensorboard/`` (``tensorboard --logdir DIR/tensorboard``; written with ``torch.utils.tensorboard``,
-i.e. the ``tensorboard`` package's event writer). A run resumed at iteration ``k`` drops the JSONL
-records from ``k`` on (the iterations it trains again) and starts a new event file that tells
-TensorBoard to purge the old steps ``>= k``. The per-rank values reach rank 0 in the all-reduce
-that ends every iteration (no extra collective). ``console=True`` prints one line per iteration.
+i.e. the ``tensorboard`` package's event writer, whose thread writes the queued events to the file
+every ``TENSORBOARD_FLUSH_SECS`` and on ``close``: steps do not wait for the disk). A run resumed at
+iteration ``k`` drops the JSONL records from ``k`` on (the iterations it trains again) and starts a
+new event file that tells TensorBoard to purge the old steps ``>= k``. The per-rank values reach
+rank 0 in the all-reduce that ends every iteration (no extra collective). ``console=True`` prints
+one line per iteration.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from hgraph.core.flops import ModelFlops
 JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 MB = 1 << 20
+TENSORBOARD_FLUSH_SECS = 5  # the event writer's flush interval; close() writes the rest
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class MetricsWriter:
 
             # purge_step: TensorBoard drops older files' events at steps >= iteration (a resumed run)
             self._tb = SummaryWriter(str(self.directory / TENSORBOARD), purge_step=iteration or None,
-                                     max_queue=1000, flush_secs=5)
+                                     max_queue=1000, flush_secs=TENSORBOARD_FLUSH_SECS)
 
     def record(self, h: dict[str, Any]) -> dict[str, Any]:
         """The metrics of history record ``h`` (see ``Trainer._train_on``), written to every sink."""
@@ -179,9 +182,9 @@ class MetricsWriter:
                 for rank, v in enumerate(values):
                     add(f"{name}/rank{rank}", v, step, walltime=r["time"])
         self._tb.add_text("strategy", r["strategy"], step, walltime=r["time"])
-        self._tb.flush()
 
     def close(self) -> None:
+        """Write out and close the files (the TensorBoard events still queued included)."""
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None

@@ -1,4 +1,5 @@
-"""The model a ``hgraph train`` config names (``model = ...``): a factory, an HF config or an HF checkpoint."""
+"""The model a ``hgraph train`` config names (``model = ...``): a factory, an HF config or an HF checkpoint
+(a local folder or a hub id in the local HF cache)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from hgraph.core.model_info import model_dims
+from hgraph.data.hub import local_or_cached
 from hgraph.errors import InputError
 from hgraph.models import load_factory
 
@@ -20,7 +22,8 @@ __all__ = ["ModelSpec", "model_vocab"]
 @dataclass(frozen=True)
 class ModelSpec:
     """The config's ``model``: ``module:factory``, an HF ``config.json`` (random init with ``seed``)
-    or a local HF checkpoint directory. Picklable, for the ranks.
+    or an HF checkpoint directory: a local one or a hub id (``"gpt2"``, ``"org/name"``) in the local HF
+    cache (``hgraph.data.hub``). Picklable, for the ranks.
 
     ``meta=True`` (what ``hgraph train`` uses): an HF config or a checkpoint directory with
     safetensors weights is built on the meta device (no storage); the Trainer then reads the
@@ -34,7 +37,10 @@ class ModelSpec:
 
     @property
     def path(self) -> Path:
-        return Path(os.path.expanduser(self.spec))
+        """The local file or folder: the spec itself, or a hub id's snapshot in the HF cache."""
+        if ":" in self.spec:  # module:factory (or a local path with a colon)
+            return Path(os.path.expanduser(self.spec))
+        return local_or_cached(self.spec, "model")
 
     @property
     def weights(self) -> Optional[str]:
@@ -59,7 +65,8 @@ class ModelSpec:
                     str(p), local_files_only=True, attn_implementation="sdpa", use_cache=False).eval()
             p = p / "config.json"
         if not p.is_file():
-            raise InputError(f"model {self.spec!r}: not 'module:factory', an HF config.json or a checkpoint directory")
+            raise InputError(f"model {self.spec!r}: not 'module:factory', an HF config.json, a checkpoint directory "
+                             "or a hub id")
         try:
             raw = json.loads(p.read_text(encoding="utf-8"))
             config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)

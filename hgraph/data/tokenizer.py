@@ -1,10 +1,12 @@
-"""Tokenizers from local files: an HF ``tokenizers`` JSON file or a local ``AutoTokenizer`` directory."""
+"""Tokenizers from local files: an HF ``tokenizers`` JSON file or an ``AutoTokenizer`` directory (local, or
+a hub id in the local HF cache)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Optional, Sequence
 
+from hgraph.data.hub import local_or_cached
 from hgraph.errors import InputError
 
 
@@ -38,8 +40,9 @@ class TextTokenizer:
 
 
 def load_tokenizer(path: str, eos_token: Optional[str] = None) -> TextTokenizer:
-    """``path``: a ``tokenizer.json`` written by ``tokenizers``, or a local HF tokenizer directory."""
-    p = os.path.expanduser(str(path))
+    """``path``: a ``tokenizer.json`` written by ``tokenizers``, an HF tokenizer directory, or a hub id
+    (``"gpt2"``) in the local HF cache."""
+    p = str(local_or_cached(str(path), "tokenizer"))
     if not os.path.exists(p):
         raise InputError(f"tokenizer {path!r}: no such file or directory")
     if os.path.isfile(p):

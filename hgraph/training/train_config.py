@@ -2,8 +2,8 @@
 ``InputError`` line naming the field (``data.context``) or the file. Every field, its default and
 its meaning: docs/config.md.
 
-Top level: ``model`` (``module:factory``, an HF ``config.json``, or a local HF checkpoint
-directory), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_size``,
+Top level: ``model`` (``module:factory``, an HF ``config.json``, or an HF checkpoint directory:
+local, or a hub id in the local HF cache), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_size``,
 ``iterations``, ``seed``, ``out``; how it runs: ``backend``, ``device``; ``planner`` (``"auto"``,
 ``"none"`` or a table). The library's option types, one table each (``config_sections.py``):
 ``optimizer`` (``AdamWConfig``), ``lr_schedule`` (``LRScheduleConfig``), ``compile``
@@ -18,7 +18,8 @@ background), ``export`` (``dir``), ``planner`` (``cost_table``, ``memory_gb``), 
 (``dir``, default ``<out>/metrics``; ``jsonl``, ``tensorboard``, ``console``: one line per
 iteration; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` /
 ``eval.paths`` / ``data.tokenizer`` names the embedded corpus (training / held-out files) and its
-BPE. Input paths (model files, data, tokenizer, eval, cost table) are relative to the config file;
+BPE. Input paths (model files, data, tokenizer, eval, cost table) are relative to the config file
+(a model or tokenizer that is no file there and reads as a hub id, ``"gpt2"``, stays a hub id);
 output directories (``out``, checkpoint, export) to the working directory.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from hgraph.data.hub import is_hub_id
 from hgraph.errors import InputError
 from hgraph.program.options import CompileOptions
 from hgraph.training.config_sections import TOP_SECTIONS, read_sections
@@ -196,6 +198,12 @@ class _Fields:
         base = Path(self.path).parent
         return tuple(v if v == STDLIB or os.path.isabs(os.path.expanduser(v)) else str(base / v) for v in value)
 
+    def path_or_hub_id(self, key: str) -> str:
+        """One path relative to the config file, or a hub id (``"gpt2"``) as written when no such file is there."""
+        value = self.paths(key)[0]
+        written = self.table[key] if isinstance(self.table[key], str) else self.table[key][0]
+        return written if is_hub_id(written) and not os.path.exists(value) else value
+
 
 def _cost_table(planner: _Fields) -> Optional[str]:
     """``planner.cost_table``: a preset name as is, a file relative to the config."""
@@ -246,9 +254,9 @@ def read_config(path: str) -> TrainConfig:
     data = None
     if "paths" in d.table:
         if "tokenizer" not in d.table:
-            raise d.fail("tokenizer", "missing: a tokenizers JSON file or a local HF tokenizer directory")
+            raise d.fail("tokenizer", "missing: a tokenizers JSON file, an HF tokenizer directory or hub id")
         data = DataConfig(
-            paths=d.paths("paths"), tokenizer=d.paths("tokenizer")[0], format=d.get("format", str, "text"),
+            paths=d.paths("paths"), tokenizer=d.path_or_hub_id("tokenizer"), format=d.get("format", str, "text"),
             text_field=d.get("text_field", str, "text"), context=d.get("context", int, 512, 2),
             tokens_per_iteration=d.get("tokens_per_iteration", int, 4096, 2),
             long_documents=d.get("long_documents", str, "split"), seed=d.get("seed", int, 0),

@@ -23,7 +23,7 @@ from hgraph.planner.memory import MemoryRegression
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.thread_comm import run_threads
-from hgraph.runtime.metrics import MetricsConfig, read_jsonl
+from hgraph.runtime.metrics import MB, MetricsConfig, MetricsWriter, read_jsonl
 from hgraph.core.strategy import Strategy
 
 
@@ -157,3 +157,24 @@ def test_peak_memory_per_rank_and_one_ranks_stop_request_reach_every_rank():
     assert abs(mb[3][1] - mb[3][0]) < 64 and abs(mb[0][1] - mb[0][0]) < 64, mb
     assert stops == stops_1 == [False, False, True, True]  # from the iteration rank 1 was asked to stop
     assert not math.isnan(sum(sum(it) for it in mb))
+
+
+def test_tensorboard_events_are_written_on_an_interval_and_all_reach_the_file_at_close(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    flushes = []
+    flush = SummaryWriter.flush
+    monkeypatch.setattr(SummaryWriter, "flush", lambda self: (flushes.append(1), flush(self)))
+    writer = MetricsWriter(MetricsConfig(str(tmp_path), jsonl=False), world_size=2, flops=None)
+    steps = 40
+    for i in range(steps):
+        writer.record({"iteration": i, "seconds": 0.01, "lengths": [8, 3], "loss": 1.0 / (i + 1), "grad_norm": 0.5,
+                       "lr": 1e-3, "peak_memory_bytes": [MB, 2 * MB], "exposed_comm_ms": [0.1, 0.2],
+                       "strategy": "tp2", "strategy_index": 0, "predicted_ms": None, "measured_ms": 10.0})
+    assert flushes == []  # no step waits for the disk; the writer's thread flushes every TENSORBOARD_FLUSH_SECS
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})  # 0: keep all
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(steps))
+    assert [e.value for e in events.Scalars("memory/peak_mb/rank1")] == [2.0] * steps
+    assert len(events.Tensors("strategy/text_summary")) == steps
