@@ -26,11 +26,11 @@ from typing import Optional, Sequence
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(ROOT / "benchmarks")]
 
 from mutations import MUTATIONS, Mutation  # noqa: E402
+from tree_compare import importable_view  # noqa: E402 - the copy's hgraph, laid out as the tree comparison does
 
-PACKAGE_DIRS = {"passes": "passes", "runtime": "runtime"}  # pyproject's package-dir: hgraph.passes, hgraph.runtime
 SKIP = {".git", ".venv", "build", "runs", ".whl"}  # not read by the tests
 IGNORE = shutil.ignore_patterns("__pycache__", "*.egg-info", ".pytest_cache", ".hypothesis", ".ruff_cache",
                                 ".mypy_cache")
@@ -49,18 +49,6 @@ def copy_tree(into: pathlib.Path) -> pathlib.Path:
         else:
             shutil.copy2(entry, tree / entry.name)
     return tree
-
-
-def importable_view(tree: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
-    """A folder whose ``hgraph`` package is ``tree``'s, laid out as pyproject's package-dir maps it
-    (as ``benchmarks/tree_compare.py`` builds it); on PYTHONPATH it shadows the editable install."""
-    package = into / "hgraph"
-    package.mkdir(parents=True)
-    for entry in (tree / "hgraph").iterdir():
-        (package / entry.name).symlink_to(entry)
-    for name, folder in PACKAGE_DIRS.items():
-        (package / name).symlink_to(tree / folder)
-    return into
 
 
 def apply(tree: pathlib.Path, m: Mutation) -> None:
