@@ -39,7 +39,7 @@ from hgraph.errors import HGraphError, InputError
 if TYPE_CHECKING:
     from hgraph.program.context import CompileContext
 
-log = logging.getLogger("hgraph.passes")
+log = logging.getLogger(__name__)
 
 PassFn = Callable[[fx.GraphModule, "CompileContext"], fx.GraphModule]
 T = TypeVar("T")

@@ -34,6 +34,7 @@ from hgraph.errors import CheckpointError, HGraphError
 from hgraph.core import atomic_files
 from hgraph.core.layout import Layout
 from hgraph.core.placement import parse_placement, Replicate
+from hgraph.core.progress import progress_writes
 from hgraph.runtime.kernels.simulate import simulate
 from hgraph.lnk import solve
 from hgraph.runtime.kernels.reshard import execute
@@ -104,9 +105,12 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
     manifest: dict[str, Any]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
     def __str__(self) -> str:
-        size = sum(t.numel() * t.element_size() for t in self.tensors.values())
-        return f"Snapshot(rank {self.rank}, iteration {self.iteration}, {len(self.tensors)} tensors, {size} bytes)"
+        return f"Snapshot(rank {self.rank}, iteration {self.iteration}, {len(self.tensors)} tensors, {self.nbytes} bytes)"
 
 
 def snapshot(trainer: Any, extra: Optional[dict[str, Any]] = None) -> Snapshot:
@@ -170,8 +174,9 @@ def write(snap: Snapshot, path: PathLike, comm: Any) -> Path:
         partial.mkdir(parents=True)
     comm.barrier(world)
     file = partial / rank_file(rank)
-    with atomic_files.atomic_open(file, "wb") as fh:
-        torch.save(snap.tensors, fh)
+    with atomic_files.atomic_open(file, "wb") as fh, progress_writes(
+            fh, desc=f"writing checkpoint {final.name}", total=snap.nbytes, show=rank == world[0]) as counted:
+        torch.save(snap.tensors, counted)
     digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
     if rank == world[0]:
         _write_manifest(snap, partial, digests.cpu())

@@ -53,7 +53,7 @@ def _read_local(checkpoint: SafetensorsCheckpoint, name: str, layout: Layout, ra
     return out
 
 
-def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+def _fingerprint_of(tensor: torch.Tensor) -> torch.Tensor:
     return fingerprints({"": tensor})[0]
 
 
@@ -70,7 +70,7 @@ class _Shards:
         layout = self.layouts[fqn]
         self.own[fqn] = layout.local_of(full, self.rank).to(torch.float32)
         if self.witness != self.rank:
-            self.seen[fqn] = _fingerprint(layout.local_of(full, self.witness).to(torch.float32))
+            self.seen[fqn] = _fingerprint_of(layout.local_of(full, self.witness).to(torch.float32))
 
     def ordered(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         names = list(self.layouts)
@@ -100,7 +100,7 @@ def _from_checkpoint(compiled: Any, path: PathLike, shards: _Shards) -> None:
         for fqn, layout in shards.layouts.items():
             shards.own[fqn] = _read_local(checkpoint, names[fqn], layout, shards.rank)
             if shards.witness != shards.rank:
-                shards.seen[fqn] = _fingerprint(_read_local(checkpoint, names[fqn], layout, shards.witness))
+                shards.seen[fqn] = _fingerprint_of(_read_local(checkpoint, names[fqn], layout, shards.witness))
         values = {fqn: checkpoint.read(name, ()) for fqn, name in stored_buffers.items() if name is not None}
     with torch.no_grad():  # only once every read succeeded: nothing is half-loaded
         for fqn, value in values.items():

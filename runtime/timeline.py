@@ -15,7 +15,7 @@ Use::
     if trainer.rank == 0:
         write_chrome_trace(events, "trace.json")         # open in ui.perfetto.dev or chrome://tracing
         plot_gantt(events, "timeline.png")
-        print(exposed_communication(events))             # {rank: {iteration: seconds}}
+        exposed = exposed_communication(events)          # {rank: {iteration: seconds}}
 """
 
 from __future__ import annotations

@@ -2,25 +2,31 @@
 
 Each subcommand module provides ``add_arguments(parser)`` and ``run(args) -> int``. Errors that
 derive from ``HGraphError`` (and missing/bad input files) end the program with a one-line message
-and a non-zero exit code instead of a traceback.
+and a non-zero exit code instead of a traceback. Library code prints nothing: its records go to the
+``hgraph`` logger, shown here on stderr (warnings; ``--verbose``: info too; ``--quiet``: errors
+only, and no progress bars).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import logging
+import os
 import sys
 from importlib import metadata
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
+from hgraph.core.progress import PROGRESS_ENV
 from hgraph.errors import HGraphError
 
 SUBCOMMANDS = {
     "demo": ("hgraph.cli.demo_run", "train a small model on local CPU ranks, choosing the strategy per batch"),
     "lnk-demo": ("hgraph.cli.lnk_demo", "plan and execute layout changes with the LNK solver on 4 local ranks"),
     "plan": ("hgraph.cli.plan_cli", "plan iterations for a length file with a cost model"),
-    "profile": ("hgraph.profiling.profile", "profile T(l) on this machine and write a cost table"),
+    "profile": ("hgraph.cli.profile_cli", "profile T(l) on this machine and write a cost table"),
     "show": ("hgraph.cli.show_cli", "compile a model and print a rank's program (dot/SVG too)"),
     "train": ("hgraph.cli.train_cli", "train a model from a TOML or JSON config on local ranks or under torchrun"),
 }
@@ -53,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text,
                            formatter_class=DefaultsFormatter)
         p.set_defaults(_module=module_name)
+        talk = p.add_mutually_exclusive_group()
+        talk.add_argument("-v", "--verbose", action="store_true", help="show hgraph's info log records on stderr")
+        talk.add_argument("-q", "--quiet", action="store_true",
+                          help=f"only errors on stderr, no progress bars (as {PROGRESS_ENV}=0)")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -64,9 +74,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def console_logging(verbose: bool = False, quiet: bool = False) -> Iterator[logging.Handler]:
+    """While inside: hgraph's log records on stderr, one line each (``LEVEL logger: message``):
+    warnings and errors, info too when ``verbose``, errors only when ``quiet`` (which also turns
+    progress bars off, in the ranks started meanwhile as well). Afterwards as before."""
+    level = logging.INFO if verbose else logging.ERROR if quiet else logging.WARNING
+    logger = logging.getLogger("hgraph")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(level)
+    saved_level, saved_progress = logger.level, os.environ.get(PROGRESS_ENV)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+    if quiet:
+        os.environ[PROGRESS_ENV] = "0"
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+        if saved_progress is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = saved_progress
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with console_logging(getattr(args, "verbose", False), getattr(args, "quiet", False)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the subcommand; its errors as one line on stderr and an exit code."""
     if getattr(args, "_missing", None):
         print(f"hgraph {args.command}: not available in this build ({args._missing})", file=sys.stderr)
         return 2

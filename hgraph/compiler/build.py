@@ -47,6 +47,7 @@ from hgraph.compiler.show import activation_subgraphs
 from hgraph.core.degrees import Degrees
 from hgraph.errors import HGraphError, ShardingRuleError, StrategyError
 from hgraph.core.layout import Layout
+from hgraph.core.progress import progress
 from hgraph.core.strategy import Pipeline, Strategy
 from hgraph.frontend.capture import TracedModel
 from hgraph.passes.annotate import annotate
@@ -295,13 +296,18 @@ def build(builder: Builder, rank: Optional[int], cache_dir: Optional[str] = None
             products.cache_hit = True
         elif stored is not None:
             warnings.warn(f"compile cache entry {cache.path} ignored and rebuilt: {problem}", CacheWarning, stacklevel=4)
+    bar = progress(desc=f"compiling {len(strategies)} strategies", total=2 * len(own), unit="step",
+                   show=len(strategies) > 1 and not rank)  # one bar: the first rank's
     for i, r in own:
         builder.rank_comm(products, i, r)
+        bar.update()
     if cache is not None and not products.cache_hit:
         with gc_paused():
             cache.store(encode_plans({key: products.comm[key] for key in own}))
     for i, r in own:
         builder.rank_program(products, i, r)
+        bar.update()
+    bar.close()
     return products
 
 

@@ -29,6 +29,7 @@ import torch
 
 from hgraph.core import atomic_files
 from hgraph.core.checkpoint_files import CODES, INDEX_NAME, SINGLE_NAME
+from hgraph.core.progress import progress
 from hgraph.errors import InputError
 
 DEFAULT_SHARD_SIZE = "5GB"  # HF's default in save_pretrained
@@ -115,6 +116,7 @@ class ShardedWriter:
         self.names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.pending = {spec.name: (i, spec) for i, shard in enumerate(self.shards) for spec in shard}
         self.files: dict[int, _File] = {}
+        self.bar = progress(desc=f"writing {self.directory.name}", total=sum(s.nbytes for s in specs), unit="B")
 
     def write(self, name: str, value: torch.Tensor) -> None:
         """Write tensor ``name`` (planned, not yet written); its values are cast to the planned dtype."""
@@ -127,10 +129,12 @@ class ShardedWriter:
         if shard not in self.files:
             self.files[shard] = _File(self.directory / self.names[shard], self.shards[shard])
         self.files[shard].write(spec, value)
+        self.bar.update(spec.nbytes)
 
     def close(self) -> list[Path]:
         """Check every tensor arrived, move the files into place, write the index of a sharded
         checkpoint and remove a previous export's other weight files; returns the files written."""
+        self.bar.close()
         if self.pending:
             self.abort()
             raise InputError(f"ShardedWriter closed with {len(self.pending)} tensors not written, e.g. "
@@ -149,6 +153,7 @@ class ShardedWriter:
 
     def abort(self) -> None:
         """Remove the unfinished temporary files (no final name is touched)."""
+        self.bar.close()
         for file in self.files.values():
             file.fh.close()
             atomic_files.discard(file.temporary)

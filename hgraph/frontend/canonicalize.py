@@ -39,6 +39,7 @@ packing proof, ``hgraph.compiler.packing_proof``, then finds that it mixes docum
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -54,6 +55,8 @@ from hgraph.frontend.linear_attention import packed_sequence_mixers
 from hgraph.frontend.mask_probe import NOT_CAUSAL, AttentionPattern, ScoreTerms, prove_attention
 from hgraph.frontend.traced_layout import with_traced_layout
 from hgraph.runtime.kernels.packed_attention import packed_attention
+
+log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 _ASSERTIONS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
@@ -259,11 +262,16 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
             continue
         q_len, k_len = _val(att.query).shape[-2], _val(att.key).shape[-2]
         if not _same_shape([q_len, k_len], [_val(positions).shape[1]] * 2):
+            log.info("attention %s kept as traced, not packed: query and key lengths (%s, %s) are not the "
+                     "sequence's", node, q_len, k_len)
             continue
         if att.terms is None:
             causal.append(att)
         elif all(_data_inputs(t) <= {positions} | buffers for t in att.terms.terms):
             probed.append(att)
+        else:
+            log.info("attention %s kept as traced, not packed: its score terms read inputs other than the "
+                     "positions and buffers", node)
     reads = [any(positions in _data_inputs(t) for t in att.terms.terms) for att in probed]  # type: ignore[union-attr]
     terms = [att.terms for att in probed]
     patterns = prove_attention(gm, terms, positions, example_args, reads) if probed else []  # type: ignore[arg-type]
@@ -272,6 +280,9 @@ def _packed_attention(gm: fx.GraphModule, example_args: Sequence[Any]) -> None:
     for att, pattern in zip(probed, patterns):
         if pattern is not NOT_CAUSAL:
             _replace(gm, att, positions, pattern)
+        else:
+            log.info("attention %s kept as traced, not packed: its score terms are no block-causal pattern "
+                     "(window, chunks or ALiBi) on every probe", att.node)
     packed_sequence_mixers(gm, positions)
 
 

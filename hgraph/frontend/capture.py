@@ -60,6 +60,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 # torch.export and make_fx keep process-wide tracing state: one capture at a time per process, also when
 # simulated-rank threads ask ``graph_for`` for a new shape while another thread compiles.
 CAPTURE_LOCK = threading.RLock()
+log = logging.getLogger(__name__)
 
 
 class TracedModel:
@@ -114,6 +115,8 @@ class TracedModel:
             with CAPTURE_LOCK:  # two rank threads may meet a new shape at once: trace it once
                 graph = self._graphs.get(key)
                 if graph is None:
+                    log.info("%s: tracing again for shape [%d, %d] (static shapes: one graph per shape)",
+                             type(self.model).__name__, batch, seq)
                     inputs = _example_tensors({"input_ids": torch.zeros(batch, seq, dtype=torch.long)})
                     graph, *_ = _capture(LossModule(self.model, self.loss_fn), inputs, dynamic=False)
                     self._graphs[key] = graph
@@ -289,6 +292,9 @@ def _capture_model(
     if dynamic:
         program, reason = _export_dynamic(wrapper, inputs, max_seq_len)
         dynamic = program is not None
+        if not dynamic:
+            log.warning("%s: traced with static shapes, one graph per [batch, seq] shape, because %s",
+                        type(wrapper.model).__name__, reason)
     if not dynamic:
         program = _export(wrapper, inputs, None)
     graph, param_names, buffer_names, tied = lift_exported(wrapper.model, program)
@@ -323,6 +329,9 @@ def _export_dynamic(
             if refined is None:  # not a bound after all: name the condition the user's code stated
                 where = f": {guards.guards[0]}" if guards.guards else ""
                 return None, f"it specialises on its input shape{where} ({exc})"
+            seq = refined[INPUT_NAMES[0]][1]
+            log.info("%s: exporting again with the sequence bound export suggests (seq <= %s)",
+                     type(wrapper.model).__name__, getattr(seq, "max", seq))
             spec = refined
     return None, "export kept asking for a tighter sequence bound; give CompileOptions(max_seq_len=...)"
 

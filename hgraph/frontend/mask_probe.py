@@ -25,12 +25,15 @@ longer than every constant in their computation — up to the longest sequence t
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import sympy
 import torch
 from torch import fx
+
+log = logging.getLogger(__name__)
 
 
 def _val(node: Any) -> Any:
@@ -114,7 +117,8 @@ def prove_attention(
                 for i, value in enumerate(terms_for(position_ids)):
                     if ok[i] and (k == 0 or reads_positions[i]):
                         ok[i] = _holds(value, position_ids, found[i])
-    except (RuntimeError, ValueError, TypeError, IndexError):  # a term that cannot run at a probe size
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:  # a term that cannot run at a probe size
+        log.info("attention score terms not proven (they fail at a probe size: %s); attention kept as traced", exc)
         return [NOT_CAUSAL] * len(probes)
     return [f if good else NOT_CAUSAL for f, good in zip(found, ok)]
 

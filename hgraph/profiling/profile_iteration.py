@@ -43,6 +43,7 @@ from scipy.optimize import nnls
 from hgraph.compiler.entry import compile as compile_model
 from hgraph.core.cache_entry import load_entry, store_entry
 from hgraph.core.model_info import embedding_of
+from hgraph.core.progress import progress
 from hgraph.core.strategy import Strategy, as_strategies
 from hgraph.errors import CostModelError
 from hgraph.planner.assign import Planner
@@ -134,11 +135,15 @@ def _rank_main(factory: ModelFactory, strategies: list[str], batches: list[list[
     for k in range(len(strategies)):  # warm-up: first programs, dry runs, allocator
         for sc, trainer in trainers.items():
             step(trainer, sc, k, 0, -1)
+    bar = progress(desc=f"profiling {len(strategies)} strategies", unit="step", show=rank == 0,
+                   total=repeats * len(batches) * len(strategies) * len(trainers))
     for repeat in range(repeats):
         for b in range(len(batches)):
             for k in range(len(strategies)):
                 for sc, trainer in trainers.items():
                     step(trainer, sc, k, b, repeat)
+                    bar.update()
+    bar.close()
     return out
 
 

@@ -46,6 +46,7 @@ from hgraph.core.cache_entry import load_entry, store_entry
 from hgraph.core.batch import local_micro_batches, micro_batch_align, pack_micro_batch
 from hgraph.core.degrees import Degrees
 from hgraph.core.model_info import decoder_blocks, embedding_of, model_dims
+from hgraph.core.progress import progress
 from hgraph.core.strategy import homogeneous
 from hgraph.errors import CostModelError, StrategyError
 from hgraph.models import load_factory
@@ -186,12 +187,16 @@ def _rank_main(
         out["saved_bytes"][key] = saved_bytes(program, shards, inputs[key], comm)
         out["compute_ms"][key] = []
     # Repeats outermost: a burst of load from elsewhere on the machine hits every scheme alike.
+    bar = progress(desc=f"profiling {len(programs)} schemes", total=repeats * len(programs), unit="run",
+                   show=rank == 0)
     for repeat in range(repeats):
         order = list(range(len(lengths)))
         random.Random(repeat).shuffle(order)  # the same order on every rank
         for key, program in programs.items():
             ms = compute_ms(program, shards, [inputs[key][i] for i in order], comm)
             out["compute_ms"][key].append([ms[order.index(i)] for i in range(len(lengths))])
+            bar.update()
+    bar.close()
     out["total_s"] = time.perf_counter() - start
     return out
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from hgraph.core.degrees import Degrees
 from hgraph.core.model_info import decoder_blocks, embedding_of
+from hgraph.core.progress import progress
 from hgraph.errors import CostModelError
 from hgraph.models import load_factory
 from hgraph.planner.cost import CostModel
@@ -139,7 +140,7 @@ def measure(
     profiler.model_ms(min(lengths))  # warm up allocator and kernels before anything is kept
     model_ms, block_ms = [], []
     saved = 0
-    for length in lengths:
+    for length in progress(lengths, desc=f"profiling {len(lengths)} lengths", unit="length"):
         model_ms.append(profiler.model_ms(length))
         block_ms.append(profiler.block_ms())
         if length == max(lengths):

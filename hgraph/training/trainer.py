@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from hgraph.compiler.compiled_model import CompiledModel
     from hgraph.planner.assign import Planner
 
-log = logging.getLogger("hgraph.trainer")
+log = logging.getLogger(__name__)
 
 
 class Trainer(TrainerState):

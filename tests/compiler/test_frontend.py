@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,15 +143,24 @@ class ShapeSpecific(nn.Module):
         return self.head(h)
 
 
-def test_shape_specialising_model_falls_back_to_static_graph_per_shape():
+def test_shape_specialising_model_falls_back_to_static_graph_per_shape(caplog):
+    """The fallback is said on the ``hgraph.frontend.capture`` logger: a warning with the reason, and
+    each shape traced again."""
+    caplog.set_level(logging.INFO, logger="hgraph.frontend.capture")
     model = ShapeSpecific()
     tm = trace(model, torch.randint(0, 32, (2, 6)))
     assert not tm.dynamic
+    [fallback] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert fallback.name == "hgraph.frontend.capture" and fallback.getMessage() == (
+        f"ShapeSpecific: traced with static shapes, one graph per [batch, seq] shape, because {tm.static_reason}")
+    assert "branches on the sequence length in Python" in tm.static_reason
     for shape in [(2, 6), (2, 12)]:
         ids, positions, targets = (t % 32 for t in batch(shape))
         targets[0, -1] = -100
         assert torch.equal(tm.run(ids, positions, targets), eager_loss(model, ids, positions, targets))
     assert tm.graph_for(2, 6) is tm.graph_module and tm.graph_for(2, 12) is not tm.graph_module
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        "ShapeSpecific: tracing again for shape [2, 12] (static shapes: one graph per shape)"]
 
 
 def test_compiling_a_shape_specialising_model_is_refused():
