@@ -1,4 +1,4 @@
-"""Per-iteration metrics of a run: a JSONL stream, TensorBoard event files and one console line.
+"""Per-iteration metrics of a run: a JSONL stream, TensorBoard event files, W&B and one console line.
 
 ``Trainer(..., metrics=MetricsConfig("runs/x/metrics", peak_tflops=...))``: after every iteration
 rank 0 writes one record with
@@ -18,14 +18,19 @@ Files in ``dir``: ``metrics.jsonl`` (one JSON object per line, flushed per itera
 i.e. the ``tensorboard`` package's event writer, whose thread writes the queued events to the file
 every ``TENSORBOARD_FLUSH_SECS`` and on ``close``: steps do not wait for the disk). A run resumed at
 iteration ``k`` drops the JSONL records from ``k`` on (the iterations it trains again) and starts a
-new event file that tells TensorBoard to purge the old steps ``>= k``. The per-rank values reach
-rank 0 in the all-reduce that ends every iteration (no extra collective). ``console=True`` prints
-one line per iteration.
+new event file that tells TensorBoard to purge the old steps ``>= k``. ``wandb=True`` logs the
+same scalars (``scalars``) to a Weights & Biases run (project ``$WANDB_PROJECT``, default
+``hgraph``; its files in ``$WANDB_DIR``, default ``dir``; ``WANDB_MODE=offline`` keeps it local);
+it needs the ``wandb`` package (``pip install wandb``). The per-rank values reach rank 0 in the
+all-reduce that ends every iteration (no extra collective). ``console=True`` logs one line per
+iteration at INFO on the ``hgraph.runtime.metrics`` logger (``hgraph train`` shows it on stdout).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import math
 import os
 import resource
@@ -44,6 +49,9 @@ JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 MB = 1 << 20
 TENSORBOARD_FLUSH_SECS = 5  # the event writer's flush interval; close() writes the rest
+WANDB_PROJECT = "hgraph"  # when $WANDB_PROJECT is not set
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,20 @@ class MetricsConfig:
     tensorboard: bool = True
     console: bool = False
     peak_tflops: Optional[float] = None  # per rank (device), as declared by its maker
+    wandb: bool = False
 
     def __post_init__(self) -> None:
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise InputError(f"MetricsConfig peak_tflops={self.peak_tflops!r}; give the per-rank peak in TFLOP/s")
+        if self.wandb:
+            require_wandb("MetricsConfig wandb=True")
+
+
+def require_wandb(where: str) -> None:
+    """Raise ``InputError`` naming ``where`` (the key that asked for W&B) when ``wandb`` is not installed."""
+    if importlib.util.find_spec("wandb") is None:
+        raise InputError(f"{where} logs to Weights & Biases, but the wandb package is not installed; "
+                         "pip install wandb (or hgraph[wandb]), or set it to false")
 
 
 # ----------------------------------------------------------------------------- memory
@@ -123,6 +141,7 @@ class MetricsWriter:
         self.directory = Path(config.dir)
         self._jsonl: Any = None
         self._tb: Any = None
+        self._wandb: Any = None
 
     def start(self, iteration: int) -> None:
         """Open the files for a run that continues at ``iteration`` (0: a new run)."""
@@ -138,10 +157,18 @@ class MetricsWriter:
             # purge_step: TensorBoard drops older files' events at steps >= iteration (a resumed run)
             self._tb = SummaryWriter(str(self.directory / TENSORBOARD), purge_step=iteration or None,
                                      max_queue=1000, flush_secs=TENSORBOARD_FLUSH_SECS)
+        if self.config.wandb:
+            import wandb
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT),
+                                     dir=os.environ.get("WANDB_DIR", str(self.directory)),
+                                     config={"world_size": self.world_size, "iterations": self.iterations,
+                                             "first_iteration": iteration})
 
     def record(self, h: dict[str, Any]) -> dict[str, Any]:
         """The metrics of history record ``h`` (see ``Trainer._train_on``), written to every sink."""
-        if self._jsonl is None and self._tb is None and (self.config.jsonl or self.config.tensorboard):
+        if self._jsonl is None and self._tb is None and self._wandb is None and (
+                self.config.jsonl or self.config.tensorboard or self.config.wandb):
             self.start(h["iteration"])
         seconds = h["seconds"]
         flops = self.flops.batch(h["lengths"]) if self.flops is not None else None
@@ -162,26 +189,14 @@ class MetricsWriter:
             self._jsonl.write(json.dumps(r) + "\n")
             self._jsonl.flush()
         if self._tb is not None:
-            self._scalars(r)
+            for tag, value in scalars(r).items():
+                self._tb.add_scalar(tag, value, r["iteration"], walltime=r["time"])
+            self._tb.add_text("strategy", r["strategy"], r["iteration"], walltime=r["time"])
+        if self._wandb is not None:
+            self._wandb.log(scalars(r), step=r["iteration"])
         if self.config.console:
-            print(console_line(r, self.iterations), flush=True)
+            log.info(console_line(r, self.iterations))
         return r
-
-    def _scalars(self, r: dict[str, Any]) -> None:
-        step, add = r["iteration"], self._tb.add_scalar
-        for tag, key in (("train/loss", "loss"), ("train/grad_norm", "grad_norm"), ("train/lr", "lr"),
-                         ("throughput/tokens_per_s", "tokens_per_s"), ("throughput/tflops", "tflops"),
-                         ("throughput/mfu", "mfu"), ("time/step_s", "seconds"), ("time/measured_ms", "measured_ms"),
-                         ("time/predicted_ms", "predicted_ms"), ("strategy/index", "strategy_index"),
-                         ("batch/tokens", "tokens"), ("batch/longest", "longest")):
-            if r[key] is not None:
-                add(tag, r[key], step, walltime=r["time"])
-        for name, values in (("memory/peak_mb", r["peak_memory_mb"]), ("comm/exposed_ms", r["exposed_comm_ms"])):
-            if values:
-                add(f"{name}_max", max(values), step, walltime=r["time"])
-                for rank, v in enumerate(values):
-                    add(f"{name}/rank{rank}", v, step, walltime=r["time"])
-        self._tb.add_text("strategy", r["strategy"], step, walltime=r["time"])
 
     def close(self) -> None:
         """Write out and close the files (the TensorBoard events still queued included)."""
@@ -191,6 +206,27 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def scalars(r: dict[str, Any]) -> dict[str, float]:
+    """The scalars of metrics record ``r`` by tag, as TensorBoard and W&B get them (``None`` values left out)."""
+    out = {}
+    for tag, key in (("train/loss", "loss"), ("train/grad_norm", "grad_norm"), ("train/lr", "lr"),
+                     ("throughput/tokens_per_s", "tokens_per_s"), ("throughput/tflops", "tflops"),
+                     ("throughput/mfu", "mfu"), ("time/step_s", "seconds"), ("time/measured_ms", "measured_ms"),
+                     ("time/predicted_ms", "predicted_ms"), ("strategy/index", "strategy_index"),
+                     ("batch/tokens", "tokens"), ("batch/longest", "longest")):
+        if r[key] is not None:
+            out[tag] = r[key]
+    for name, values in (("memory/peak_mb", r["peak_memory_mb"]), ("comm/exposed_ms", r["exposed_comm_ms"])):
+        if values:
+            out[f"{name}_max"] = max(values)
+            for rank, v in enumerate(values):
+                out[f"{name}/rank{rank}"] = v
+    return out
 
 
 def _drop_from(path: Path, iteration: int) -> None:

@@ -36,7 +36,7 @@ def _defaults() -> dict[str, object]:
                 "checkpoint.resume": train["resume"], "checkpoint.keep": train["checkpoint_keep"],
                 "checkpoint.async": train["checkpoint_async"], "export.dir": train["export_dir"],
                 "planner.cost_table": train["cost_table"], "planner.memory_gb": DEFAULT_MEMORY_GB})
-    out.update({f"metrics.{k}": train[f"metrics_{k}"] for k in ("dir", "jsonl", "tensorboard", "console")})
+    out.update({f"metrics.{k}": train[f"metrics_{k}"] for k in ("dir", "jsonl", "tensorboard", "console", "wandb")})
     out["metrics.peak_tflops"] = train["peak_tflops"]
     return out
 

@@ -167,7 +167,7 @@ def check_metrics(run, stdout, history):
     assert len(progress) == len(history)  # one line per iteration, each whole
     for k, (line, h) in enumerate(zip(progress, history)):
         assert line.startswith(f"iter {k + 1}/{len(history)}  loss {h['loss']:.4f}  ") and h["strategy"] in line
-    assert "INFO" not in stdout and "hgraph.trainer" not in stdout  # log records are not on the console...
+    assert "INFO" not in stdout and "hgraph.training.trainer" not in stdout  # log records are not on the console...
     logged = (run / "logs" / "rank0.log").read_text()
     assert f"iter {len(history) - 1} loss {history[-1]['loss']:.4f}" in logged  # ...they are in the log file
     records = read_jsonl(run / "metrics")

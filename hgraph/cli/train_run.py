@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +26,7 @@ from hgraph.frontend.meta import is_meta_model
 from hgraph.planner.assign import Planner
 from hgraph.runtime.checkpoint_manager import CheckpointManager
 from hgraph.runtime.metrics import MetricsConfig
+from hgraph.runtime.metrics import log as metrics_log
 from hgraph.training.export import export_pretrained, save_safetensors
 from hgraph.training.train_config import STDLIB, TrainConfig
 from hgraph.training.trainer import Trainer
@@ -85,6 +87,7 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
                                   init_seed=cfg.seed, release_model=not is_meta_model(model)),
                       planner=planner)
     log_to_file(Path(cfg.out) / "logs", trainer.rank)
+    console_lines_to_stdout()
     if trainer.metrics is not None:
         trainer.metrics.iterations = cfg.iterations
     train, held = loaders(cfg) if cfg.data is not None else (None, None)
@@ -167,10 +170,19 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
 
 def metrics_config(cfg: TrainConfig) -> Any:
     """The ``[metrics]`` section as a ``MetricsConfig`` (``None`` when every sink is off)."""
-    if not (cfg.metrics_jsonl or cfg.metrics_tensorboard or cfg.metrics_console):
+    if not (cfg.metrics_jsonl or cfg.metrics_tensorboard or cfg.metrics_console or cfg.metrics_wandb):
         return None
     return MetricsConfig(cfg.metrics_dir or str(Path(cfg.out) / "metrics"), cfg.metrics_jsonl,
-                         cfg.metrics_tensorboard, cfg.metrics_console, cfg.peak_tflops)
+                         cfg.metrics_tensorboard, cfg.metrics_console, cfg.peak_tflops, cfg.metrics_wandb)
+
+
+def console_lines_to_stdout() -> None:
+    """The metrics' console line per iteration (``hgraph.runtime.metrics``'s INFO records) on stdout,
+    the message alone; in the log file too."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    metrics_log.addHandler(handler)
+    metrics_log.setLevel(logging.INFO)
 
 
 def log_to_file(directory: Path, rank: int) -> Path:

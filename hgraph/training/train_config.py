@@ -16,7 +16,7 @@ a length file, ``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``,
 ``resume``: continue from the newest, ``keep``: how many to keep, ``async``: write in the
 background), ``export`` (``dir``), ``planner`` (``cost_table``, ``memory_gb``), ``metrics``
 (``dir``, default ``<out>/metrics``; ``jsonl``, ``tensorboard``, ``console``: one line per
-iteration; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` /
+iteration; ``wandb``: the TensorBoard scalars to Weights & Biases; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` /
 ``eval.paths`` / ``data.tokenizer`` names the embedded corpus (training / held-out files) and its
 BPE. Input paths (model files, data, tokenizer, eval, cost table) are relative to the config file
 (a model or tokenizer that is no file there and reads as a hub id, ``"gpt2"``, stays a hub id);
@@ -36,6 +36,7 @@ from typing import Any, Optional
 from hgraph.data.hub import is_hub_id
 from hgraph.errors import InputError
 from hgraph.program.options import CompileOptions
+from hgraph.runtime.metrics import require_wandb
 from hgraph.training.config_sections import TOP_SECTIONS, read_sections
 from hgraph.training.configs import AdamWConfig, LRScheduleConfig, RunConfig
 
@@ -60,7 +61,7 @@ TABLES = {
     "checkpoint": {"dir", "interval", "resume", "keep", "async"},
     "export": {"dir"},
     "planner": {"cost_table", "memory_gb"},
-    "metrics": {"dir", "jsonl", "tensorboard", "console", "peak_tflops"},
+    "metrics": {"dir", "jsonl", "tensorboard", "console", "wandb", "peak_tflops"},
 }
 
 
@@ -115,6 +116,7 @@ class TrainConfig:
     metrics_jsonl: bool = True
     metrics_tensorboard: bool = True
     metrics_console: bool = True
+    metrics_wandb: bool = False
     peak_tflops: Optional[float] = None
     source: str = field(default="", compare=False)
 
@@ -300,6 +302,7 @@ def read_config(path: str) -> TrainConfig:
         metrics_jsonl=m.get("jsonl", bool, True),
         metrics_tensorboard=m.get("tensorboard", bool, True),
         metrics_console=m.get("console", bool, True),
+        metrics_wandb=m.get("wandb", bool, False),
         peak_tflops=m.get("peak_tflops", float, None, 0),
         source=path,
         **{key: top.get(key, str, allowed[0]) for key, allowed in CHOICES.items()},
@@ -307,6 +310,8 @@ def read_config(path: str) -> TrainConfig:
     check_choices(cfg)
     if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
         raise m.fail("peak_tflops", f"{cfg.peak_tflops}; give the per-rank peak in TFLOP/s (> 0)")
+    if cfg.metrics_wandb:
+        require_wandb(f"config {path}: metrics.wandb = true")
     if (cfg.checkpoint_interval or cfg.resume) and cfg.checkpoint_dir is None:
         raise InputError(f"config {path}: checkpoint.dir: missing (checkpoint.interval/resume need a directory)")
     if cfg.auto and cfg.data is None:
