@@ -186,14 +186,19 @@ def console_lines_to_stdout() -> None:
 
 
 def log_to_file(directory: Path, rank: int) -> Path:
-    """Send hgraph's log records to ``directory/rank<r>.log`` and not to the console, where the
-    progress lines go (so the two never interleave)."""
+    """Send hgraph's log records to ``directory/rank<r>.log``; on the console (stderr) only warnings
+    and errors, as ``hgraph`` shows them, also in local ranks (stdout has the progress lines)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank{rank}.log"
     logger = logging.getLogger("hgraph")
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
+    if not any(type(h) is logging.StreamHandler for h in logger.handlers):  # a local rank: no hgraph command here
+        console = logging.StreamHandler(sys.stderr)
+        console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        console.setLevel(logging.WARNING)
+        logger.addHandler(console)
     logger.setLevel(logging.INFO)
     logger.propagate = False
     return path
