@@ -59,11 +59,11 @@ class _CountingWriter:
     """A binary stream that advances ``bar`` by the bytes each ``write`` takes; the rest is ``stream``'s."""
 
     def __init__(self, stream: IO[bytes], bar: Any) -> None:
-        self._stream, self._bar = stream, bar
+        self._stream, self.bar = stream, bar
 
     def write(self, data: Any) -> int:
         written = self._stream.write(data)
-        self._bar.update(written if written is not None else memoryview(data).nbytes)
+        self.bar.update(written if written is not None else memoryview(data).nbytes)
         return written
 
     def __getattr__(self, name: str) -> Any:
