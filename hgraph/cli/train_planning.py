@@ -29,15 +29,15 @@ def profiled_table(cfg: TrainConfig, model_factory: Callable[[], Any], schemes: 
     callable), profiled on ``cfg.world_size`` local ranks (cached in ``$HGRAPH_CACHE``;
     ``measure=False``: only a cached profile, else ``CostModelError``)."""
     cm = profile_cost_model(model_factory, cfg.world_size, schemes, profile_lengths(cfg.context),
-                            memory_gb=cfg.memory_gb or DEFAULT_MEMORY_GB, measure=measure)
+                            memory_gb=cfg.planner.memory_gb or DEFAULT_MEMORY_GB, measure=measure)
     return json.dumps(cm.to_table())
 
 
 def planner_table(cfg: TrainConfig, model_factory: Callable[[], Any], torchrun: bool) -> tuple[str, str]:
     """The cost table (JSON) the planner plans ``cfg.strategies`` with, and where it came from: the
     ``[planner] cost_table``, else this machine profiled (locally) or its cached profile (torchrun)."""
-    if cfg.cost_table:
-        return json.dumps(load_cost_model(cfg.cost_table).to_table()), f"cost table {cfg.cost_table}"
+    if cfg.planner.cost_table:
+        return json.dumps(load_cost_model(cfg.planner.cost_table).to_table()), f"cost table {cfg.planner.cost_table}"
     schemes = list(dict.fromkeys(str(p.stage_key) for s in as_strategies(cfg.strategies) for p in s.pipelines))
     try:
         table = profiled_table(cfg, model_factory, schemes, measure=not torchrun)
@@ -67,7 +67,7 @@ def check_fits(cfg: TrainConfig, table: str) -> None:
     except CostModelError as exc:
         raise InputError(f"config {cfg.source}: planner: the cost model cannot plan these strategies: {exc}") from None
     if cfg.context > planner.largest_max_len:
-        key = "data.context" if cfg.data is not None else "data.max_len"
+        key = "data.context" if cfg.documents else "data.max_len"
         raise InputError(
             f"config {cfg.source}: {key} = {cfg.context}: no strategy takes a sequence that long under the cost "
             f"model (the largest MaxLen is {planner.largest_max_len} tokens); lower {key}, add a strategy with "
