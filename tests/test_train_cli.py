@@ -20,8 +20,9 @@ import pytest
 import hgraph
 from hgraph.errors import InputError
 from hgraph.core.strategy import Strategy
-from hgraph.cli.train_cli import choose_backend
-from hgraph.training.train_config import TrainConfig
+from hgraph.cli.command import build_parser
+from hgraph.cli.train_cli import choose_backend, configured
+from hgraph.training.train_config import TrainConfig, read_config
 
 
 def _train(tmp_path, config, *flags, env=None):
@@ -60,12 +61,18 @@ def test_config_keys_and_flags_reach_compile_and_trainer(tmp_path):
     config = {**TINY, "strategies": ["tp1,pp2", "2x tp1"], "iterations": 2, "planner": "none",
               "compile": {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": {"mode": "selective"},
                           "schedule": {"overlap": {}}}, "backend": "gloo"}
-    _, history, summary = _train(tmp_path, config, "--recompute", "full", "--schedule", "none",
-                                 "--pipeline-schedule", "zb1p")
+    flags = ("--recompute", "full", "--schedule", "none", "--pipeline-schedule", "zb1p", "--optimizer.lr", "3e-4",
+             "--data.max_len", "96")
+    _, history, summary = _train(tmp_path, config, *flags)
     assert summary["options"] == {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": "full",
                                   "schedule": "none", "pipeline_schedule": "zb1p"}  # what the compiled model holds
     assert summary["backend"] == "gloo" and summary["device"] == "cpu"
     assert all(math.isfinite(h["loss"]) for h in history)
+    assert all(max(h["lengths"]) <= 96 for h in history)  # --data.max_len reached the batches
+    # the run folder's config.toml is the run's resolved config (file and flags), and a config itself
+    ran = configured(build_parser().parse_args(["train", str(tmp_path / "config.json"), *flags]))
+    assert ran.optimizer.lr == 3e-4 and ran.compile.schedule.overlap is None
+    assert read_config(str(tmp_path / "run" / "config.toml")) == ran
 
 
 def test_backend_follows_cuda_availability(monkeypatch):
@@ -97,7 +104,6 @@ def _sleep_then_meet(seconds):
 
 def test_no_whole_run_timeout_by_default():
     assert inspect.signature(hgraph.launch).parameters["timeout"].default is None
-    from hgraph.cli.command import build_parser
 
     args = build_parser().parse_args(["train", "config.toml"])
     assert args.timeout is None and args.comm_timeout == 300
@@ -113,7 +119,6 @@ def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     from hgraph.planner.assign import Planner
     from hgraph.cli.model_spec import ModelSpec
     from hgraph.cli.train_planning import planner_table, planning_cost_model
-    from hgraph.training.train_config import read_config
 
     env = {**__import__("os").environ, "HGRAPH_CACHE": str(tmp_path / "cache")}
     out, history, summary = _train(tmp_path, {**TINY, "iterations": 6}, env=env)
