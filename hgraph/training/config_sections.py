@@ -34,11 +34,11 @@ LEAVES = (bool, int, float, str, torch.dtype)
 
 
 def setting(default: Any = MISSING, *, choices: tuple[Any, ...] = (), minimum: Optional[float] = None,
-            input: str = "") -> Any:
+            resolve: str = "") -> Any:
     """A config field: its default, the values it takes (``choices``), its least value (``minimum``)
-    and, for an input path, how it is resolved (``input``: ``"files"`` always next to the config,
-    ``"file_or_name"`` only where such a file exists, else a name: hub id, preset, ``module:factory``)."""
-    return field(default=default, metadata={"choices": choices, "minimum": minimum, "input": input})
+    and, for an input path, how it is resolved (``resolve``: ``"files"`` relative to the config,
+    ``"file_or_name"`` too unless it reads as a name: hub id, preset, ``module:factory``)."""
+    return field(default=default, metadata={"choices": choices, "minimum": minimum, "resolve": resolve})
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,8 @@ class ConfigKey:
     doc: str
     choices: tuple[Any, ...] = ()
     minimum: Optional[float] = None
-    input: str = ""
+    resolve: str = ""
+    """An input path: ``"files"`` or ``"file_or_name"`` (``setting``); ``""``: not a path."""
 
     @property
     def required(self) -> bool:
@@ -150,7 +151,7 @@ def config_tables(root: type, name: str = "", field_name: str = "", default: Any
         elif _toml_type(kind):
             meta = f.metadata
             keys.append(ConfigKey(dotted, f.name, kind, optional, value, docs.get(f.name, ""),
-                                  meta.get("choices", ()), meta.get("minimum"), meta.get("input", "")))
+                                  meta.get("choices", ()), meta.get("minimum"), meta.get("resolve", "")))
     return ConfigTable(name, field_name, root, default, doc, tuple(keys), tuple(tables))
 
 

@@ -38,10 +38,10 @@ DOCUMENT_TOKENS, SYNTHETIC_TOKENS = 4096, 2048  # data.tokens_per_iteration's de
 class DataConfig:
     """The ``[data]`` table: documents or synthetic sequences."""
 
-    paths: tuple[str, ...] = setting((), input="files")
+    paths: tuple[str, ...] = setting((), resolve="files")
     """Files, directories or globs; ``"hgraph:stdlib"`` is the embedded corpus (this interpreter's
     standard library); none: synthetic sequences."""
-    tokenizer: Optional[str] = setting(None, input="file_or_name")
+    tokenizer: Optional[str] = setting(None, resolve="file_or_name")
     """With ``paths`` (required): a ``tokenizers`` JSON file or an ``AutoTokenizer`` directory, local or
     a hub id in the local HF cache (as ``model``); ``"hgraph:stdlib"`` is a 512-token BPE of the
     standard library, trained locally once."""
@@ -59,7 +59,7 @@ class DataConfig:
     """Shuffle seed."""
     window: int = setting(256, minimum=1)
     """Documents shuffled together (a window at a time)."""
-    lengths: str = setting("wikipedia", input="file_or_name")
+    lengths: str = setting("wikipedia", resolve="file_or_name")
     """Synthetic sequences: a length file (one integer per line) or ``"wikipedia"``, a bundled sample of
     20,000 tokenized Wikipedia document lengths."""
     max_len: int = setting(512, minimum=2)
@@ -85,7 +85,7 @@ class DataConfig:
 class EvalConfig:
     """The ``[eval]`` table: held-out loss."""
 
-    paths: tuple[str, ...] = setting((), input="files")
+    paths: tuple[str, ...] = setting((), resolve="files")
     """Held-out documents (needs ``data.paths``); ``"hgraph:stdlib"``: the corpus's held-out files."""
     interval: int = setting(0, minimum=0)
     """Held-out loss every this many iterations; 0: never."""
@@ -128,7 +128,7 @@ class PlannerConfig:
     """``"auto"``: plan every iteration with ``cost_table``, else with ``T(l)`` profiled on this
     machine's local ranks once and cached in ``$HGRAPH_CACHE`` (under torchrun: that cached profile
     only); ``"none"``: iteration ``i`` runs strategy ``i mod N``, said on the console."""
-    cost_table: Optional[str] = setting(None, input="file_or_name")
+    cost_table: Optional[str] = setting(None, resolve="file_or_name")
     """The cost model: a preset (``"llama7b_a800"``, ``"llama13b_a800"``, ``"llama32b_a800"``, from
     published A800 tables) or a cost table JSON file (``hgraph profile --out``); none: profile this
     machine."""
@@ -162,7 +162,7 @@ class MetricsSinks:
 class TrainConfig:
     """Everything ``hgraph train`` runs: the model, its strategies and the tables below."""
 
-    model: str = field(metadata={"input": "file_or_name"})
+    model: str = field(metadata={"resolve": "file_or_name"})
     """``"module:factory"`` (a function returning the model), an HF ``config.json`` (random init with
     ``seed``), or an HF checkpoint directory (``from_pretrained``): a local one, or a hub id
     (``"gpt2"``, ``"org/name"``) in the local HF cache (never downloaded: ``hf download ID``)."""
@@ -285,7 +285,7 @@ def resolve_input(key: ConfigKey, value: str, base: Path) -> str:
     if value == STDLIB or os.path.isabs(expanded):
         return value
     there = base / expanded
-    if key.input == "files" or there.exists():
+    if key.resolve == "files" or there.exists():
         return str(there)
     if is_hub_id(value) or "/" not in value and not value.endswith(".json"):
         return value
@@ -294,9 +294,9 @@ def resolve_input(key: ConfigKey, value: str, base: Path) -> str:
 
 def _resolved(key: ConfigKey, value: Any, base: Path) -> Any:
     """``value`` of ``key`` with its input paths resolved (``resolve_input``); other values as they are."""
-    if key.input and isinstance(value, str):
+    if key.resolve and isinstance(value, str):
         return resolve_input(key, value, base)
-    if key.input and isinstance(value, (list, tuple)):
+    if key.resolve and isinstance(value, (list, tuple)):
         return [resolve_input(key, v, base) if isinstance(v, str) else v for v in value]
     return value
 
@@ -305,7 +305,7 @@ def _resolve_inputs(values: dict[str, Any], base: Path) -> None:
     """Every input path in the nested ``values``, resolved in place."""
     for key in train_keys():
         value = get_dotted(values, key.name)
-        if key.input and value is not None:
+        if key.resolve and value is not None:
             set_dotted(values, key.name, _resolved(key, value, base))
 
 
