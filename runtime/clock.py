@@ -69,7 +69,7 @@ class DeviceClock:
 
     def elapsed_ms(self, start: Mark, end: Mark) -> float:
         """Milliseconds the device took from ``start`` to ``end`` (CUDA: waits for ``end``)."""
-        if isinstance(start, float) and isinstance(end, float):
-            return (end - start) * 1e3
-        end.synchronize()
-        return start.elapsed_time(end)
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (self.seconds(end) - self.seconds(start)) * 1e3
