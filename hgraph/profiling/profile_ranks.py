@@ -55,9 +55,11 @@ from hgraph.planner.cost import CostModel
 from hgraph.planner.fit import Fit
 from hgraph.planner.machine import machine
 from hgraph.profiling.ranks_table import build_ranks_table, by_scheme
+from hgraph.runtime.clock import DeviceClock, Mark
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.launch import launch
+from hgraph.runtime.stage import shards_device
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -212,22 +214,24 @@ def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict, device: 
 
 def compute_ms(program: Any, shards: dict, batches: list, comm: Any) -> list[float]:
     """One iteration (``run_iteration``: the rank's action list, the one training runs, overlap
-    included); the milliseconds of the F and B steps of each micro-batch on this rank."""
-    ms = [0.0] * len(batches)
-    begun = [0.0]
-    on_gpu = getattr(comm, "device", torch.device("cpu")).type == "cuda"
+    included); the milliseconds of the F and B steps of each micro-batch on this rank, as the device
+    ran them (``hgraph.runtime.clock``)."""
+    clock = DeviceClock(shards_device(shards))
+    steps: list[tuple[int, Mark, Mark]] = []
+    begun: list[Mark] = []
 
     def on_step(when: str, action: Any) -> None:
         if action.kind.value in ("F", "B"):
-            if on_gpu:  # the step's kernels finished, not only launched
-                torch.cuda.synchronize()
             if when == "begin":
-                begun[0] = time.perf_counter()
+                begun[:] = [clock.mark()]
             else:
-                ms[action.mb] += (time.perf_counter() - begun[0]) * 1e3
+                steps.append((action.mb, begun[0], clock.mark()))
 
     run_iteration(program, shards, batches, 1.0 / sum(b["input_ids"].shape[-1] for b in batches), on_step,
-                  comm=comm)
+                  comm=comm, clock=clock)
+    ms = [0.0] * len(batches)
+    for mb, start, end in steps:
+        ms[mb] += clock.elapsed_ms(start, end)
     return ms
 
 
