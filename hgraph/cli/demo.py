@@ -18,9 +18,13 @@ language-modelling loss; the held-out loss (files never trained on) is measured 
    them into micro-batches; ``hgraph.Trainer`` runs it (Pull, 1F1B, Push, sharded AdamW), records the
    predicted and measured time, and the planner's ``OnlineCorrection`` refits the cost model.
 
-``--compare`` (on by default; ``--no-compare`` skips it) trains the same batches again on the best
-single homogeneous strategy (the cost model's pick, ``homogeneous_tuned``), through the same
-planner, dispatch and packing, and prints both step times and their measured ratio side by side.
+By default a per-rank memory budget binds (``--memory-binds 1024``, ``0``: off): files longer than
+1,024 tokens do not fit a ``tp1`` pipeline, so they need ranks with tensor or pipeline parallelism,
+which the many short files do not; the planner runs each batch on what it needs.
+
+``--compare`` (on by default; ``--no-compare`` skips it) then trains the planner and the best
+homogeneous strategies that take every file (``hgraph.cli.demo_compare``) on the same batches,
+interleaved in rotating blocks and repeated, and prints the ratio's median and range.
 The run folder gets the Perfetto trace, PNG plots, the plans as JSON and a summary.
 
 This module holds the demo's inputs (model sizes, corpus, cost tables); ``hgraph.cli.demo_run`` the
@@ -30,7 +34,7 @@ command line, the ranks' training and the run folder.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -53,6 +57,7 @@ SIZES: dict[str, dict[str, int]] = {
 SCHEMES = ("tp1", "tp2", "tp4", "tp1,pp2", "tp2,pp2", "tp1,pp4")
 WORLD_SIZE = 2  # one rank per core of a 2-core machine
 MAX_LEN = 2048  # files are cut here: long enough that lengths vary, short enough for CPU attention
+MEMORY_BINDS = 1024  # default budget: documents longer than this do not fit a tp1 pipeline
 TOKENS_PER_ITERATION = 4096
 
 
@@ -74,6 +79,7 @@ class DemoConfig:
     schedule: str = "overlap"
     candidates: tuple[str, ...] = field(default=())
     cost_table: str = ""
+    gpu_memory: Optional[float] = None  # per-rank memory budget (bytes) for MaxLen; None: the profiled one
 
 
 def model_factory(size: str = "tiny") -> torch.nn.Module:

@@ -4,9 +4,9 @@
 
 Every iteration the planner picks the strategy, the pipelines' sequences and their packing
 (``planner = "auto"``, the default): with the ``[planner] cost_table`` (a preset or a file), else
-with ``T(l)`` profiled on this machine's local ranks once and cached in ``$HGRAPH_CACHE``. Under
-torchrun nothing is profiled: a cost table or that cached profile must be there. ``planner =
-"none"`` rotates through the strategies instead, and says so.
+with ``T(l)`` profiled once and cached in ``$HGRAPH_CACHE``: on this machine's local ranks, or under
+torchrun on the job's own ranks and devices (rank 0 prints the progress; a later run of the job reads
+the cache). ``planner = "none"`` rotates through the strategies instead, and says so.
 
 With ``data.paths``: documents from local files through ``hgraph.data`` (rank 0 reads; every rank
 gets only its pipeline's tokens), held-out loss every ``eval.interval`` iterations, checkpoints
@@ -168,13 +168,16 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"config {cfg.source}: strategies: \"auto\" profiles on local ranks, which hgraph does not "
                          "start under torchrun; run `hgraph train` with this config once without torchrun to see "
                          "the proposed strategies (the profile is cached), then list them in the config")
+    if torchrun:  # the job's process group: a profile on its ranks, then training
+        init_from_env(backend, timeout=args.comm_timeout)
     if cfg.auto:
         strategies, cost_table = auto_strategies(cfg)
         print(f"hgraph train: {len(strategies)} proposed strategies: " + "; ".join(strategies))
         cfg = replace(cfg, strategies=tuple(strategies))
         check_fits(cfg, cost_table)
     elif cfg.planner.mode == "auto":
-        cost_table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun)
+        say = (lambda text: print(f"hgraph train: {text}", flush=True)) if lead else (lambda text: None)
+        cost_table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun, say)
         check_fits(cfg, cost_table)
         if lead:
             print(f"hgraph train: planning every iteration over {len(cfg.strategies)} strategies "
@@ -186,7 +189,6 @@ def run(args: argparse.Namespace) -> int:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         atomic_files.write_text(Path(cfg.out) / "config.toml", to_toml(cfg))
     if torchrun:
-        init_from_env(backend, timeout=args.comm_timeout)
         try:
             result = train_rank(cfg, batches, cost_table)
         except HGraphError as exc:

@@ -126,12 +126,13 @@ class PlannerConfig:
 
     mode: str = setting("auto", choices=("auto", "none"))
     """``"auto"``: plan every iteration with ``cost_table``, else with ``T(l)`` profiled on this
-    machine's local ranks once and cached in ``$HGRAPH_CACHE`` (under torchrun: that cached profile
-    only); ``"none"``: iteration ``i`` runs strategy ``i mod N``, said on the console."""
+    machine's local ranks once and cached in ``$HGRAPH_CACHE`` (under torchrun: on the job's own
+    ranks, [distributed.md](distributed.md)); ``"none"``: iteration ``i`` runs strategy ``i mod N``,
+    said on the console."""
     cost_table: Optional[str] = setting(None, resolve="file_or_name")
     """The cost model: a preset (``"llama7b_a800"``, ``"llama13b_a800"``, ``"llama32b_a800"``, from
     published A800 tables) or a cost table JSON file (``hgraph profile --out``); none: profile this
-    machine."""
+    machine (under torchrun: the job's own ranks)."""
     memory_gb: Optional[float] = setting(None, minimum=0)
     """Memory budget (GB per rank) behind MaxLen of a profiled cost model (none: 0.25); a sequence
     longer than every strategy's MaxLen cannot run."""
