@@ -7,9 +7,9 @@ half of a 2-core machine):
 
 * ``uniform``: every sequence the same length (2 ranks): no heterogeneity to exploit;
 * ``demo_corpus``: the demo's batches (the standard library, cut at 2,048 tokens; 2 ranks);
-* ``memory_binds``: the standard library cut at ``--binding-max-len`` tokens on 4 ranks, with a
-  per-rank memory budget under which documents longer than ``--binding-len`` tokens do not fit a
-  ``tp1`` pipeline (``hgraph.planner.memory.budget_below``), so the best homogeneous strategy is the
+* ``memory_binds``: the standard library cut at ``--binding-max-len`` (2,048) tokens on 4 ranks, with a
+  per-rank memory budget under which documents of ``--binding-len`` (2,048) tokens do not fit a
+  ``tp1`` pipeline (a ``tp2`` one takes them) (``hgraph.planner.memory.budget_below``), so the best homogeneous strategy is the
   best one that takes every document.
 
 Per regime and load: ``T(l)`` profiled on the ranks (cached, ``hgraph profile``), candidates proposed
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from hgraph.cli.demo import DemoConfig, _factory, corpus_loaders, profiled_cost_table, with_iteration_terms
+from hgraph.cli.demo import DemoConfig, corpus_loaders, factory_of, profiled_cost_table, with_iteration_terms
 from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, rank_compare, ratios
 from hgraph.core.degrees import Degrees
 from hgraph.planner.cost import CostModel
@@ -80,7 +80,7 @@ def measure(name: str, args: argparse.Namespace, loaded: bool) -> dict:
                                         tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
     candidates = list(dict.fromkeys(proposed + arms))
     table = with_iteration_terms(cfg, table, candidates, lengths[:3])
-    spec = CompareSpec(model_factory=_factory(cfg), candidates=tuple(candidates), homogeneous=tuple(arms),
+    spec = CompareSpec(model_factory=factory_of(cfg), candidates=tuple(candidates), homogeneous=tuple(arms),
                        cost_table=json.dumps(table), batches=tuple(batches[args.warmup:]),
                        warmup=tuple(batches[:args.warmup]), repeats=args.repeats, block=args.block,
                        gpu_memory=budget)
@@ -111,8 +111,8 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=2, help="iterations per arm per turn")
     parser.add_argument("--uniform-len", type=int, default=512)
     parser.add_argument("--binding-max-len", type=int, default=2048)
-    parser.add_argument("--binding-len", type=int, default=1024,
-                        help="memory_binds: documents longer than this do not fit a tp1 pipeline")
+    parser.add_argument("--binding-len", type=int, default=2048,
+                        help="memory_binds: documents of this many tokens or more do not fit a tp1 pipeline")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args()
     rows = []

@@ -38,7 +38,7 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
 @pytest.mark.timeout(1800)
 def test_default_demo_switches_strategy_with_the_batch_and_compares(tmp_path, monkeypatch, capsys):
     """`make demo`'s settings (files cut at 2048 tokens, 4096 tokens per iteration, 2 ranks, a memory
-    budget under which files over 1024 tokens do not fit a tp1 pipeline), fewer iterations: batches
+    budget under which a file of 2048 tokens does not fit a tp1 pipeline), fewer iterations: batches
     with a long file need tp/pp ranks and batches of short files do not, so the planner uses more
     than one strategy and never puts a long file on a tp1 pipeline; then the planner and the best
     homogeneous strategies run the same batches interleaved and the ratio is printed."""
@@ -57,4 +57,4 @@ def test_default_demo_switches_strategy_with_the_batch_and_compares(tmp_path, mo
         strategy = Strategy.parse(plan["strategy"])
         for pipeline, micro_batches in zip(strategy.pipelines, plan["pipelines"]):
             if pipeline.tp * pipeline.pp * pipeline.cp == 1:
-                assert max((n for mb in micro_batches for n in mb), default=0) <= 1024, plan
+                assert max((n for mb in micro_batches for n in mb), default=0) < 2048, plan

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.cli import plots
-from hgraph.cli.demo import (MAX_LEN, MEMORY_BINDS, SIZES, TOKENS_PER_ITERATION, WORLD_SIZE, DemoConfig, _factory,
+from hgraph.cli.demo import (MAX_LEN, MEMORY_BINDS, SIZES, TOKENS_PER_ITERATION, WORLD_SIZE, DemoConfig, factory_of,
                              corpus_batches, corpus_loaders, model_factory, profiled_cost_table, with_iteration_terms)
 from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, rank_compare, ratios
 from hgraph.core import atomic_files
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         train, _ = corpus_loaders(cfg)
         measured = [tuple(b) for b in train.first_batches(args.compare_batches + 1)]
-        spec = CompareSpec(model_factory=_factory(cfg), candidates=cfg.candidates, homogeneous=tuple(arms),
+        spec = CompareSpec(model_factory=factory_of(cfg), candidates=cfg.candidates, homogeneous=tuple(arms),
                            cost_table=cfg.cost_table, batches=tuple(measured[1:]), warmup=tuple(measured[:1]),
                            repeats=args.compare_repeats, gpu_memory=budget, schedule=cfg.schedule, lr=cfg.lr)
         print(f"      --compare: {spec}, interleaved")
