@@ -75,11 +75,13 @@ def measure(name: str, args: argparse.Namespace, loaded: bool) -> dict:
         budget = budget_below(cost_model.memory, 1, 1, 1, cfg.world_size, args.binding_len)
         cost_model = cost_model.with_gpu_memory(budget)
     flat = [l for b in lengths for l in b]
-    arms = homogeneous_arms(cost_model, cfg.world_size, lengths)
+    fitting = homogeneous_arms(cost_model, cfg.world_size, lengths, most=None)
     proposed = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
                                         tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
-    candidates = list(dict.fromkeys(proposed + arms))
+    candidates = list(dict.fromkeys(proposed + fitting))  # every homogeneous strategy that fits is a candidate
     table = with_iteration_terms(cfg, table, candidates, lengths[:3])
+    costed = CostModel.from_table(table).with_world_size(cfg.world_size)
+    arms = homogeneous_arms(costed if budget is None else costed.with_gpu_memory(budget), cfg.world_size, lengths)
     spec = CompareSpec(model_factory=factory_of(cfg), candidates=tuple(candidates), homogeneous=tuple(arms),
                        cost_table=json.dumps(table), batches=tuple(batches[args.warmup:]),
                        warmup=tuple(batches[:args.warmup]), repeats=args.repeats, block=args.block,

@@ -71,13 +71,17 @@ class ReplayLoader:
 
 
 def homogeneous_arms(cost_model: CostModel, world_size: int, lengths: Sequence[Sequence[int]],
-                     most: int = 3) -> list[str]:
+                     most: Optional[int] = 3, schedule: str = "overlap") -> list[str]:
     """The homogeneous strategies of ``world_size`` ranks that take every document of ``lengths``
-    (under the cost model's memory budget), the ``most`` best by predicted time over the batches."""
+    (under the cost model's memory budget), the ``most`` best (None: all) by the time the planner
+    predicts over the batches (with the table's iteration terms where it carries them)."""
     longest = max(max(b) for b in lengths)
+    terms = terms_of(cost_model)
     found = []
     for strategy in homogeneous_strategies(cost_model, world_size):
-        planner = Planner(cost_model, [strategy])
+        if terms is not None and not terms.has(strategy, schedule):
+            continue
+        planner = Planner(cost_model, [strategy], terms=terms, schedule=schedule)
         if planner.largest_max_len >= longest:
             found.append((sum(planner.plan(list(b)).predicted_ms for b in lengths), str(strategy)))
     return [s for _, s in sorted(found)[:most]]

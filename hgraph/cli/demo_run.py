@@ -102,15 +102,18 @@ def run(args: argparse.Namespace) -> int:
           + (f"; memory budget {budget / 2**20:.1f} MiB per rank: a tp1 pipeline takes at most "
              f"{cost_model.max_len(Degrees(1, 1))} tokens" if budget is not None else ""))
     flat = [n for b in batches for n in b]
-    arms = homogeneous_arms(cost_model, cfg.world_size, batches, most=2)
-    if not arms:
+    fitting = homogeneous_arms(cost_model, cfg.world_size, batches, most=None)
+    if not fitting:
         raise HGraphError(f"--memory-binds {args.memory_binds}: no homogeneous strategy of {cfg.world_size} ranks "
                           f"takes a {max(flat)}-token file under that budget; raise it or lower --max-len")
     proposed = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
                                         tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
-    candidates = list(dict.fromkeys(proposed + arms))  # the homogeneous strategies are always candidates
+    candidates = list(dict.fromkeys(proposed + fitting))  # the homogeneous strategies are always candidates
     t2 = time.perf_counter()
     table = with_iteration_terms(cfg, table, candidates, batches[:3], fresh=args.fresh_profile)
+    costed = CostModel.from_table(table).with_world_size(cfg.world_size)
+    arms = homogeneous_arms(costed if budget is None else costed.with_gpu_memory(budget), cfg.world_size, batches,
+                            most=2, schedule=cfg.schedule)
     print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates)
           + f" (iteration terms measured {time.perf_counter() - t2:.1f}s)")
     cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table),
