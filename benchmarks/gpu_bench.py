@@ -16,9 +16,15 @@ memory model against measured peaks. One script, at most ~5 minutes on one GPU.
     variant (causal, sliding window, soft-cap, both), forward and backward, with the kernel the dispatch
     picks (varlen for windows, flex for soft-caps) against dense fp32 attention per document written out
     here; reports the kernel, the largest errors and pass/fail.
+(e) ``prediction``: the planner's ``predicted_ms`` against the Trainer's ``measured_ms`` per step, with
+    ``T(l)`` profiled on this device as ``hgraph profile`` does; every time in this script is a mark
+    of ``hgraph.runtime.clock`` (CUDA events on CUDA: the work, not its launch).
+(f) ``flex_cp_memory``: one FlexAttention of a cp=2 rank on a 16K-token document (8K local queries
+    against 16K keys), forward and backward, eager and compiled: the memory it adds and its time.
 
-Without CUDA it runs a smoke version on CPU in well under a minute (tiny HF Llama, per-sequence SDPA in
-both loops, throughput only; (d) on short documents with the SDPA kernel) and lists what it skipped. ``--smoke`` forces that mode.
+Without CUDA it runs a smoke version on CPU in about a minute (tiny HF Llama, per-sequence SDPA in
+both loops, throughput; (d) on short documents with the SDPA kernel; (e) on the tiny model; (f) eager
+and forward only at 1K tokens) and lists what it skipped. ``--smoke`` forces that mode.
 
 Run: ``python benchmarks/gpu_bench.py [--smoke] [--out result.json]``. On a GPU machine whose python3
 has CUDA torch and transformers but no hgraph and no network: ``sh benchmarks/run_gpu_bench.sh [DIR]``
@@ -29,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -41,11 +49,15 @@ import torch.nn.functional as F
 
 import hgraph
 from hgraph.models import tiny_hf_llama
+from hgraph.planner.assign import Planner
 from hgraph.planner.batches import read_lengths, sample_path
 from hgraph.planner.memory import MemoryRegression
+from hgraph.profiling.profile_single import build_table, measure
 from hgraph.runtime.kernels import attention_kernels
 from hgraph.runtime.kernels.packed_attention import packed_attention
 from hgraph.runtime.kernels.thread_comm import ThreadComm, ThreadWorld
+from hgraph.runtime.clock import DeviceClock
+from hgraph.runtime.metrics import peak_memory_bytes, reset_peak_memory
 from hgraph.training.trainer import Trainer
 from hgraph.training.configs import AdamWConfig, RunConfig
 
@@ -119,9 +131,9 @@ def hand_loop(config: dict, batches: list, budget: int, device: torch.device) ->
     model = tiny_hf_llama(attn_implementation="hgraph_bench_packed", **config).train().to(device)
     opt = torch.optim.AdamW(model.parameters(), **OPT)
     losses, times = [], []
+    clock = DeviceClock(device)
     for batch in batches:
-        _sync(device)
-        start = time.perf_counter()
+        start = clock.mark()
         tokens = sum(len(s) - 1 for s in batch)
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=device)
@@ -138,8 +150,7 @@ def hand_loop(config: dict, batches: list, budget: int, device: torch.device) ->
             total += loss.detach()
         opt.step()
         losses.append(float(total))
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock.elapsed_ms(start, clock.mark()) / 1e3)
     return {"losses": losses, "seconds": times, "peak_bytes": _peak(device)}
 
 
@@ -151,19 +162,13 @@ def hgraph_loop(config: dict, batches: list, budget: int, device: torch.device) 
     trainer = Trainer(compiled, comm=ThreadComm(ThreadWorld(1), 0), optimizer=AdamWConfig(**OPT),
                       run=RunConfig(micro_batch_tokens=budget, device=device))
     losses, times = [], []
+    clock = DeviceClock(device)
     for batch in batches:
-        _sync(device)
-        start = time.perf_counter()
+        start = clock.mark()
         losses.append(float(trainer.step(batch)))
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock.elapsed_ms(start, clock.mark()) / 1e3)
     return {"losses": losses, "seconds": times, "peak_bytes": _peak(device),
             "compile_seconds": compiled.compile_seconds}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _peak(device: torch.device) -> int | None:
@@ -296,15 +301,14 @@ def attention_variants(lengths: list[int], device: torch.device) -> dict:
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
     upstream = torch.randn(1, 8, s, 64, device=device, dtype=dtype, generator=gen)
     out: dict[str, Any] = {"document_lengths": lengths}
+    clock = DeviceClock(device)
     for variant in VARIANTS:
         name = ", ".join(f"{key}={value}" for key, value in variant.items()) or "causal"
         kernel = attention_kernels.choose_kernel(device, dtype, variant=attention_kernels.AttentionVariant(**variant))
-        _sync(device)
-        start = time.perf_counter()
+        start = clock.mark()
         got = packed_attention(q, k, v, positions, enable_gqa=True, **variant)
         grads = torch.autograd.grad(got, (q, k, v), upstream)
-        _sync(device)
-        seconds = time.perf_counter() - start
+        seconds = clock.elapsed_ms(start, clock.mark()) / 1e3
         want = _dense_per_document(q, k, v, lengths, variant.get("window"), variant.get("softcap"))
         want_grads = torch.autograd.grad(want, (q, k, v), upstream.float())
         errors = [float((a.float() - b).abs().max()) for a, b in zip((got, *grads), (want, *want_grads))]
@@ -312,6 +316,93 @@ def attention_variants(lengths: list[int], device: torch.device) -> dict:
                                                          "dv": errors[3]},
                      "ok": errors[0] <= tolerance and max(errors[1:]) <= 5 * tolerance,
                      "seconds_forward_backward": round(seconds, 4)}
+    return out
+
+
+# ----------------------------------------------------------------------------- predicted vs measured
+def smoke_model() -> Any:
+    return tiny_hf_llama(**SMOKE, use_cache=False).train()  # no KV cache: profiling reruns a block
+
+
+def big_model() -> Any:
+    return tiny_hf_llama(**BIG, use_cache=False).train()
+
+
+def prediction(factory: str, config: dict, lengths: list[int], steps: int, tokens: int, device: torch.device) -> dict:
+    """The planner's ``predicted_ms`` against the Trainer's ``measured_ms`` (``hgraph.runtime.clock``: on
+    CUDA up to the end of the optimizer's kernels) per step: ``T(l)`` profiled on this device as
+    ``hgraph profile`` does (``profiling.profile_single``: one sequence per length, forward and
+    backward), a ``Planner`` on it packs Wikipedia-length batches of ``tokens`` tokens."""
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    raw = measure(f"{__name__}:{factory}", lengths, str(device), dtype, repeats=3)
+    cost, fits = build_table(raw, [1], f"gpu_bench {factory}")
+    model = tiny_hf_llama(**config).train()
+    compiled = hgraph.compile(model, ["tp1"], example_inputs=torch.randint(0, 100, (1, 16)),
+                              options=hgraph.CompileOptions(compute_dtype=torch.bfloat16 if device.type == "cuda" else None))
+    trainer = Trainer(compiled, comm=ThreadComm(ThreadWorld(1), 0), optimizer=AdamWConfig(**OPT),
+                      planner=Planner(cost, ["tp1"], comm=None), run=RunConfig(device=device))
+    batches = packed_batches(lengths_source()[0], steps + 1, tokens, max(lengths), config["vocab_size"])
+    rows = []
+    for batch in batches:
+        trainer.step(batch)
+        h = trainer.history[-1]
+        rows.append({"predicted_ms": round(h["predicted_ms"], 2), "measured_ms": round(h["measured_ms"], 2),
+                     "optimizer_ms": round(h["optimizer_ms"], 2), "micro_batches": len(h["dispatch"][0])})
+    warm = rows[1:]  # the first step runs first kernels and allocations
+    ratios = [r["measured_ms"] / r["predicted_ms"] for r in warm]
+    return {"profiled_lengths": lengths, "fit_ms": {str(k): str(f.cost) for k, f in fits.items()},
+            "steps": rows, "measured_over_predicted": {"median": round(statistics.median(ratios), 3),
+                                                       "min": round(min(ratios), 3), "max": round(max(ratios), 3)}}
+
+
+# ----------------------------------------------------------------------------- flex memory under cp
+def _held_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+def flex_cp_memory(tokens: int, cp: int, heads: tuple[int, int], device: torch.device, modes: list[str]) -> dict:
+    """One FlexAttention of context-parallel rank 0 on one ``tokens``-token document: its ``2·cp``-way
+    load-balanced chunks (the first and the last) as queries against every key, eager and compiled
+    (``HGRAPH_FLEX_COMPILE``), forward and backward on CUDA (forward only on CPU: no flex backward
+    there): the memory the call adds at its peak and its time."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    chunk = tokens // (2 * cp)
+    stream = torch.cat([torch.arange(chunk), torch.arange(tokens - chunk, tokens)]).to(device)
+    positions = torch.arange(tokens, device=device)[None]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads[0], len(stream), 64, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(1, heads[1], tokens, 64, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    train = device.type == "cuda"
+    clock = DeviceClock(device)
+    out: dict[str, Any] = {"tokens": tokens, "cp": cp, "query_tokens": len(stream), "heads": list(heads),
+                           "backward": train}
+    for mode in modes:
+        os.environ[attention_kernels.FLEX_COMPILE_ENV] = "1" if mode == "compiled" else "0"
+        try:
+            row = {}
+            for run in ("first_call", "measured"):  # the first call compiles
+                leaves = [t.detach().requires_grad_(train) for t in (q, k, v)]
+                reset_peak_memory(device)
+                before = _held_bytes(device)
+                start = clock.mark()
+                with torch.set_grad_enabled(train):
+                    got = attention_kernels.flex(*leaves, positions, stream, None, True)
+                    if train:
+                        torch.autograd.grad(got, leaves, torch.ones_like(got))
+                row[f"{run}_ms"] = round(clock.elapsed_ms(start, clock.mark()), 2)
+                del got
+            row["peak_added_bytes"] = int(peak_memory_bytes(device) - before)
+            out[mode] = row
+        except torch.OutOfMemoryError as exc:
+            out[mode] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
+        finally:
+            os.environ.pop(attention_kernels.FLEX_COMPILE_ENV, None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    out["compiled_used"] = attention_kernels.FLEX.failure is None and "compiled" in modes
     return out
 
 
@@ -335,14 +426,20 @@ def main(argv: list[str] | None = None) -> dict:
                               "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
     if cuda:
         result["attention_kernel"] = attention_kernels.choose_kernel(device, torch.bfloat16)
+        result["flex_compiled"] = attention_kernels.FLEX.compiles(device)
         _section("throughput", lambda: throughput(BIG, 6, 32768, 8192, device), result)
         wide8 = dict(BIG, num_hidden_layers=8)
         _section("memory_model", lambda: memory_model(wide8, device, budget_s=120.0), result)
         _section("attention_variants", lambda: attention_variants([37, 1000, 3, 1500, 508], device), result)
+        _section("prediction", lambda: prediction("big_model", BIG, [1024, 2048, 4096, 8192], 4, 32768, device),
+                 result)
+        _section("flex_cp_memory", lambda: flex_cp_memory(16384, 2, (32, 4), device, ["eager", "compiled"]), result)
     else:
         result["attention_kernel"] = "sdpa (per sequence; varlen_attn needs CUDA)"
         _section("throughput", lambda: throughput(SMOKE, 3, 1024, 512, device), result)
         _section("attention_variants", lambda: attention_variants([37, 300, 3, 172], device), result)
+        _section("prediction", lambda: prediction("smoke_model", SMOKE, [32, 64, 128, 256], 3, 1024, device), result)
+        _section("flex_cp_memory", lambda: flex_cp_memory(1024, 2, (4, 2), device, ["eager"]), result)
         result["skipped"] = [
             "HF Llama ~1.1B (smoke mode uses a 2-layer hidden-64 HF Llama)",
             "varlen_attn in both loops (CUDA only; both use per-sequence SDPA here)",
@@ -351,6 +448,8 @@ def main(argv: list[str] | None = None) -> dict:
             "peak memory ratio (torch.cuda.max_memory_allocated)",
             "(b) memory model vs measured peak per recompute mode (CPU figures: benchmarks/recompute_bench.py)",
             "(c) longest trainable sequence per recompute mode vs predicted MaxLen",
+            "(f) compiled FlexAttention and its backward at 16K tokens under cp=2 (CPU: eager forward at 1K;"
+            " the CPU choice is measured in benchmarks/flex_bench.py)",
         ]
     text = json.dumps(result, indent=1)
     print(text)

@@ -11,13 +11,13 @@ pushed gradients are those of the global token-mean loss whatever the dispatch a
 
 from __future__ import annotations
 
-import time
 from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from hgraph.program.rank_program import RankProgram, layer_buckets
+from hgraph.runtime.clock import DeviceClock, Mark
 from hgraph.runtime.kernels.coalesce import execute_coalesced
 from hgraph.runtime.kernels.comm import CommTag, Communicator, Handle
 from hgraph.runtime.kernels.context import RankContext
@@ -59,6 +59,8 @@ class Executor:
     soon as their bucket's gradients are final; finished transfers are reaped after every step.
     An exchange posts its sends and receives together and waits the receives. ``on_step(when,
     action)`` is called around every compute action (profiling); ``timeline`` records every step.
+    Timeline intervals are marks of ``clock`` (``hgraph.runtime.clock``: CUDA events on CUDA), read
+    once the iteration's work is issued, so they time the device's work, not its launch.
     ``forward_only`` (evaluation, ``RankProgram.actions(m, mode="eval")`` under ``torch.no_grad``): each
     forward's loss is summed as it comes and its activations are dropped once sent.
     ``comm`` is this rank's communicator; the stage programs get ``rank_context`` (the rank, ``comm`` and
@@ -68,7 +70,7 @@ class Executor:
     def __init__(
         self, program: RankProgram, shards: dict[str, torch.Tensor], micro_batches: Sequence[dict[str, torch.Tensor]],
         loss_scale: float, timeline: Any = None, overlap: bool = False, forward_only: bool = False, *,
-        comm: Communicator,
+        comm: Communicator, clock: Optional[DeviceClock] = None,
     ) -> None:
         self.program, self.shards, self.micro_batches, self.timeline = program, shards, micro_batches, timeline
         self.overlap, self.forward_only = overlap, forward_only
@@ -76,13 +78,15 @@ class Executor:
         self.rank_context = RankContext(program.rank, comm, program.groups)
         self.routing: list[torch.Tensor] = []
         self.device = shards_device(shards)
+        self.clock = clock if clock is not None or timeline is None else DeviceClock(self.device)
+        self.intervals: list[tuple[str, str, Mark, Mark]] = []  # timeline intervals, read at the end of run
         self.states = [StageState(sg, loss_scale) for sg in program.chunks]
         self.params: dict[str, torch.Tensor] = {}
         self.grad_shards: dict[str, Optional[torch.Tensor]] = {}
         self.pull_buckets = {b[0].name: b for b in layer_buckets(program.pulls, program.coalesce)}
         self.push_buckets = {b[0].name: b for b in layer_buckets(program.pushes, program.coalesce)}
         self.results: dict[tuple[Kind, str], list] = {}
-        self.handles: dict[tuple[Kind, str], tuple[Handle, float]] = {}  # overlapped starts in flight
+        self.handles: dict[tuple[Kind, str], tuple[Handle, Optional[Mark]]] = {}  # overlapped starts in flight
         self.inside: list[Action] = []  # attached actions of the running compute action, not yet run
         self.ready: set[str] = set()  # pushes of the running backward whose gradients are final
         self.stage_ranks = list(program.groups["stage"])
@@ -96,13 +100,29 @@ class Executor:
                     handle.wait()
             self.sends = []
 
+    def mark(self) -> Optional[Mark]:
+        """This point of the device's work, when a timeline records it."""
+        return None if self.timeline is None or self.clock is None else self.clock.mark()
+
+    def record(self, kind: str, name: str, start: Optional[Mark], end: Optional[Mark] = None) -> None:
+        """A timeline interval from ``start`` to ``end`` (default: now), read at the end of ``run``."""
+        if self.clock is not None and start is not None:
+            self.intervals.append((kind, name, start, self.clock.mark() if end is None else end))
+
+    def write_timeline(self) -> None:
+        """Read the marks of the recorded intervals (on CUDA: waits for their events) into the timeline."""
+        if self.timeline is not None and self.clock is not None:
+            for kind, name, start, end in self.intervals:
+                self.timeline.add(kind, name, self.clock.seconds(start), self.clock.seconds(end))
+        self.intervals = []
+
     def run(self, actions: Sequence[Action], on_step: Optional[Callable[[str, Action], None]] = None) -> IterationOutput:
         todo = steps(actions)
         pipeline_end = max((k for k, s in enumerate(todo) if s[0].kind in COMPUTE | P2P), default=-1)
         k = 0
         while k < len(todo):
             step, k = todo[k], k + 1
-            head, t0 = step[0], time.time()
+            head, t0 = step[0], self.mark()
             attached = []
             while head.kind in COMPUTE and k < len(todo) and todo[k][0].at is not None:
                 attached.append(todo[k][0])
@@ -111,8 +131,7 @@ class Executor:
                 peers = ", ".join(sorted({f"rank {a.peer}" for a in step}))
                 with comm_step(self.program.rank, f"communicate_activation {' + '.join(map(str, step))} ({peers})"):
                     self.exchange(step)
-                if self.timeline is not None:
-                    self.timeline.add("communicate_activation", " + ".join(map(str, step)), t0, time.time())
+                self.record("communicate_activation", " + ".join(map(str, step)), t0)
             elif head.kind not in COMPUTE:
                 if k - 1 > pipeline_end:
                     self.drain_sends()
@@ -126,12 +145,12 @@ class Executor:
                     self.do(a)
                 if on_step is not None:
                     on_step("end", head)
-                if self.timeline is not None:
-                    kind = "forward" if head.kind is Kind.FORWARD else "backward"
-                    self.timeline.add(kind, f"{_COMPUTE_NAMES[head.kind]} mb{head.mb}", t0, time.time())
+                kind = "forward" if head.kind is Kind.FORWARD else "backward"
+                self.record(kind, f"{_COMPUTE_NAMES[head.kind]} mb{head.mb}", t0)
             if self.overlap:
                 self.reap()
         self.drain_sends()
+        self.write_timeline()
         reported = sum(st.loss_total for st in self.states) if self.program.reports_loss else 0.0
         pushed = {pc.name: self.grad_shards[pc.name] for pc in self.program.pushes if pc.name in self.grad_shards}
         return IterationOutput(reported, pushed, len(self.micro_batches), self.routing)
@@ -154,27 +173,25 @@ class Executor:
         sources = [self.shards[pc.name] if program.compute_dtype is None
                    else self.shards[pc.name].to(program.compute_dtype) for pc in bucket]
         plans = [pc.pull.plan for pc in bucket]
-        t0 = time.time()
+        t0 = self.mark()
         if self.overlap:  # no coalescing under the overlap schedule: one plan per name
             self.handles[(Kind.PULL_START, a.group)] = (start(plans[0], sources[0], self.comm, tag=CommTag.PULL), t0)
             return
         with comm_step(program.rank, _label("pull_parameter", bucket, plans)):
             self.results[(Kind.PULL_START, a.group)] = _run_bucket(plans, sources, self.comm)
-        if self.timeline is not None:
-            self.timeline.add("pull_parameter", a.group, t0, time.time())
+        self.record("pull_parameter", a.group, t0)
 
     def finish(self, key: tuple[Kind, str], kind: str, plans: list[Any]) -> list:
         """The results of the start ``key``: handed over (blocking, reaped) or waited for now."""
         if key in self.results:
             return self.results.pop(key)
         handle, began = self.handles.pop(key)
-        t0 = time.time()
+        t0 = self.mark()
         with comm_step(self.program.rank, f"{kind} {key[1]} (ranks {list(plans[0].ranks)})"):
             out = handle.wait()
-        if self.timeline is not None:
-            end = time.time()
-            self.timeline.add("wait", f"{kind.split('_')[0]} {key[1]}", t0, end)
-            self.timeline.add(kind, key[1], began, end)
+        end = self.mark()
+        self.record("wait", f"{kind.split('_')[0]} {key[1]}", t0, end)
+        self.record(kind, key[1], began, end)
         return [out]
 
     def reap(self) -> None:
@@ -184,9 +201,7 @@ class Executor:
             if (kind is Kind.PUSH_START or not self.holds(self.pull_buckets[name][0])) and handle.ready():
                 del self.handles[(kind, name)]
                 self.results[(kind, name)] = [handle.wait()]
-                if self.timeline is not None:
-                    label = "pull_parameter" if kind is Kind.PULL_START else "push_gradient"
-                    self.timeline.add(label, name, began, time.time())
+                self.record("pull_parameter" if kind is Kind.PULL_START else "push_gradient", name, began)
 
     def pull_wait(self, a: Action) -> None:
         bucket = self.pull_buckets[a.group]
@@ -208,7 +223,7 @@ class Executor:
         program, bucket = self.program, self.push_buckets[a.group]
         grads = [program.push_source(self.params.get(pc.name)) for pc in bucket]
         plans = [pc.push.plan for pc in bucket]
-        t0 = time.time()
+        t0 = self.mark()
         if self.overlap:
             self.handles[(Kind.PUSH_START, a.group)] = (start(
                 plans[0], grads[0], self.comm, dtype=program.push_dtype, device=self.device, tag=CommTag.PUSH), t0)
@@ -216,8 +231,7 @@ class Executor:
         with comm_step(program.rank, _label("push_gradient", bucket, plans)):
             self.results[(Kind.PUSH_START, a.group)] = _run_bucket(
                 plans, grads, self.comm, dtype=program.push_dtype, device=self.device)
-        if self.timeline is not None:
-            self.timeline.add("push_gradient", a.group, t0, time.time())
+        self.record("push_gradient", a.group, t0)
 
     def final(self, name: str) -> None:
         """Post-accumulate-grad hook of a pushed parameter in the backward that starts pushes: start
@@ -347,15 +361,18 @@ def run_iteration(
     timeline: Any = None,
     *,
     comm: Communicator,
+    clock: Optional[DeviceClock] = None,
 ) -> IterationOutput:
     """Run the rank's action list (``program.actions``) for this pipeline's micro-batches, with ``comm``
     this rank's communicator: under ``schedule="overlap"`` the overlap lowering, run overlapped, whether
     or not ``on_step`` observes the compute actions (profiling times the schedule training runs).
-    ``timeline`` (a ``runtime.timeline.Timeline``) records intervals.
+    ``timeline`` (a ``runtime.timeline.Timeline``) records intervals, marked on ``clock`` (default: a new
+    ``DeviceClock`` of the shards' device).
     """
     actions = program.actions(len(micro_batches))
     overlap = program.overlap is not None
-    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap, comm=comm).run(actions, on_step)
+    return Executor(program, shards, micro_batches, loss_scale, timeline, overlap, comm=comm, clock=clock).run(
+        actions, on_step)
 
 
 def run_evaluation(program: RankProgram, shards: dict[str, torch.Tensor],

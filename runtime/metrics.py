@@ -13,6 +13,10 @@ rank 0 writes one record with
   (``hgraph.runtime.timeline.exposed_communication``);
 * ``strategy`` (and its index), ``predicted_ms`` (the planner's, ``None`` without one), ``measured_ms``.
 
+Every time is the device's (``hgraph.runtime.clock``: CUDA events on CUDA, so ``seconds``,
+``measured_ms`` and ``exposed_comm_ms`` end when the work has finished, the optimizer's included);
+``time`` is the record's wall-clock second on that clock's scale.
+
 Files in ``dir``: ``metrics.jsonl`` (one JSON object per line, flushed per iteration) and
 ``tensorboard/`` (``tensorboard --logdir DIR/tensorboard``; written with ``torch.utils.tensorboard``,
 i.e. the ``tensorboard`` package's event writer, whose thread writes the queued events to the file
@@ -34,7 +38,6 @@ import logging
 import math
 import os
 import resource
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -44,6 +47,7 @@ import torch
 from hgraph.errors import InputError
 from hgraph.core import atomic_files
 from hgraph.core.flops import ModelFlops
+from hgraph.runtime.clock import wall_seconds
 
 JSONL = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -175,7 +179,7 @@ class MetricsWriter:
         tflops = flops / seconds / 1e12 if flops is not None and seconds > 0 else None
         peak = self.config.peak_tflops
         r = {
-            "iteration": h["iteration"], "time": time.time(), "loss": h["loss"], "grad_norm": h["grad_norm"],
+            "iteration": h["iteration"], "time": wall_seconds(), "loss": h["loss"], "grad_norm": h["grad_norm"],
             "lr": h.get("lr"), "tokens": sum(h["lengths"]), "sequences": len(h["lengths"]),
             "longest": max(h["lengths"]), "seconds": seconds, "tokens_per_s": sum(h["lengths"]) / seconds,
             "model_flops": flops, "tflops": tflops,

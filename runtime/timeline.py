@@ -5,7 +5,9 @@ The runtime records an ``Event`` for every forward/backward of a micro-batch (tr
 every Pull Parameter, Push Gradient and Communicate Activation (track ``comm``: from the moment the
 operation is started to the moment its wait returns, so an asynchronous operation spans the compute
 it overlaps) and every blocking wait (kind ``wait``, track ``compute``: the compute thread stands
-still). Times are wall clock (``time.time()``) so events of several processes line up.
+still). Times are wall-clock seconds read from the device's clock (``hgraph.runtime.clock``: on CUDA
+when the device reached the interval's ends, not when they were launched), so events of several
+processes line up.
 
 Use::
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from hgraph.core import atomic_files
+from hgraph.runtime.clock import wall_seconds
 from hgraph.errors import InputError
 
 COMPUTE_KINDS = ("forward", "backward")
@@ -86,11 +88,12 @@ class Timeline:
 
     @contextmanager
     def span(self, kind: str, name: str) -> Iterator[None]:
-        start = time.time()
+        """Times the block on the host clock (work it issues to a CUDA device is not waited for)."""
+        start = wall_seconds()
         try:
             yield
         finally:
-            self.add(kind, name, start, time.time())
+            self.add(kind, name, start, wall_seconds())
 
     def clear(self) -> None:
         self.events.clear()

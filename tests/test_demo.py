@@ -5,13 +5,15 @@ import json
 import pytest
 
 from hgraph.cli.command import main
+from hgraph.core.strategy import Strategy
 
 
 def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     code = main(["demo", "--world-size", "2", "--iterations", "3", "--max-len", "128",
-                 "--tokens-per-iteration", "512", "--out", str(out), "--compare"])
+                 "--tokens-per-iteration", "512", "--out", str(out), "--compare", "--compare-batches", "2",
+                 "--compare-repeats", "2"])
     assert code == 0
     text = capsys.readouterr().out
     assert "[4/4] writing the run folder" in text and "measured speedup" in text
@@ -35,16 +37,24 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_default_demo_switches_strategy_with_the_batch_and_compares(tmp_path, monkeypatch, capsys):
-    """`make demo`'s settings (files cut at 2048 tokens, 4096 tokens per iteration, 2 ranks), fewer
-    iterations: batches of two full-length files and batches of one long and shorter files want
-    different strategies, so the planner uses more than one; the same batches then run on the best
-    homogeneous strategy and the measured ratio is printed."""
+    """`make demo`'s settings (files cut at 2048 tokens, 4096 tokens per iteration, 2 ranks, a memory
+    budget under which a file of 2048 tokens does not fit a tp1 pipeline), fewer iterations: batches
+    with a long file need tp/pp ranks and batches of short files do not, so the planner uses more
+    than one strategy and never puts a long file on a tp1 pipeline; then the planner and the best
+    homogeneous strategies run the same batches interleaved and the ratio is printed."""
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     assert main(["demo", "--iterations", "10", "--eval-interval", "0", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "measured speedup (homogeneous / hgraph)" in text
+    assert "measured speedup (best homogeneous / hgraph)" in text
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["strategies_used"]) >= 2, summary["strategy_counts"]
-    assert summary["measured_speedup"] > 0 and summary["homogeneous"]["strategy"]
+    comparison = summary["comparison"]
+    assert summary["measured_speedup"] > 0 and comparison["best_homogeneous"] != "2x tp1"
+    assert len(comparison["ratio_per_repetition"]) == 3
     assert max(summary["longest_per_iteration"]) == 2048
+    for plan in json.loads((out / "plans.json").read_text()):  # the budget binds: long files never on tp1
+        strategy = Strategy.parse(plan["strategy"])
+        for pipeline, micro_batches in zip(strategy.pipelines, plan["pipelines"]):
+            if pipeline.tp * pipeline.pp * pipeline.cp == 1:
+                assert max((n for mb in micro_batches for n in mb), default=0) < 2048, plan

@@ -20,8 +20,9 @@ import pytest
 import hgraph
 from hgraph.errors import InputError
 from hgraph.core.strategy import Strategy
-from hgraph.cli.train_cli import choose_backend
-from hgraph.training.train_config import TrainConfig
+from hgraph.cli.command import build_parser
+from hgraph.cli.train_cli import choose_backend, configured
+from hgraph.training.train_config import TrainConfig, read_config
 
 
 def _train(tmp_path, config, *flags, env=None):
@@ -60,12 +61,18 @@ def test_config_keys_and_flags_reach_compile_and_trainer(tmp_path):
     config = {**TINY, "strategies": ["tp1,pp2", "2x tp1"], "iterations": 2, "planner": "none",
               "compile": {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": {"mode": "selective"},
                           "schedule": {"overlap": {}}}, "backend": "gloo"}
-    _, history, summary = _train(tmp_path, config, "--recompute", "full", "--schedule", "none",
-                                 "--pipeline-schedule", "zb1p")
+    flags = ("--recompute", "full", "--schedule", "none", "--pipeline-schedule", "zb1p", "--optimizer.lr", "3e-4",
+             "--data.max_len", "96")
+    _, history, summary = _train(tmp_path, config, *flags)
     assert summary["options"] == {"compute_dtype": "bfloat16", "reduce_dtype": "bfloat16", "recompute": "full",
                                   "schedule": "none", "pipeline_schedule": "zb1p"}  # what the compiled model holds
     assert summary["backend"] == "gloo" and summary["device"] == "cpu"
     assert all(math.isfinite(h["loss"]) for h in history)
+    assert all(max(h["lengths"]) <= 96 for h in history)  # --data.max_len reached the batches
+    # the run folder's config.toml is the run's resolved config (file and flags), and a config itself
+    ran = configured(build_parser().parse_args(["train", str(tmp_path / "config.json"), *flags]))
+    assert ran.optimizer.lr == 3e-4 and ran.compile.schedule.overlap is None
+    assert read_config(str(tmp_path / "run" / "config.toml")) == ran
 
 
 def test_backend_follows_cuda_availability(monkeypatch):
@@ -97,7 +104,6 @@ def _sleep_then_meet(seconds):
 
 def test_no_whole_run_timeout_by_default():
     assert inspect.signature(hgraph.launch).parameters["timeout"].default is None
-    from hgraph.cli.command import build_parser
 
     args = build_parser().parse_args(["train", "config.toml"])
     assert args.timeout is None and args.comm_timeout == 300
@@ -112,8 +118,7 @@ def test_no_whole_run_timeout_by_default():
 def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     from hgraph.planner.assign import Planner
     from hgraph.cli.model_spec import ModelSpec
-    from hgraph.cli.train_planning import planner_table, planning_cost_model
-    from hgraph.training.train_config import read_config
+    from hgraph.cli.train_planning import planning_cost_model, profiled_table
 
     env = {**__import__("os").environ, "HGRAPH_CACHE": str(tmp_path / "cache")}
     out, history, summary = _train(tmp_path, {**TINY, "iterations": 6}, env=env)
@@ -122,40 +127,91 @@ def test_no_planner_section_plans_every_iteration(tmp_path, monkeypatch):
     # the oracle: the planner called directly on each batch's lengths, with the profile the run cached
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     cfg = read_config(str(tmp_path / "config.json"))
-    table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun=True)  # torchrun=True: a cached profile only, never measured
+    table = profiled_table(cfg, ModelSpec(cfg.model, cfg.seed), ["tp2", "tp1"], measure=False)  # the cached profile only
     planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies))
     for h in history:
         assert h["predicted_ms"] is not None
         assert h["strategy"] == str(planner.plan(h["lengths"]).strategy), h["lengths"]
 
 
-def test_under_torchrun_plans_with_a_cost_table_and_never_profiles(tmp_path):
-    """``torchrun -m hgraph train``: with a preset cost table it plans every iteration (said once, by
-    rank 0); without one and without a cached profile it stops with the fix instead of profiling."""
+def _torchrun(tmp_path, config):
+    """``torchrun --standalone --nproc-per-node 2 -m hgraph train`` on ``config`` (``$HGRAPH_CACHE`` in
+    ``tmp_path``): the finished process and torchrun's own process id."""
     import os
     from pathlib import Path
 
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1", HGRAPH_CACHE=str(tmp_path / "cache"))
     path = tmp_path / "config.json"
+    path.write_text(json.dumps({"out": str(tmp_path / "run"), **config}))
+    with subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "hgraph", "train", str(path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        stdout, stderr = proc.communicate(timeout=900)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), proc.pid
 
-    def run(config):
-        path.write_text(json.dumps({"out": str(tmp_path / "run"), **config}))
-        return subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "hgraph", "train",
-                               str(path)], capture_output=True, text=True, timeout=900, env=env)
 
-    proc = run({**TINY, "iterations": 2, "planner": {"cost_table": "llama7b_a800"}})
+def test_under_torchrun_plans_with_a_cost_table_or_says_why_it_cannot_profile(tmp_path):
+    """``torchrun -m hgraph train``: with a preset cost table it plans every iteration (said once, by
+    rank 0); without one, where profiling cannot run (a context too short for three profile lengths)
+    it stops with the reason and the fix, having measured nothing."""
+    proc, _ = _torchrun(tmp_path, {**TINY, "iterations": 2, "planner": {"cost_table": "llama7b_a800"}})
     assert proc.returncode != 0 and "cannot plan these strategies: cost model" in proc.stderr
     assert "no scheme tp1;" in proc.stderr  # the 7B table has no single-GPU scheme: named, before any compile
-    proc = run({**TINY, "strategies": ["tp2", "tp1,pp2"], "iterations": 2, "planner": {"cost_table": "llama7b_a800"}})
+    proc, _ = _torchrun(tmp_path, {**TINY, "strategies": ["tp2", "tp1,pp2"], "iterations": 2,
+                                   "planner": {"cost_table": "llama7b_a800"}})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("planning every iteration over 2 strategies (tp2; tp1,pp2) with cost table "
                              "llama7b_a800") == 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["planner"] == "per iteration" and summary["backend"] == "gloo" and summary["iterations"] == 2
-    proc = run({**TINY, "iterations": 2})
+    proc, _ = _torchrun(tmp_path, {**TINY, "iterations": 2, "data": {**TINY["data"], "max_len": 20}})
     assert proc.returncode != 0 and not (tmp_path / "cache" / "profile").exists()
-    assert "under torchrun hgraph train does not profile" in proc.stderr and "cost_table" in proc.stderr
+    assert "profiles T(l) on the job's own ranks, which cannot run here: lengths [16, 20]" in proc.stderr
+    assert "cost_table" in proc.stderr and 'planner = "none"' in proc.stderr
+
+
+@pytest.mark.slow  # two torchrun jobs, the first profiles (about a minute here)
+@pytest.mark.timeout(1800)
+def test_under_torchrun_profiles_on_its_own_ranks_then_reuses_the_profile(tmp_path, monkeypatch):
+    """With strategies and no cost table, the first ``torchrun -m hgraph train`` measures ``T(l)`` on its
+    own two ranks (the processes torchrun started: their parent is torchrun), caches it, and plans every
+    iteration with it; the second run reads that cache and measures nothing."""
+    from hgraph.cli.model_spec import ModelSpec
+    from hgraph.cli.train_planning import planning_cost_model, profiled_table
+    from hgraph.planner.assign import Planner
+    from hgraph.training.train_config import read_config
+
+    config = {**TINY, "iterations": 3}
+    proc, torchrun_pid = _torchrun(tmp_path, config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("hgraph train: profiling T(l) on this job's 2 ranks (cpu): schemes tp2, tp1") == 1
+    assert "round 3/3 measured" in proc.stdout  # progress, printed by rank 0 only
+    assert "with T(l) profiled on this job's 2 ranks (tp2, tp1; now, cached in" in proc.stdout
+    [entry] = (tmp_path / "cache" / "profile").iterdir()
+    raw = json.loads(entry.read_bytes().split(b"\n", 1)[1])
+    assert [(m["rank"], m["parent_pid"]) for m in raw["measured_by"]] == [(0, torchrun_pid), (1, torchrun_pid)]
+    assert raw["world_size"] == 2 and raw["ranks_per_node"] == 2 and raw["device"] == "cpu"
+    first = json.loads((tmp_path / "run" / "history.json").read_text())
+    # the oracle: the planner called directly on each batch's lengths, with the table of the cached profile
+    # (read through the local profile's cache key: a local run and a torchrun job on one node share it)
+    cfg = read_config(str(tmp_path / "config.json"))
+    monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
+    table = profiled_table(cfg, ModelSpec(cfg.model, cfg.seed), ["tp2", "tp1"], measure=False)
+    planner = Planner(planning_cost_model(cfg, table), list(cfg.strategies))
+    for h in first:
+        assert h["predicted_ms"] is not None
+        assert h["strategy"] == str(planner.plan(h["lengths"]).strategy), h["lengths"]
+
+    stamp, blob = entry.stat().st_mtime_ns, entry.read_bytes()
+    proc, _ = _torchrun(tmp_path, config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profiling" not in proc.stdout and "round 1/" not in proc.stdout
+    assert f"with T(l) profiled on this job's 2 ranks (tp2, tp1; read from {entry})" in proc.stdout
+    assert entry.stat().st_mtime_ns == stamp and entry.read_bytes() == blob  # not measured, not rewritten
+    assert list((tmp_path / "cache" / "profile").iterdir()) == [entry]
+    second = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert [h["strategy"] for h in second] == [h["strategy"] for h in first]
+    assert [h["predicted_ms"] for h in second] == [h["predicted_ms"] for h in first]
 
 
 def check_metrics(run, stdout, history):

@@ -18,9 +18,14 @@ language-modelling loss; the held-out loss (files never trained on) is measured 
    them into micro-batches; ``hgraph.Trainer`` runs it (Pull, 1F1B, Push, sharded AdamW), records the
    predicted and measured time, and the planner's ``OnlineCorrection`` refits the cost model.
 
-``--compare`` (on by default; ``--no-compare`` skips it) trains the same batches again on the best
-single homogeneous strategy (the cost model's pick, ``homogeneous_tuned``), through the same
-planner, dispatch and packing, and prints both step times and their measured ratio side by side.
+By default a per-rank memory budget binds (``--memory-binds 2048``, ``0``: off): a file of 2,048
+tokens (every file cut at the context) does not fit a ``tp1`` pipeline, so it needs ranks with tensor
+or pipeline parallelism, which the many short files do not; the planner runs each batch on what it
+needs.
+
+``--compare`` (on by default; ``--no-compare`` skips it) then trains the planner and the best
+homogeneous strategies that take every file (``hgraph.cli.demo_compare``) on the same batches,
+interleaved in rotating blocks and repeated, and prints the ratio's median and range.
 The run folder gets the Perfetto trace, PNG plots, the plans as JSON and a summary.
 
 This module holds the demo's inputs (model sizes, corpus, cost tables); ``hgraph.cli.demo_run`` the
@@ -30,7 +35,7 @@ command line, the ranks' training and the run folder.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -53,6 +58,7 @@ SIZES: dict[str, dict[str, int]] = {
 SCHEMES = ("tp1", "tp2", "tp4", "tp1,pp2", "tp2,pp2", "tp1,pp4")
 WORLD_SIZE = 2  # one rank per core of a 2-core machine
 MAX_LEN = 2048  # files are cut here: long enough that lengths vary, short enough for CPU attention
+MEMORY_BINDS = MAX_LEN  # default budget: a file as long as the context does not fit a tp1 pipeline
 TOKENS_PER_ITERATION = 4096
 
 
@@ -74,6 +80,7 @@ class DemoConfig:
     schedule: str = "overlap"
     candidates: tuple[str, ...] = field(default=())
     cost_table: str = ""
+    gpu_memory: Optional[float] = None  # per-rank memory budget (bytes) for MaxLen; None: the profiled one
 
 
 def model_factory(size: str = "tiny") -> torch.nn.Module:
@@ -115,14 +122,16 @@ def _profile_lengths(cfg: DemoConfig) -> list[int]:
     return sorted({min(top, n) for n in (top // 4, top // 2, 3 * top // 4, top)} | {min(top, n) for n in (64, 128, 256, 512)})
 
 
-def _factory(cfg: DemoConfig) -> Any:
+def factory_of(cfg: DemoConfig) -> Any:
+    """The demo model's factory as the profiler and the ranks take it (``"module:function"`` or a
+    picklable callable)."""
     return "hgraph.cli.demo:tiny_model" if cfg.size == "tiny" else _SizedFactory(cfg.size)
 
 
 def profiled_cost_table(cfg: DemoConfig, fresh: bool = False) -> dict[str, Any]:
     """``T(l)`` per scheme measured on this machine (cached by ``hgraph profile``)."""
     schemes = [s for s in SCHEMES if _fits(s, cfg)]
-    cm = profile.profile_cost_model(_factory(cfg), cfg.world_size, schemes, _profile_lengths(cfg), use_cache=not fresh)
+    cm = profile.profile_cost_model(factory_of(cfg), cfg.world_size, schemes, _profile_lengths(cfg), use_cache=not fresh)
     return cm.to_table()
 
 
@@ -131,7 +140,7 @@ def with_iteration_terms(cfg: DemoConfig, table: dict[str, Any], candidates: lis
     """The cost table plus the iteration terms of ``candidates`` measured on ``batches`` (lengths;
     cached by ``hgraph profile``)."""
     cost_model = CostModel.from_table(table)
-    found = profile_iteration(_factory(cfg), cfg.world_size, candidates, cost_model, _profile_lengths(cfg),
+    found = profile_iteration(factory_of(cfg), cfg.world_size, candidates, cost_model, _profile_lengths(cfg),
                               repeats=repeats, use_cache=not fresh, batches=batches)
     return with_terms(cost_model, found.terms).to_table()
 

@@ -2,7 +2,7 @@
 
 The inputs (model sizes, corpus, cost tables, candidate schemes) are in ``hgraph.cli.demo``; this
 module starts the ranks (``launch``), trains with the planner choosing per batch (``rank_train``),
-optionally again on the best homogeneous strategy (``--compare``), and writes the plots, the
+then the interleaved comparison (``--compare``, ``hgraph.cli.demo_compare``), and writes the plots, the
 Perfetto trace, the plans and the summary.
 """
 
@@ -20,15 +20,17 @@ import torch
 import torch.distributed as dist
 
 from hgraph.cli import plots
-from hgraph.cli.demo import (MAX_LEN, SIZES, TOKENS_PER_ITERATION, WORLD_SIZE, DemoConfig, corpus_batches,
-                             corpus_loaders, model_factory, profiled_cost_table, with_iteration_terms)
+from hgraph.cli.demo import (MAX_LEN, MEMORY_BINDS, SIZES, TOKENS_PER_ITERATION, WORLD_SIZE, DemoConfig, factory_of,
+                             corpus_batches, corpus_loaders, model_factory, profiled_cost_table, with_iteration_terms)
+from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, rank_compare, ratios
 from hgraph.core import atomic_files
 from hgraph.compiler import entry
 from hgraph.errors import HGraphError
 from hgraph.planner.assign import Planner
-from hgraph.planner.baselines import homogeneous_tuned
 from hgraph.planner.correction import OnlineCorrection, fidelity
 from hgraph.planner.cost import CostModel
+from hgraph.planner.memory import ALIGN, budget_below
+from hgraph.core.degrees import Degrees
 from hgraph.planner.proposal import propose
 from hgraph.planner.terms import terms_of
 from hgraph.program.options import CompileOptions, OverlapConfig, ScheduleConfig
@@ -51,9 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-documents", choices=("cut", "split"), default="cut",
                         help="files longer than --max-len: cut (one sequence per file, default) or split into pieces")
     parser.add_argument("--eval-interval", type=int, default=10, help="held-out loss every N iterations (0: never)")
+    parser.add_argument("--memory-binds", type=int, default=MEMORY_BINDS, metavar="TOKENS",
+                        help="a per-rank memory budget under which documents longer than TOKENS do not fit a tp1 "
+                             f"pipeline, so the longest need tp/pp ranks (default {MEMORY_BINDS}; 0: the profiled "
+                             "memory, where every strategy takes every document)")
     parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
-                        help="also train the same batches on the best single homogeneous strategy and print the "
-                             "measured ratio (default: on; --no-compare skips it)")
+                        help="then train the planner and the best homogeneous strategies on the same batches, "
+                             "interleaved and repeated, and print the ratio (default: on; --no-compare skips it)")
+    parser.add_argument("--compare-batches", type=int, default=6, help="batches of the comparison (default 6)")
+    parser.add_argument("--compare-repeats", type=int, default=3, help="repetitions of the comparison (default 3)")
     parser.add_argument("--schedule", choices=PLACEMENTS, default="overlap",
                         help="overlap Pull/Push/activation communication with compute (default) or not")
     parser.add_argument("--fresh-profile", action="store_true", help="measure the cost model again")
@@ -68,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         raise HGraphError(f"--timeout {args.timeout}: expected a finite number of seconds > 0")
     if args.eval_interval < 0:
         raise HGraphError(f"--eval-interval {args.eval_interval}: expected N >= 0 (0: never)")
+    if args.compare_batches < 1 or args.compare_repeats < 1:
+        raise HGraphError(f"--compare-batches {args.compare_batches} and --compare-repeats {args.compare_repeats} "
+                          "must be >= 1")
+    if args.memory_binds < 0 or 0 < args.memory_binds <= ALIGN:
+        raise HGraphError(f"--memory-binds {args.memory_binds}: expected 0 (off) or a length > {ALIGN} tokens")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = DemoConfig(size=args.model_size, world_size=args.world_size, iterations=args.iterations,
@@ -80,28 +93,47 @@ def run(args: argparse.Namespace) -> int:
           f"sequence per file, {cfg.long_documents} at {cfg.max_len} tokens)")
     t0 = time.perf_counter()
     table = profiled_cost_table(cfg, fresh=args.fresh_profile)
-    cost_model = CostModel.from_table(table)
-    print(f"[1/4] cost model for {', '.join(str(s) for s in cost_model.schemes)} ({time.perf_counter() - t0:.1f}s)")
+    cost_model = CostModel.from_table(table).with_world_size(cfg.world_size)
+    budget = None
+    if args.memory_binds:
+        budget = budget_below(cost_model.memory, 1, 1, 1, cfg.world_size, args.memory_binds)
+        cost_model = cost_model.with_gpu_memory(budget)
+    print(f"[1/4] cost model for {', '.join(str(s) for s in cost_model.schemes)} ({time.perf_counter() - t0:.1f}s)"
+          + (f"; memory budget {budget / 2**20:.1f} MiB per rank: a tp1 pipeline takes at most "
+             f"{cost_model.max_len(Degrees(1, 1))} tokens" if budget is not None else ""))
     flat = [n for b in batches for n in b]
-    candidates = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
-                                          tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
+    fitting = homogeneous_arms(cost_model, cfg.world_size, batches, most=None)
+    if not fitting:
+        raise HGraphError(f"--memory-binds {args.memory_binds}: no homogeneous strategy of {cfg.world_size} ranks "
+                          f"takes a {max(flat)}-token file under that budget; raise it or lower --max-len")
+    proposed = [str(s) for s in propose(cost_model, cfg.world_size, flat, cfg.max_len,
+                                        tokens_per_iteration=cfg.tokens_per_iteration, max_candidates=6)]
+    candidates = list(dict.fromkeys(proposed + fitting))  # the homogeneous strategies are always candidates
     t2 = time.perf_counter()
     table = with_iteration_terms(cfg, table, candidates, batches[:3], fresh=args.fresh_profile)
+    costed = CostModel.from_table(table).with_world_size(cfg.world_size)
+    arms = homogeneous_arms(costed if budget is None else costed.with_gpu_memory(budget), cfg.world_size, batches,
+                            most=2, schedule=cfg.schedule)
     print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates)
           + f" (iteration terms measured {time.perf_counter() - t2:.1f}s)")
-    cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table)})
+    cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table),
+                        "gpu_memory": budget})
     print(f"[3/4] training on {cfg.world_size} ranks (each compiles the candidates first)")
     t1 = time.perf_counter()
     result = launch(rank_train, cfg.world_size, args=(cfg,), timeout=args.timeout)[0]
     train_s = time.perf_counter() - t1
     comparison = None
     if args.compare:
-        best = str(homogeneous_tuned(cost_model, cfg.world_size, batches)[0].strategy)
-        print(f"      --compare: training again on the best homogeneous strategy {best}")
-        base_cfg = DemoConfig(**{**asdict(cfg), "candidates": (best,)})
+        train, _ = corpus_loaders(cfg)
+        measured = [tuple(b) for b in train.first_batches(args.compare_batches + 1)]
+        spec = CompareSpec(model_factory=factory_of(cfg), candidates=cfg.candidates, homogeneous=tuple(arms),
+                           cost_table=cfg.cost_table, batches=tuple(measured[1:]), warmup=tuple(measured[:1]),
+                           repeats=args.compare_repeats, gpu_memory=budget, schedule=cfg.schedule, lr=cfg.lr)
+        print(f"      --compare: {spec}, interleaved")
         t3 = time.perf_counter()
-        comparison = launch(rank_train, cfg.world_size, args=(base_cfg,), timeout=args.timeout)[0]
+        comparison = ratios(launch(rank_compare, cfg.world_size, args=(spec,), timeout=args.timeout)[0])
         comparison["wall_s"] = time.perf_counter() - t3
+        comparison.pop("iterations", None)
         print(f"      --compare took {comparison['wall_s']:.1f} s (start, compile, train)")
     print("[4/4] writing the run folder")
     summary = write_artifacts(out, cfg, cost_model, result, comparison, train_s)
@@ -119,6 +151,8 @@ def rank_train(cfg: DemoConfig) -> dict[str, Any]:
                                           overlap=OverlapConfig() if cfg.schedule == "overlap" else None)))
     compile_s = time.perf_counter() - start
     cost_model = CostModel.from_table(json.loads(cfg.cost_table))
+    if cfg.gpu_memory is not None:
+        cost_model = cost_model.with_gpu_memory(cfg.gpu_memory)
     planner = Planner(cost_model, compiled.strategies, terms=terms_of(cost_model), schedule=cfg.schedule,
                       correction=OnlineCorrection())
     trainer = Trainer(compiled, optimizer=AdamWConfig(lr=cfg.lr, weight_decay=0.01, grad_clip=1.0),
@@ -171,8 +205,7 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         for h in history
     ]
     atomic_files.write_text(out / "plans.json", json.dumps(plans, indent=1))
-    plots.loss_curve(out / "loss.png", history, comparison["history"] if comparison else None,
-                     result.get("evals"))
+    plots.loss_curve(out / "loss.png", history, None, result.get("evals"))
     plots.strategy_and_loads(out / "strategies.png", history)
     plots.predicted_vs_measured(out / "predicted_vs_measured.png", history)
     trace_files = plots.timeline_files(out, result.get("events") or [])
@@ -200,12 +233,8 @@ def write_artifacts(out: Path, cfg: DemoConfig, cost_model: Any, result: dict, c
         "artifacts": sorted(p.name for p in out.iterdir()) + trace_files,
     }
     if comparison is not None:
-        base = comparison["history"]
-        base_steady = base[1:] if len(base) > 1 else base
-        base_s = sum(h["seconds"] for h in base_steady)
-        summary["homogeneous"] = {"strategy": base[0]["strategy"], "step_s_total_after_first": base_s,
-                                  "loss_last": base[-1]["loss"], "wall_s": comparison.get("wall_s")}
-        summary["measured_speedup"] = base_s / measured if measured else None
+        summary["comparison"] = comparison
+        summary["measured_speedup"] = comparison["ratio_median"]
     atomic_files.write_text(out / "summary.json", json.dumps(summary, indent=1))
     atomic_files.write_text(out / "summary.md", _summary_text(summary) + "\n")
     return summary
@@ -259,15 +288,14 @@ def _summary_text(s: dict[str, Any]) -> str:
             f"{late['median_rel_error']:.1%} (rank correlation {late['rank_correlation']:.2f})")
     if s.get("exposed_comm_s"):
         lines.append(f"exposed communication: {s['exposed_comm_s']:.2f} s")
-    if "homogeneous" in s:
-        h = s["homogeneous"]
-        mine = f"hgraph, planner ({len(s['strategies_used'])} strategies)"
-        base = f"best homogeneous {h['strategy']}"
-        width = max(len(mine), len(base))
-        lines += [f"{'same batches, step time (iterations 2..)':<{width}}  seconds   last loss",
-                  f"{mine:<{width}}  {s['step_s_total_after_first']:7.2f}   {s['loss_last']:.4f}",
-                  f"{base:<{width}}  {h['step_s_total_after_first']:7.2f}   {h['loss_last']:.4f}",
-                  f"measured speedup (homogeneous / hgraph): {s['measured_speedup']:.2f}x"]
+    if "comparison" in s:
+        c = s["comparison"]
+        reps = len(c["ratio_per_repetition"])
+        lines += [f"interleaved on the same batches, {reps} repetitions: best homogeneous {c['best_homogeneous']} "
+                  "(seconds per repetition: " + "; ".join(f"{k} " + ", ".join(f"{v:.2f}" for v in vs)
+                                                          for k, vs in c["seconds"].items()) + ")",
+                  f"measured speedup (best homogeneous / hgraph): {c['ratio_median']:.2f}x median "
+                  f"(range {c['ratio_min']:.2f}-{c['ratio_max']:.2f})"]
     lines.append("artifacts: " + ", ".join(s["artifacts"]))
     return "\n".join(lines)
 

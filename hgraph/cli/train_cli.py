@@ -4,9 +4,9 @@
 
 Every iteration the planner picks the strategy, the pipelines' sequences and their packing
 (``planner = "auto"``, the default): with the ``[planner] cost_table`` (a preset or a file), else
-with ``T(l)`` profiled on this machine's local ranks once and cached in ``$HGRAPH_CACHE``. Under
-torchrun nothing is profiled: a cost table or that cached profile must be there. ``planner =
-"none"`` rotates through the strategies instead, and says so.
+with ``T(l)`` profiled once and cached in ``$HGRAPH_CACHE``: on this machine's local ranks, or under
+torchrun on the job's own ranks and devices (rank 0 prints the progress; a later run of the job reads
+the cache). ``planner = "none"`` rotates through the strategies instead, and says so.
 
 With ``data.paths``: documents from local files through ``hgraph.data`` (rank 0 reads; every rank
 gets only its pipeline's tokens), held-out loss every ``eval.interval`` iterations, checkpoints
@@ -36,9 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hgraph.cli import plots
+from hgraph.cli.config_flags import add_config_flags, overrides
 from hgraph.cli.model_spec import ModelSpec, model_vocab
 from hgraph.cli.train_planning import check_fits, planner_table, profiled_table
 from hgraph.cli.train_run import loaders, train_rank
@@ -48,17 +47,14 @@ from hgraph.core.model_info import model_dims
 from hgraph.core.strategy import Strategy, fits
 from hgraph.errors import CommunicationError, HGraphError, InputError, StrategyError
 from hgraph.planner.batches import make_batches, read_lengths, sample_path
-from hgraph.planner.cost import PRESETS, CostModel
+from hgraph.planner.cost import CostModel
 from hgraph.planner.proposal import propose
-from hgraph.program.options import CompileOptions, OverlapConfig, RecomputeConfig
 from hgraph.runtime import preemption
 from hgraph.runtime.kernels.failures import DEFAULT_COMM_TIMEOUT
-from hgraph.runtime.kernels.recompute import MODES
 from hgraph.runtime.launch import choose_backend as backend_for
 from hgraph.runtime.launch import init_from_env, launch
-from hgraph.schedule.lowerings import PIPELINE_SCHEDULES, PLACEMENTS
-from hgraph.training.config_sections import DTYPES
-from hgraph.training.train_config import CHOICES, PLANNERS, TrainConfig, check_choices, read_config
+from hgraph.training.config_toml import to_toml
+from hgraph.training.train_config import TrainConfig, read_config
 
 __all__ = ["add_arguments", "run"]
 
@@ -76,7 +72,7 @@ def precheck(cfg: TrainConfig) -> None:
                 Strategy.parse(text).check(cfg.world_size, dims)
             except StrategyError as exc:
                 raise InputError(f"config {cfg.source}: strategies[{i}] = {text!r}: {exc}") from None
-    if cfg.data is None:
+    if not cfg.documents:
         return
     train, held = loaders(cfg)
     train.tokenizer.check_vocab(model_vocab(model), "data.tokenizer")
@@ -91,14 +87,14 @@ def precheck(cfg: TrainConfig) -> None:
 def auto_strategies(cfg: TrainConfig) -> tuple[list[str], str]:
     """``strategies = "auto"``: profile the schemes that fit, propose candidates from the lengths of
     the first batches; returns the candidates and the cost table (JSON) for the planner."""
-    assert cfg.data is not None
+    assert cfg.documents
     dims = model_dims(ModelSpec(cfg.model, cfg.seed, meta=True)())
     schemes = [text for text in SCHEMES if fits(Degrees.parse(text), cfg.world_size, dims)]
     table = profiled_table(cfg, ModelSpec(cfg.model, cfg.seed), schemes)
     train, _ = loaders(cfg)
     sample = [len(s) for b in train.first_batches(8) for s in b]
     found = propose(CostModel.from_table(json.loads(table)), cfg.world_size, sample, cfg.context,
-                    tokens_per_iteration=cfg.data.tokens_per_iteration, max_candidates=4)
+                    tokens_per_iteration=cfg.data.batch_tokens, max_candidates=4)
     return [str(s) for s in found], table
 
 
@@ -115,89 +111,42 @@ def choose_backend(cfg: TrainConfig, world_size: int) -> str:
 
 
 def length_batches(cfg: TrainConfig) -> list[list[int]]:
-    source = sample_path() if cfg.lengths == "wikipedia" else cfg.lengths
-    lengths = [max(16, n // cfg.length_scale) for n in read_lengths(source)]
-    return make_batches(lengths, cfg.tokens_per_iteration, cfg.max_len, cfg.iterations, seed=cfg.seed)
-
-
-OVERRIDES = ("backend", "device")
-# flags that override a [compile] key: flag -> (the key, its choices; the first is the config default)
-COMPILE_FLAGS = {
-    "compute_dtype": ("compile.compute_dtype", tuple(DTYPES)),
-    "reduce_dtype": ("compile.reduce_dtype", tuple(DTYPES)),
-    "recompute": ("compile.recompute.mode", MODES),
-    "schedule": ("compile.schedule.overlap", PLACEMENTS),
-    "pipeline_schedule": ("compile.schedule.pipeline", PIPELINE_SCHEDULES),
-}
+    d = cfg.data
+    source = sample_path() if d.lengths == "wikipedia" else d.lengths
+    lengths = [max(16, n // d.length_scale) for n in read_lengths(source)]
+    return make_batches(lengths, d.batch_tokens, d.max_len, cfg.iterations, seed=cfg.seed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("Every config field, its default and what it does: docs/config.md. Command-line values "
-                     "override the config's.")
-    parser.add_argument("config", help="JSON or TOML config (docs/config.md)")
-    parser.add_argument("--world-size", type=int,
-                        help="override the config's world_size (local ranks; under torchrun WORLD_SIZE decides)")
-    for key in OVERRIDES:
-        parser.add_argument("--" + key.replace("_", "-"), choices=CHOICES[key], default=None,
-                            help=f"override the config's {key} (config default: {CHOICES[key][0]})")
-    for flag, (key, choices) in COMPILE_FLAGS.items():
-        parser.add_argument("--" + flag.replace("_", "-"), choices=choices, default=None,
-                            help=f"override the config's {key} (config default: {choices[0]})")
-    parser.add_argument("--planner", choices=PLANNERS, default=None,
-                        help="'auto': plan every iteration (config default); 'none': rotate the strategies")
-    parser.add_argument("--cost-table", default=None,
-                        help="cost model the planner uses: a preset (" + ", ".join(sorted(PRESETS)) +
-                        ") or a cost table JSON file (default: profile this machine once, cached)")
+    parser.epilog = ("Every config key is a flag (--section.key VALUE) that overrides the config's value; "
+                     "docs/config.md lists them with their defaults. The run folder's config.toml is the "
+                     "resolved config, and a config too.")
+    parser.add_argument("config", help="JSON or TOML config (docs/config.md), or a run folder's config.toml")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds for the whole run, local ranks only (default: none, run until done)")
     parser.add_argument("--comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT,
                         help="seconds a collective may wait before the run stops with an error naming the rank "
                         "(default: %(default)g)")
+    add_config_flags(parser)
 
 
 def configured(args: argparse.Namespace) -> TrainConfig:
-    """The config file with the command line's overrides, checked."""
-    cfg = read_config(args.config)
-    over: dict[str, Any] = {k: getattr(args, k) for k in (*OVERRIDES, "planner", "cost_table")
-                            if getattr(args, k, None) is not None}
-    if getattr(args, "world_size", None) is not None:
-        if args.world_size < 1:
-            raise InputError(f"--world-size {args.world_size}; expected an integer >= 1 (local ranks)")
-        over["world_size"] = args.world_size
+    """The config file with the command line's keys, checked (under torchrun ``WORLD_SIZE`` decides
+    ``world_size``)."""
+    cfg = read_config(args.config, overrides(args))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        over["world_size"] = int(os.environ["WORLD_SIZE"])
-    flags = {k: getattr(args, k) for k in COMPILE_FLAGS if getattr(args, k, None) is not None}
-    return check_choices(replace(cfg, compile=with_flags(cfg.compile, flags, cfg.source), **over))
-
-
-def with_flags(options: CompileOptions, flags: dict[str, str], source: str) -> CompileOptions:
-    """``options`` with the ``COMPILE_FLAGS`` given on the command line."""
-    if not flags:
-        return options
-    schedule = {}
-    if "schedule" in flags:
-        schedule["overlap"] = None if flags["schedule"] == "none" else options.schedule.overlap or OverlapConfig()
-    if "pipeline_schedule" in flags:
-        schedule["pipeline"] = flags["pipeline_schedule"]
-    changes: dict[str, Any] = {k: DTYPES[flags[k]] for k in ("compute_dtype", "reduce_dtype") if k in flags}
-    if changes.get("compute_dtype") is torch.float32:
-        changes["compute_dtype"] = None  # float32: no mixed precision
-    if "recompute" in flags:
-        changes["recompute"] = RecomputeConfig(flags["recompute"])
-    try:
-        return replace(options, schedule=replace(options.schedule, **schedule), **changes)
-    except HGraphError as exc:
-        raise InputError(f"config {source} with the command line's flags: {exc}") from None
+        cfg = replace(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    return cfg
 
 
 def export_over_source(cfg: Any) -> str:
     """A one-line notice when ``export.dir`` is the model folder the run loads its weights from
     (the export replaces them once it is complete; a failed export leaves them), else ``""``."""
-    if not cfg.export_dir or not Path(cfg.model).is_dir():
+    if not cfg.export.dir or not Path(cfg.model).is_dir():
         return ""
-    if Path(cfg.export_dir).resolve() != Path(cfg.model).resolve():
+    if Path(cfg.export.dir).resolve() != Path(cfg.model).resolve():
         return ""
-    return (f"note: export.dir {cfg.export_dir} is the model folder this run loads from: its weights are "
+    return (f"note: export.dir {cfg.export.dir} is the model folder this run loads from: its weights are "
             "replaced when the export completes (a failed export leaves them); give another export.dir to keep them")
 
 
@@ -213,19 +162,22 @@ def run(args: argparse.Namespace) -> int:
     if torchrun:  # under torchrun: SIGTERM (preemption) ends the iteration, checkpoints, exits 0
         preemption.install()
     precheck(cfg)
-    batches = length_batches(cfg) if cfg.data is None else None
+    batches = None if cfg.documents else length_batches(cfg)
     cost_table = None
     if cfg.auto and torchrun:
         raise InputError(f"config {cfg.source}: strategies: \"auto\" profiles on local ranks, which hgraph does not "
                          "start under torchrun; run `hgraph train` with this config once without torchrun to see "
                          "the proposed strategies (the profile is cached), then list them in the config")
+    if torchrun:  # the job's process group: a profile on its ranks, then training
+        init_from_env(backend, timeout=args.comm_timeout)
     if cfg.auto:
         strategies, cost_table = auto_strategies(cfg)
         print(f"hgraph train: {len(strategies)} proposed strategies: " + "; ".join(strategies))
         cfg = replace(cfg, strategies=tuple(strategies))
         check_fits(cfg, cost_table)
-    elif cfg.planner == "auto":
-        cost_table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun)
+    elif cfg.planner.mode == "auto":
+        say = (lambda text: print(f"hgraph train: {text}", flush=True)) if lead else (lambda text: None)
+        cost_table, source = planner_table(cfg, ModelSpec(cfg.model, cfg.seed), torchrun, say)
         check_fits(cfg, cost_table)
         if lead:
             print(f"hgraph train: planning every iteration over {len(cfg.strategies)} strategies "
@@ -233,8 +185,10 @@ def run(args: argparse.Namespace) -> int:
     elif lead:
         print(f"hgraph train: planner = \"none\": iteration i runs strategy i mod {len(cfg.strategies)} "
               f"({'; '.join(cfg.strategies)}); nothing is planned")
+    if lead:  # the resolved config, a config of its own: `hgraph train OUT/config.toml` runs this again
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        atomic_files.write_text(Path(cfg.out) / "config.toml", to_toml(cfg))
     if torchrun:
-        init_from_env(backend, timeout=args.comm_timeout)
         try:
             result = train_rank(cfg, batches, cost_table)
         except HGraphError as exc:

@@ -1,7 +1,7 @@
-"""How ``hgraph train`` plans, decided before any rank starts: the cost table the planner uses (the
-``[planner] cost_table``, else ``T(l)`` of the strategies' schemes profiled on this machine's local
-ranks once and cached in ``$HGRAPH_CACHE``, or under torchrun only that cached profile), the run's
-cost model (its world size and recompute mode), and whether the context fits some strategy."""
+"""How ``hgraph train`` plans, decided before training starts: the cost table the planner uses (the
+``[planner] cost_table``, else ``T(l)`` of the strategies' schemes profiled once and cached in
+``$HGRAPH_CACHE``: on this machine's local ranks, or under torchrun on the job's own ranks), the
+run's cost model (its world size and recompute mode), and whether the context fits some strategy."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from hgraph.errors import CostModelError, InputError
 from hgraph.planner.assign import Planner
 from hgraph.planner.cost import CostModel, load_cost_model
 from hgraph.profiling.profile import profile_cost_model
+from hgraph.profiling.profile_job import profile_job
 from hgraph.profiling.profile_ranks import DEFAULT_MEMORY_GB
 from hgraph.core.strategy import as_strategies
 from hgraph.training.train_config import TrainConfig
@@ -29,27 +30,33 @@ def profiled_table(cfg: TrainConfig, model_factory: Callable[[], Any], schemes: 
     callable), profiled on ``cfg.world_size`` local ranks (cached in ``$HGRAPH_CACHE``;
     ``measure=False``: only a cached profile, else ``CostModelError``)."""
     cm = profile_cost_model(model_factory, cfg.world_size, schemes, profile_lengths(cfg.context),
-                            memory_gb=cfg.memory_gb or DEFAULT_MEMORY_GB, measure=measure)
+                            memory_gb=cfg.planner.memory_gb or DEFAULT_MEMORY_GB, measure=measure)
     return json.dumps(cm.to_table())
 
 
-def planner_table(cfg: TrainConfig, model_factory: Callable[[], Any], torchrun: bool) -> tuple[str, str]:
+def planner_table(cfg: TrainConfig, model_factory: Callable[[], Any], torchrun: bool,
+                  say: Callable[[str], None] = print) -> tuple[str, str]:
     """The cost table (JSON) the planner plans ``cfg.strategies`` with, and where it came from: the
-    ``[planner] cost_table``, else this machine profiled (locally) or its cached profile (torchrun)."""
-    if cfg.cost_table:
-        return json.dumps(load_cost_model(cfg.cost_table).to_table()), f"cost table {cfg.cost_table}"
+    ``[planner] cost_table``, else this machine profiled on local ranks, or under torchrun (every rank
+    calls it, in the job's process group) the job's own ranks profiled; cached either way. ``say``
+    reports when a profile on the job's ranks starts and ends (rank 0's; its rounds are log records)."""
+    if cfg.planner.cost_table:
+        return json.dumps(load_cost_model(cfg.planner.cost_table).to_table()), f"cost table {cfg.planner.cost_table}"
     schemes = list(dict.fromkeys(str(p.stage_key) for s in as_strategies(cfg.strategies) for p in s.pipelines))
+    if not torchrun:
+        table = profiled_table(cfg, model_factory, schemes)
+        return table, f"T(l) profiled on this machine ({', '.join(schemes)}; cached in $HGRAPH_CACHE)"
     try:
-        table = profiled_table(cfg, model_factory, schemes, measure=not torchrun)
+        profile = profile_job(model_factory, [Degrees.parse(s) for s in schemes], profile_lengths(cfg.context),
+                              memory_gb=cfg.planner.memory_gb or DEFAULT_MEMORY_GB, say=say)
     except CostModelError as exc:
-        if not torchrun:
-            raise
         raise InputError(
-            f"config {cfg.source}: planner: under torchrun hgraph train does not profile, and {exc}. Give "
-            "[planner] cost_table (a preset or a file from `hgraph profile ... --out table.json`), run "
-            "`hgraph train` with this config once without torchrun on each node to profile it, or set "
-            "planner = \"none\" to rotate the strategies") from None
-    return table, f"T(l) profiled on this machine ({', '.join(schemes)}; cached in $HGRAPH_CACHE)"
+            f"config {cfg.source}: planner: under torchrun hgraph train profiles T(l) on the job's own ranks, "
+            f"which cannot run here: {exc}. Give [planner] cost_table (a preset or a file from "
+            "`hgraph profile ... --out table.json`), or set planner = \"none\" to rotate the strategies") from None
+    when = f"read from {profile.cache_path}" if profile.cached else f"now, cached in {profile.cache_path}"
+    return (json.dumps(profile.cost_model.to_table()),
+            f"T(l) profiled on this job's {cfg.world_size} ranks ({', '.join(schemes)}; {when})")
 
 
 def planning_cost_model(cfg: TrainConfig, table: str) -> CostModel:
@@ -67,7 +74,7 @@ def check_fits(cfg: TrainConfig, table: str) -> None:
     except CostModelError as exc:
         raise InputError(f"config {cfg.source}: planner: the cost model cannot plan these strategies: {exc}") from None
     if cfg.context > planner.largest_max_len:
-        key = "data.context" if cfg.data is not None else "data.max_len"
+        key = "data.context" if cfg.documents else "data.max_len"
         raise InputError(
             f"config {cfg.source}: {key} = {cfg.context}: no strategy takes a sequence that long under the cost "
             f"model (the largest MaxLen is {planner.largest_max_len} tokens); lower {key}, add a strategy with "

@@ -37,15 +37,15 @@ __all__ = ["loaders", "synthetic_sequence", "train_rank"]
 def loaders(cfg: TrainConfig) -> tuple[Any, Any]:
     """The training and held-out ``TokenLoader`` of a config with ``data.paths``."""
     d = cfg.data
-    assert d is not None
+    assert cfg.documents
     tok = stdlib_tokenizer() if d.tokenizer == STDLIB else load_tokenizer(d.tokenizer)
 
     def make(paths: tuple[str, ...], split: int) -> Any:
         source = stdlib_corpus()[split] if paths == (STDLIB,) else \
             DocumentSource.from_paths(list(paths), d.format, d.text_field)
-        return TokenLoader(source, tok, d.context, d.tokens_per_iteration, d.seed, d.long_documents, d.window)
+        return TokenLoader(source, tok, d.context, d.batch_tokens, d.seed, d.long_documents, d.window)
 
-    return make(d.paths, 0), (make(cfg.eval_paths, 1) if cfg.eval_paths else None)
+    return make(d.paths, 0), (make(cfg.eval.paths, 1) if cfg.eval.paths else None)
 
 
 def synthetic_sequence(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -90,20 +90,20 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
     console_lines_to_stdout()
     if trainer.metrics is not None:
         trainer.metrics.iterations = cfg.iterations
-    train, held = loaders(cfg) if cfg.data is not None else (None, None)
+    train, held = loaders(cfg) if cfg.documents else (None, None)
     checkpoints = None
-    if cfg.checkpoint_dir:
-        checkpoints = CheckpointManager(cfg.checkpoint_dir, cfg.checkpoint_interval, cfg.checkpoint_keep,
-                                        cfg.checkpoint_async)
-    resumed = checkpoints.resume(trainer, data=train) if checkpoints is not None and cfg.resume else None
+    c = cfg.checkpoint
+    if c.dir:
+        checkpoints = CheckpointManager(c.dir, c.interval, c.keep, c.async_)
+    resumed = checkpoints.resume(trainer, data=train) if checkpoints is not None and c.resume else None
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     say = print if trainer.rank == 0 else (lambda *a, **k: None)
-    if restart and not cfg.resume:
+    if restart and not c.resume:
         say(f"hgraph train: restart {restart} of this torchrun job starts over (set checkpoint.resume = true "
             "to continue from the newest checkpoint)", flush=True)
     if resumed is not None:
         say(f"hgraph train: resumed from {resumed} at iteration {trainer.iteration}", flush=True)
-    held_batches = held.first_batches(cfg.eval_batches) if held is not None and trainer.rank == 0 else None
+    held_batches = held.first_batches(cfg.eval.batches) if held is not None and trainer.rank == 0 else None
     evals: list[dict[str, Any]] = []
 
     def evaluate() -> None:
@@ -113,7 +113,7 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
 
     start, first = time.perf_counter(), trainer.iteration
     preempted = False
-    if cfg.eval_interval:
+    if cfg.eval.interval:
         evaluate()
     while trainer.iteration < cfg.iterations:
         i = trainer.iteration
@@ -127,7 +127,7 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
             loss = trainer.step([synthetic_sequence(n, vocab, g) for n in batches[i]], strategy)
         rec = trainer.history[-1]
         rec["tokens"] = sum(rec["lengths"])
-        if cfg.eval_interval and trainer.iteration % cfg.eval_interval == 0:
+        if cfg.eval.interval and trainer.iteration % cfg.eval.interval == 0:
             evaluate()
         saved = checkpoints.step(trainer) if checkpoints is not None else None
         if trainer.stop_requested:  # SIGTERM on some rank: every rank stops after this same iteration
@@ -135,19 +135,19 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
             if checkpoints is not None and saved is None:
                 checkpoints.save(trainer)
             say(f"hgraph train: stopped by a signal after iteration {trainer.iteration}"
-                + (f"; checkpoint in {cfg.checkpoint_dir}" if checkpoints is not None else
+                + (f"; checkpoint in {c.dir}" if checkpoints is not None else
                    " (no checkpoint.dir: nothing saved)"), flush=True)
             break
     wall = time.perf_counter() - start
     if not preempted:
-        if cfg.eval_interval and (not evals or evals[-1]["iteration"] != trainer.iteration):
+        if cfg.eval.interval and (not evals or evals[-1]["iteration"] != trainer.iteration):
             evaluate()
-        if checkpoints is not None and cfg.checkpoint_interval and trainer.iteration % cfg.checkpoint_interval:
+        if checkpoints is not None and c.interval and trainer.iteration % c.interval:
             checkpoints.save(trainer)
     if checkpoints is not None:
         checkpoints.close()  # the write in flight is complete (or its error raised) before we return
     trainer.close()
-    exported = export(trainer, model, cfg.export_dir) if cfg.export_dir and not preempted else None
+    exported = export(trainer, model, cfg.export.dir) if cfg.export.dir and not preempted else None
     tokens = sum(h["tokens"] for h in trainer.history)
     return {"history": trainer.history, "evals": evals, "summary": {
         "iterations": trainer.iteration - first, "first_iteration": first, "tokens": tokens, "wall_s": wall,
@@ -155,7 +155,7 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
         "loss_first": trainer.history[0]["loss"] if trainer.history else None,
         "loss_last": trainer.history[-1]["loss"] if trainer.history else None,
         "heldout_first": evals[0]["loss"] if evals else None, "heldout_last": evals[-1]["loss"] if evals else None,
-        "strategies": [str(s) for s in compiled.strategies], "checkpoint": cfg.checkpoint_dir, "export": exported,
+        "strategies": [str(s) for s in compiled.strategies], "checkpoint": c.dir, "export": exported,
         "data_position": str(train.position) if train is not None else None,
         "resumed_from": str(resumed) if resumed is not None else None, "preempted": preempted,
         "metrics": str(trainer.metrics.directory) if trainer.metrics is not None else None,
@@ -170,10 +170,11 @@ def _train(cfg: TrainConfig, batches: Optional[list[list[int]]], cost_table: Opt
 
 def metrics_config(cfg: TrainConfig) -> Any:
     """The ``[metrics]`` section as a ``MetricsConfig`` (``None`` when every sink is off)."""
-    if not (cfg.metrics_jsonl or cfg.metrics_tensorboard or cfg.metrics_console or cfg.metrics_wandb):
+    m = cfg.metrics
+    if not (m.jsonl or m.tensorboard or m.console or m.wandb):
         return None
-    return MetricsConfig(cfg.metrics_dir or str(Path(cfg.out) / "metrics"), cfg.metrics_jsonl,
-                         cfg.metrics_tensorboard, cfg.metrics_console, cfg.peak_tflops, cfg.metrics_wandb)
+    return MetricsConfig(m.dir or str(Path(cfg.out) / "metrics"), m.jsonl, m.tensorboard, m.console, m.peak_tflops,
+                         m.wandb)
 
 
 def console_lines_to_stdout() -> None:

@@ -18,6 +18,16 @@ Pull/Push (exposed part only under ``schedule="overlap"``) and fixed cost of eac
 Every plan carries the lower bound of ``hgraph.planner.bound`` for the candidates' GPU count.
 
 ``exact=True`` replaces 3 by the joint MILP of ``exact.solve_joint`` (small batches only).
+
+With a ``correction`` the planner also *settles*: of the homogeneous candidates (every pipeline the
+same degrees) that have taken every batch trained so far, the one with the smallest total predicted
+time is the incumbent, and another candidate replaces it on a batch only when its predicted time is
+shorter by more than the correction's measured error (``OnlineCorrection.measured_error``, before
+any measurement ``SETTLE_PRIOR_ERROR``). Where no strategy is really faster (uniform lengths, a
+machine where all cost the same) the run stays on the best homogeneous strategy instead of
+switching on noise; where one is (a batch the incumbent cannot take, or a clear predicted gain) it
+switches. Running totals decay (``SETTLE_DECAY``), and every ``explore_every`` batches the runner-up
+homogeneous candidate runs once, so the correction measures more than the incumbent.
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ from hgraph.core.strategy import Strategy, as_strategies
 
 EXACT_MAX_VARIABLES = 4000
 REFINE_WITHIN = 0.03  # local search only for greedy plans within 3% of the best greedy plan
+SETTLE_PRIOR_ERROR = 0.05  # the margin a switch away from the incumbent needs before any measurement
+SETTLE_DECAY = 0.9  # weight of the past in the homogeneous candidates' running totals, per batch
+EXPLORE_EVERY = 16  # settling: every this many batches the runner-up homogeneous candidate runs once
 DEFAULT = "default"
 
 
@@ -116,6 +129,7 @@ class Planner:
         schedule: str = "none",
         correction: Optional[OnlineCorrection] = None,
         pipeline_schedule: str = "1f1b",
+        explore_every: int = EXPLORE_EVERY,
     ) -> None:
         self.cost_model = cost_model
         self.candidates = as_strategies(candidates)
@@ -139,6 +153,34 @@ class Planner:
             BoundModel.for_pipelines(costs, [p.tp * p.pp * p.cp for p in s.pipelines])
             for s, costs in zip(self.candidates, self.pipeline_costs)
         ]
+        self.homogeneous = tuple(k for k, s in enumerate(self.candidates) if len({p.degrees for p in s.pipelines}) == 1)
+        # settling (with a correction): total predicted ms of each homogeneous candidate over the batches
+        # trained so far (inf once one did not fit), and the last plan's figures, committed by ``observe``
+        self.homogeneous_ms: dict[int, float] = {k: 0.0 for k in self.homogeneous}
+        self._pending_ms: dict[int, float] = {}
+        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 0:
+            raise PlanError(f"explore_every={explore_every!r}; expected an integer >= 0 (0: never explore)")
+        self.explore_every = explore_every
+
+    def _ranked_homogeneous(self) -> list[int]:
+        """The homogeneous candidates that took every batch trained so far, by their running total of
+        predicted time (the past decayed by ``SETTLE_DECAY`` per batch), smallest first."""
+        if self.correction is None or self.correction.observations == 0:
+            return []
+        return [k for ms, k in sorted((ms, k) for k, ms in self.homogeneous_ms.items() if math.isfinite(ms))]
+
+    @property
+    def incumbent(self) -> Optional[int]:
+        """The homogeneous candidate the planner settles on (None without a correction, before the
+        first measurement, or when none took every batch)."""
+        ranked = self._ranked_homogeneous()
+        return ranked[0] if ranked else None
+
+    def switch_margin(self) -> float:
+        """The relative predicted gain a switch away from the incumbent needs: the correction's
+        measured error (``SETTLE_PRIOR_ERROR`` before any measurement)."""
+        error = self.correction.measured_error() if self.correction is not None else None
+        return SETTLE_PRIOR_ERROR if error is None else error
 
     def prediction(self, k: int, compute: Sequence[float]) -> Optional[IterationPrediction]:
         """The simulator's terms for candidate ``k`` with per-pipeline compute (None without ``terms``)."""
@@ -150,12 +192,16 @@ class Planner:
         """Feed one measured iteration to the correction (no-op without one or without terms)."""
         if self.correction is not None and prediction is not None:
             self.correction.observe(prediction, measured_ms)
+            for k in self.homogeneous:
+                self.homogeneous_ms[k] = SETTLE_DECAY * self.homogeneous_ms[k] + self._pending_ms.get(k, math.inf)
+            self._pending_ms = {}
 
     def state_dict(self) -> dict[str, Any]:
         """What the planner learns while it runs (the online correction), as JSON-able data; the
         cost model, terms and candidates are inputs, rebuilt by whoever constructs the planner."""
         return {"candidates": [str(s) for s in self.candidates],
-                "correction": self.correction.state_dict() if self.correction is not None else None}
+                "correction": self.correction.state_dict() if self.correction is not None else None,
+                "homogeneous_ms": {str(k): ms for k, ms in self.homogeneous_ms.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state_dict()`` (same candidates; a correction only if saved with one)."""
@@ -169,6 +215,8 @@ class Planner:
                             + " an online correction; construct the Planner the same way to resume")
         if self.correction is not None:
             self.correction.load_state_dict(saved)
+        totals = state.get("homogeneous_ms") or {}  # absent in states saved before 0.3
+        self.homogeneous_ms = {k: float(totals.get(str(k), 0.0)) for k in self.homogeneous}
 
     def predicted(self, k: int, compute: Sequence[float]) -> float:
         """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push;
@@ -223,6 +271,8 @@ class Planner:
             best = self._exact(eligible, pieces, time_limit)
         else:
             best = self._heuristic(eligible, pieces, longest, start)
+        if only is None and not exact:
+            best = self._settle(best, eligible, pieces, longest, start)
         predicted, k, packs = best
         strategy = self.candidates[k]
         pipelines = tuple(
@@ -236,6 +286,26 @@ class Planner:
         return IterationPlan(
             strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms, self.bound(pieces), prediction
         )
+
+    def _settle(self, best: tuple, eligible: list[int], pieces: list[int], longest: int, start: float) -> tuple:
+        """With a correction: the incumbent's plan unless ``best`` beats it by more than the margin;
+        records every homogeneous candidate's predicted time for ``observe`` (inf where it cannot
+        take the batch)."""
+        if self.correction is None:
+            return best
+        found = {best[1]: best}
+        for k in self.homogeneous:
+            if k not in found and k in eligible:
+                found[k] = self._heuristic([k], pieces, longest, start)
+        self._pending_ms = {k: found[k][0] if k in found else math.inf for k in self.homogeneous}
+        ranked = self._ranked_homogeneous()
+        if not ranked or ranked[0] not in found:
+            return best  # no incumbent yet, or one that cannot take this batch
+        others = [k for k in ranked[1:] if k in found]
+        if self.explore_every and others and self.correction.observations % self.explore_every == 0:
+            return found[others[0]]  # measure the runner-up now and then: the correction learns only what runs
+        kept = found[ranked[0]]
+        return best if best[1] == ranked[0] or best[0] < kept[0] * (1.0 - self.switch_margin()) else kept
 
     def _heuristic(self, eligible: list[int], pieces: list[int], longest: int, start: float):
         values, counts = np.unique(np.asarray(pieces, dtype=np.float64), return_counts=True)
@@ -252,7 +322,7 @@ class Planner:
             best = min(best, predicted)
         greedy.sort(key=lambda g: g[0])
         results = []
-        top = [g for g in greedy[: self.refine] if g[0] <= greedy[0][0] * (1 + REFINE_WITHIN)]
+        top = [g for g in greedy[: self.refine] if g[0] <= greedy[0][0] + abs(greedy[0][0]) * REFINE_WITHIN]
         for n, (_, k, assigner, members) in enumerate(top):
             left = self.budget_ms - (time.perf_counter() - start) * 1e3
             share = max(left, 1.0) / (len(top) - n)

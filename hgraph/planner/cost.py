@@ -25,6 +25,7 @@ and the routed rows are costed at balanced routing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -184,6 +185,12 @@ class CostModel:
     def with_world_size(self, world_size: int) -> CostModel:
         """A copy whose MaxLen counts the optimizer shard of a ``world_size``-GPU world."""
         return CostModel(self._name, self._costs, self._memory, self._gpus_per_node, world_size, self._extra,
+                         sources=self._sources, recompute=self._recompute)
+
+    def with_gpu_memory(self, gpu_memory: float) -> CostModel:
+        """A copy whose MaxLen is computed for ``gpu_memory`` bytes per device (a memory budget)."""
+        memory = dataclasses.replace(self._memory, gpu_memory=float(gpu_memory))
+        return CostModel(self._name, self._costs, memory, self._gpus_per_node, self._world_size, self._extra,
                          sources=self._sources, recompute=self._recompute)
 
     def with_recompute(self, recompute: str | Mapping[Degrees, str]) -> CostModel:

@@ -45,6 +45,7 @@ planner's GPU count for the exact value: the difference is ``alpha * S_model / w
 from __future__ import annotations
 
 import math
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -268,3 +269,17 @@ def only_keys(section: Mapping[str, Any], where: str, allowed: set[str]) -> None
 def _plain(value: float) -> float | int:
     """Write integral floats as ints so tables stay readable and round-trip exactly."""
     return int(value) if float(value).is_integer() else value
+
+
+def budget_below(memory: MemoryRegression, tp: int, pp: int, cp: int, world_size: int | None, tokens: int) -> float:
+    """The largest GPU memory (bytes) under which scheme ``tp, pp, cp`` takes fewer than ``tokens``
+    tokens (MaxLen < tokens): a memory budget that makes documents of ``tokens`` tokens bind."""
+    if tokens <= ALIGN:
+        raise CostModelError(f"tokens={tokens}: a budget binding below it needs tokens > {ALIGN}")
+    probe = dataclasses.replace(memory, gpu_memory=0.0)
+    fixed = probe.safe_bound + probe.gap_bytes(tp * cp) + probe.model_state_bytes(tp, pp, world_size)
+    per_token = probe.token_bytes(tp, cp)
+    limit = (tokens - 1) // ALIGN * ALIGN  # the largest aligned MaxLen below tokens
+    gpu_memory = fixed + per_token * (limit + ALIGN) - 1.0  # just short of the next aligned step
+    return gpu_memory
+

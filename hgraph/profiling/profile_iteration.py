@@ -53,6 +53,7 @@ from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 from hgraph.planner.timing import predict_iteration
 from hgraph.profiling.profile_ranks import ModelFactory, factory_name, model_facts, resolve_factory
 from hgraph.program.options import CompileOptions, OverlapConfig, ScheduleConfig
+from hgraph.runtime.clock import DeviceClock
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.launch import launch
 from hgraph.runtime.timeline import exposed_communication
@@ -84,13 +85,14 @@ def _pair_exchanges(comm: Any, sizes: Sequence[int], repeats: int) -> dict[str, 
     header, header_in = torch.zeros(10, dtype=torch.int64), torch.zeros(10, dtype=torch.int64)
     for nbytes in sizes:
         payload, buf = torch.zeros(nbytes // 4), torch.empty(nbytes // 4)
+        clock = DeviceClock(payload.device)
         samples = []
         for i in range(repeats + 1):  # the first is a warm-up
-            start = time.perf_counter()
+            start = clock.mark()
             comm.exchange([(peer, header)], [(peer, header_in)])
             comm.exchange([(peer, payload)], [(peer, buf)])
             if i:
-                samples.append((time.perf_counter() - start) * 1e3)
+                samples.append(clock.elapsed_ms(start, clock.mark()))
         out[str(nbytes)] = samples
     return out
 

@@ -22,8 +22,10 @@ micro-batch's forward saves for backward. ``hgraph.profiling.ranks_table`` fits 
 and the memory constants (MaxLen) from these measurements.
 
 Raw measurements are cached in ``$HGRAPH_CACHE/profile`` (default ``~/.cache/hgraph``) keyed by model
-(factory name, sizes and parameter count), schemes, lengths, world size, repeats and torch version;
-the table is rebuilt from them each time (so ``memory_gb`` can change without measuring again).
+(factory name, sizes and parameter count), schemes, lengths, world size, ranks per node, device kind,
+repeats, machine and torch version (``profile_key``); the table is rebuilt from them each time (so
+``memory_gb`` can change without measuring again). ``hgraph.profiling.profile_job`` runs the same
+measurement (``measure_on_rank``) on the ranks of a running job instead, under the same key.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ from hgraph.planner.cost import CostModel
 from hgraph.planner.fit import Fit
 from hgraph.planner.machine import machine
 from hgraph.profiling.ranks_table import build_ranks_table, by_scheme
+from hgraph.runtime.clock import DeviceClock, Mark
 from hgraph.runtime.executor import run_iteration
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.launch import launch
+from hgraph.runtime.stage import shards_device
 
 ModelFactory = Union[str, Callable[[], Any]]
 DEFAULT_MEMORY_GB = 0.25  # MaxLen of a few thousand tokens for the demo-sized models
@@ -155,11 +159,14 @@ def resolve_factory(model_factory: ModelFactory) -> Callable[[], Any]:
 # -- on every rank ---------------------------------------------------------------------------------
 
 
-def _rank_main(
-    factory: ModelFactory, schemes: list[tuple[int, ...]], lengths: list[int], repeats: int
+def measure_on_rank(
+    factory: ModelFactory, schemes: list[tuple[int, ...]], lengths: list[int], repeats: int,
+    on_repeat: Optional[Callable[[int, int], None]] = None,
 ) -> dict[str, Any]:
-    """Runs on each rank: per scheme, the saved bytes of each length's micro-batch (warm-up) and, per
-    repeat, the forward+backward milliseconds of each length's micro-batch on this rank's stage."""
+    """Runs on each rank of an initialised process group, on the rank's device (its GPU under NCCL):
+    per scheme, the saved bytes of each length's micro-batch (warm-up) and, per repeat, the
+    forward+backward milliseconds of each length's micro-batch on this rank's stage.
+    ``on_repeat(done, repeats)`` is called after each timed round."""
     comm = ProcessGroupComm()
     rank = comm.rank
     torch.manual_seed(0)
@@ -171,7 +178,7 @@ def _rank_main(
     compiled = compile_model(model, strategies, example_inputs=torch.randint(0, vocab, (1, 16)))
     params = compiled.traced.params()
     shards = {
-        fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank)
+        fqn: layout.local_of(params[fqn].detach().to(torch.float32), rank).to(comm.device)
         for fqn, layout in compiled.optimizer_layouts.items()
     }
     buffers = {ph: compiled.traced.buffers()[fqn] for ph, fqn in compiled.traced.buffer_names.items()}
@@ -182,7 +189,7 @@ def _rank_main(
                 for i, (tp, pp, cp, ep) in enumerate(schemes)}
     inputs = {}
     for key, program in programs.items():  # this rank's micro-batches (its chunks under cp)
-        inputs[key] = [_local_batch(program, rank, s, buffers) for s in sequences]
+        inputs[key] = [_local_batch(program, rank, s, buffers, comm.device) for s in sequences]
     for key, program in programs.items():  # warm-up, counting saved bytes
         out["saved_bytes"][key] = saved_bytes(program, shards, inputs[key], comm)
         out["compute_ms"][key] = []
@@ -196,33 +203,40 @@ def _rank_main(
             ms = compute_ms(program, shards, [inputs[key][i] for i in order], comm)
             out["compute_ms"][key].append([ms[order.index(i)] for i in range(len(lengths))])
             bar.update()
+        if on_repeat is not None:
+            on_repeat(repeat + 1, repeats)
     bar.close()
     out["total_s"] = time.perf_counter() - start
     return out
 
 
-def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict) -> dict:
-    """One sequence as this rank's micro-batch: under cp, its load-balanced chunks of the packed
-    tokens (padded to ``2·cp``), as ``Trainer`` feeds them."""
+def _local_batch(program: Any, rank: int, sequence: Any, buffers: dict, device: torch.device) -> dict:
+    """One sequence as this rank's micro-batch on ``device``: under cp, its load-balanced chunks of the
+    packed tokens (padded to ``2·cp``), as ``Trainer`` feeds them."""
     packed = pack_micro_batch([sequence], micro_batch_align(program.groups))
-    return local_micro_batches([packed], program.groups, rank, buffers)[0]
+    return local_micro_batches([packed], program.groups, rank, buffers, device)[0]
 
 
 def compute_ms(program: Any, shards: dict, batches: list, comm: Any) -> list[float]:
     """One iteration (``run_iteration``: the rank's action list, the one training runs, overlap
-    included); the milliseconds of the F and B steps of each micro-batch on this rank."""
-    ms = [0.0] * len(batches)
-    begun = [0.0]
+    included); the milliseconds of the F and B steps of each micro-batch on this rank, as the device
+    ran them (``hgraph.runtime.clock``)."""
+    clock = DeviceClock(shards_device(shards))
+    steps: list[tuple[int, Mark, Mark]] = []
+    begun: list[Mark] = []
 
     def on_step(when: str, action: Any) -> None:
         if action.kind.value in ("F", "B"):
             if when == "begin":
-                begun[0] = time.perf_counter()
+                begun[:] = [clock.mark()]
             else:
-                ms[action.mb] += (time.perf_counter() - begun[0]) * 1e3
+                steps.append((action.mb, begun[0], clock.mark()))
 
     run_iteration(program, shards, batches, 1.0 / sum(b["input_ids"].shape[-1] for b in batches), on_step,
-                  comm=comm)
+                  comm=comm, clock=clock)
+    ms = [0.0] * len(batches)
+    for mb, start, end in steps:
+        ms[mb] += clock.elapsed_ms(start, end)
     return ms
 
 
@@ -251,10 +265,35 @@ def saved_bytes(program: Any, shards: dict, batches: list, comm: Any) -> list[in
 # -- in the parent ---------------------------------------------------------------------------------
 
 
-def _cache_path(key: dict[str, Any]) -> Path:
+def cache_path(key: dict[str, Any]) -> Path:
+    """Where the raw measurements of ``key`` (``profile_key``) are cached under ``$HGRAPH_CACHE``."""
     root = Path(os.environ.get("HGRAPH_CACHE", Path.home() / ".cache" / "hgraph"))
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     return root / "profile" / f"ranks-{digest}.json"
+
+
+def load_cached(key: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The cached raw measurements of ``key``, or ``None``."""
+    return load_entry(cache_path(key), "profile-ranks", key, ("per_rank", "seconds", *key))
+
+
+def profile_key(
+    model_factory: ModelFactory, world_size: int, schemes: Sequence[Degrees], lengths: Sequence[int],
+    repeats: int, device: str = "cpu", ranks_per_node: Optional[int] = None,
+) -> dict[str, Any]:
+    """What a profile's measurements depend on, its cache key: the model (factory name, sizes,
+    parameter count), schemes, lengths, repeats, world size, ranks per node (default: all on this
+    one), device kind, this machine and the method; ``CostModelError`` when they cannot be profiled."""
+    name = factory_name(model_factory)
+    model = resolve_factory(model_factory)()
+    _check(world_size, schemes, lengths, repeats, model)
+    return {
+        "model": name, **model_facts(model),
+        "parameters": sum(p.numel() for p in model.parameters()), "world_size": world_size,
+        "ranks_per_node": world_size if ranks_per_node is None else ranks_per_node, "device": device,
+        "schemes": [str(s) for s in schemes], "lengths": list(lengths), "repeats": repeats,
+        "torch": torch.__version__, "method": _METHOD, "machine": machine(),
+    }
 
 
 def model_facts(model: Any) -> dict[str, int]:
@@ -295,25 +334,19 @@ def measure_ranks(
 ) -> tuple[dict[str, Any], Path, bool]:
     """Raw multi-rank measurements (from the cache when present): ``(raw, cache_path, cached)``;
     ``measure=False``: the cached ones only (``CostModelError`` when there are none)."""
-    name = factory_name(model_factory)
     lengths = sorted(set(int(l) for l in lengths))
-    model = resolve_factory(model_factory)()
-    _check(world_size, schemes, lengths, repeats, model)
-    key = {
-        "model": name, **model_facts(model), "parameters": sum(p.numel() for p in model.parameters()),
-        "world_size": world_size, "schemes": [str(s) for s in schemes], "lengths": lengths,
-        "repeats": repeats, "torch": torch.__version__, "method": _METHOD, "machine": machine(),
-    }
-    path = _cache_path(key)
-    cached = load_entry(path, "profile-ranks", key, ("per_rank", "seconds", *key)) if use_cache else None
+    key = profile_key(model_factory, world_size, schemes, lengths, repeats)
+    path = cache_path(key)
+    cached = load_cached(key) if use_cache else None
     if cached is not None:
         return cached, path, True
     if not measure:
-        raise CostModelError(f"no profile of {name} on {world_size} ranks of this machine is cached (looked for {path})")
+        raise CostModelError(f"no profile of {key['model']} on {world_size} ranks of this machine is cached "
+                             f"(looked for {path})")
     start = time.perf_counter()
     per_rank = launch(
-        _rank_main, world_size, args=(model_factory, [(s.tp, s.pp, s.cp, s.ep) for s in schemes], lengths, repeats),
-        timeout=timeout,
+        measure_on_rank, world_size,
+        args=(model_factory, [(s.tp, s.pp, s.cp, s.ep) for s in schemes], lengths, repeats), timeout=timeout,
     )
     raw = {**key, "per_rank": per_rank, "seconds": time.perf_counter() - start}
     store_entry(path, "profile-ranks", key, raw)
@@ -342,9 +375,13 @@ def profile_ranks(
         raise CostModelError("no schemes to profile; give e.g. ['tp1', 'tp2', 'tp1,pp2']")
     start = time.perf_counter()
     raw, path, cached = measure_ranks(model_factory, world_size, parsed, lengths, repeats, use_cache, timeout, measure)
+    return fitted_profile(raw, memory_gb, name, path, None if cached else time.perf_counter() - start)
+
+
+def fitted_profile(raw: dict[str, Any], memory_gb: float, name: str, path: Path, seconds: Optional[float]) -> Profile:
+    """The ``Profile`` of raw measurements (``hgraph.profiling.ranks_table``); ``seconds``: how long
+    measuring took, ``None`` for measurements read from the cache."""
     model, fits, times = build_ranks_table(raw, memory_gb, name)
-    seconds = raw["seconds"] if cached else time.perf_counter() - start
-    return Profile(
-        model, fits, {s: tuple(t) for s, t in times.items()}, tuple(raw["lengths"]), seconds, path, cached
-    )
+    return Profile(model, fits, {s: tuple(t) for s, t in times.items()}, tuple(raw["lengths"]),
+                   raw["seconds"] if seconds is None else seconds, path, seconds is None)
 

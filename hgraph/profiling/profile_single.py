@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from hgraph.models import load_factory
 from hgraph.planner.cost import CostModel
 from hgraph.planner.fit import Fit, fit_stage_cost
 from hgraph.planner.memory import MemoryRegression
+from hgraph.runtime.clock import DeviceClock
 
 
 class _Profiler:
@@ -40,24 +40,20 @@ class _Profiler:
         self.torch = torch
         self.model = model.to(device=device, dtype=dtype)
         self.device, self.repeats = device, repeats
+        self.clock = DeviceClock(device)
         self.blocks = decoder_blocks(self.model)
         embedding = embedding_of(self.model)
         self.vocab, self.hidden = embedding.num_embeddings, embedding.embedding_dim
         self._captured: tuple[tuple, dict] | None = None
 
-    def _sync(self) -> None:
-        if self.device.startswith("cuda"):
-            self.torch.cuda.synchronize()
-
     def _median_ms(self, step: Callable[[], None]) -> float:
+        """Median over ``repeats`` of the device's time for ``step`` (``hgraph.runtime.clock``)."""
         step()  # warm-up
         times = []
         for _ in range(self.repeats):
-            self._sync()
-            start = time.perf_counter()
+            start = self.clock.mark()
             step()
-            self._sync()
-            times.append((time.perf_counter() - start) * 1e3)
+            times.append(self.clock.elapsed_ms(start, self.clock.mark()))
         return statistics.median(times)
 
     def model_ms(self, length: int) -> float:

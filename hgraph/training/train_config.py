@@ -1,152 +1,259 @@
-"""The ``hgraph train`` config (JSON or TOML), parsed and checked: every problem is one
-``InputError`` line naming the field (``data.context``) or the file. Every field, its default and
-its meaning: docs/config.md.
-
-Top level: ``model`` (``module:factory``, an HF ``config.json``, or an HF checkpoint directory:
-local, or a hub id in the local HF cache), ``strategies`` (a list, or ``"auto"``: profile + propose), ``world_size``,
-``iterations``, ``seed``, ``out``; how it runs: ``backend``, ``device``; ``planner`` (``"auto"``,
-``"none"`` or a table). The library's option types, one table each (``config_sections.py``):
-``optimizer`` (``AdamWConfig``), ``lr_schedule`` (``LRScheduleConfig``), ``compile``
-(``CompileOptions``, with ``compile.recompute``, ``compile.schedule``, ``compile.schedule.overlap``,
-``compile.build``) and ``run`` (``RunConfig``). Tables: ``data``
-(``paths``, ``format``, ``text_field``, ``tokenizer``, ``context``, ``tokens_per_iteration``,
-``long_documents``, ``seed``, ``window``; without ``paths``: synthetic sequences with the lengths of
-a length file, ``lengths``, ``max_len``, ``length_scale``), ``eval`` (``paths``, ``interval``,
-``batches``), ``checkpoint`` (``dir``: a folder of ``step-N`` checkpoints, ``interval``,
-``resume``: continue from the newest, ``keep``: how many to keep, ``async``: write in the
-background), ``export`` (``dir``), ``planner`` (``cost_table``, ``memory_gb``), ``metrics``
-(``dir``, default ``<out>/metrics``; ``jsonl``, ``tensorboard``, ``console``: one line per
-iteration; ``wandb``: the TensorBoard scalars to Weights & Biases; ``peak_tflops``: per rank, for MFU). ``"hgraph:stdlib"`` as ``data.paths`` /
-``eval.paths`` / ``data.tokenizer`` names the embedded corpus (training / held-out files) and its
-BPE. Input paths (model files, data, tokenizer, eval, cost table) are relative to the config file
-(a model or tokenizer that is no file there and reads as a hub id, ``"gpt2"``, stays a hub id);
-output directories (``out``, checkpoint, export) to the working directory.
+"""The ``hgraph train`` config: ``TrainConfig`` and its tables, the one definition of every key, its
+default and its meaning (the string under each field). A TOML or JSON file is read into it
+(``read_config``, through ``config_sections.read_table``); the ``--section.key`` flags
+(``hgraph.cli.config_flags``), the run folder's ``config.toml`` (``config_toml``) and docs/config.md
+(``config_reference``) are derived from it. Input paths are relative to the config file (a model or
+tokenizer that is no file there and reads as a hub id stays a hub id); output directories to the
+working directory.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from hgraph.data.hub import is_hub_id
 from hgraph.errors import InputError
 from hgraph.program.options import CompileOptions
 from hgraph.runtime.metrics import require_wandb
-from hgraph.training.config_sections import TOP_SECTIONS, read_sections
+from hgraph.training.config_sections import (
+    ConfigKey, all_keys, config_tables, get_dotted, read_table, set_dotted, setting,
+)
 from hgraph.training.configs import AdamWConfig, LRScheduleConfig, RunConfig
 
 STDLIB = "hgraph:stdlib"  # data.paths / eval.paths / data.tokenizer: the embedded corpus and its BPE
-TOP = {"model", "strategies", "world_size", "iterations", "seed", "data", "eval", "checkpoint", "export", "planner",
-       "metrics", "out", "backend", "device", *(s.name for s in TOP_SECTIONS)}
-CHOICES = {  # top-level keys with a fixed set of values (the first is the default)
-    "backend": ("auto", "nccl", "gloo"),
-    "device": ("auto", "cpu", "cuda"),
-}
 MOVED = {  # keys of the top level before the option tables -> where they are now
     "lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay", "grad_clip": "optimizer.grad_clip",
     "warmup": "lr_schedule.warmup", "min_lr_ratio": "lr_schedule.min_lr_ratio",
     "compute_dtype": "compile.compute_dtype", "reduce_dtype": "compile.reduce_dtype",
     "recompute": "compile.recompute.mode", "pipeline_schedule": "compile.schedule.pipeline",
 }
-PLANNERS = ("auto", "none")  # planner = "auto": plan every iteration; "none": rotate the strategies
-TABLES = {
-    "data": {"paths", "format", "text_field", "tokenizer", "context", "tokens_per_iteration", "long_documents",
-             "seed", "window", "lengths", "max_len", "length_scale"},
-    "eval": {"paths", "interval", "batches"},
-    "checkpoint": {"dir", "interval", "resume", "keep", "async"},
-    "export": {"dir"},
-    "planner": {"cost_table", "memory_gb"},
-    "metrics": {"dir", "jsonl", "tensorboard", "console", "wandb", "peak_tflops"},
-}
+DOCUMENT_TOKENS, SYNTHETIC_TOKENS = 4096, 2048  # data.tokens_per_iteration's default with / without paths
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Documents from local files (``hgraph.data``)."""
+    """The ``[data]`` table: documents or synthetic sequences."""
 
-    paths: tuple[str, ...]
-    tokenizer: str
-    format: str = "text"
+    paths: tuple[str, ...] = setting((), resolve="files")
+    """Files, directories or globs; ``"hgraph:stdlib"`` is the embedded corpus (this interpreter's
+    standard library); none: synthetic sequences."""
+    tokenizer: Optional[str] = setting(None, resolve="file_or_name")
+    """With ``paths`` (required): a ``tokenizers`` JSON file or an ``AutoTokenizer`` directory, local or
+    a hub id in the local HF cache (as ``model``); ``"hgraph:stdlib"`` is a 512-token BPE of the
+    standard library, trained locally once."""
+    format: str = setting("text", choices=("text", "lines", "jsonl", "parquet"))
+    """``"text"`` (a file per document), ``"lines"``, ``"jsonl"`` or ``"parquet"``."""
     text_field: str = "text"
-    context: int = 512
-    tokens_per_iteration: int = 4096
-    long_documents: str = "split"
+    """The field holding the text in JSON Lines and Parquet."""
+    context: int = setting(512, minimum=2)
+    """Longest sequence: longer documents are split into pieces (or cut, ``long_documents``)."""
+    tokens_per_iteration: Optional[int] = setting(None, minimum=2)
+    """Tokens per global batch (none: 4096 with ``paths``, 2048 for synthetic sequences)."""
+    long_documents: str = setting("split", choices=("split", "cut"))
+    """``"split"`` documents longer than ``context`` into pieces, or ``"cut"`` them."""
     seed: int = 0
-    window: int = 256
+    """Shuffle seed."""
+    window: int = setting(256, minimum=1)
+    """Documents shuffled together (a window at a time)."""
+    lengths: str = setting("wikipedia", resolve="file_or_name")
+    """Synthetic sequences: a length file (one integer per line) or ``"wikipedia"``, a bundled sample of
+    20,000 tokenized Wikipedia document lengths."""
+    max_len: int = setting(512, minimum=2)
+    """Synthetic sequences: the longest (longer lengths are truncated)."""
+    length_scale: int = setting(8, minimum=1)
+    """Synthetic sequences: divide every length by this (small models on CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.paths and self.tokenizer is None:
+            raise InputError("data.tokenizer: missing: a tokenizers JSON file, an HF tokenizer directory or hub id")
+        if self.paths and self.batch_tokens < self.context:
+            raise InputError(f"data.tokens_per_iteration: {self.batch_tokens} is below data.context={self.context}")
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per global batch: ``tokens_per_iteration`` or its default."""
+        if self.tokens_per_iteration is not None:
+            return self.tokens_per_iteration
+        return DOCUMENT_TOKENS if self.paths else SYNTHETIC_TOKENS
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """The ``[eval]`` table: held-out loss."""
+
+    paths: tuple[str, ...] = setting((), resolve="files")
+    """Held-out documents (needs ``data.paths``); ``"hgraph:stdlib"``: the corpus's held-out files."""
+    interval: int = setting(0, minimum=0)
+    """Held-out loss every this many iterations; 0: never."""
+    batches: int = setting(4, minimum=1)
+    """Held-out batches per evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The ``[checkpoint]`` table."""
+
+    dir: Optional[str] = None
+    """Where ``step-N`` checkpoints go (needed by ``interval`` and ``resume``)."""
+    interval: int = setting(0, minimum=0)
+    """Save every this many iterations and at the end; 0: never."""
+    resume: bool = False
+    """Continue from the newest complete ``step-N`` checkpoint in ``dir`` if there is one (the same
+    batches as without a stop; also after ``torchrun --max-restarts`` restarted the job)."""
+    keep: int = setting(2, minimum=0)
+    """How many ``step-N`` checkpoints to keep (the oldest beyond it deleted after a new one is
+    complete); 0: keep all."""
+    async_: bool = True
+    """Write in the background (shards copied to host, then written while training goes on; one write
+    in flight)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """The ``[export]`` table."""
+
+    dir: Optional[str] = None
+    """Where: HF ``save_pretrained`` format for HF models, else ``model.safetensors``; none: no export."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """The ``[planner]`` table (``planner = "none"`` is short for ``[planner] mode = "none"``)."""
+
+    mode: str = setting("auto", choices=("auto", "none"))
+    """``"auto"``: plan every iteration with ``cost_table``, else with ``T(l)`` profiled on this
+    machine's local ranks once and cached in ``$HGRAPH_CACHE`` (under torchrun: on the job's own
+    ranks, [distributed.md](distributed.md)); ``"none"``: iteration ``i`` runs strategy ``i mod N``,
+    said on the console."""
+    cost_table: Optional[str] = setting(None, resolve="file_or_name")
+    """The cost model: a preset (``"llama7b_a800"``, ``"llama13b_a800"``, ``"llama32b_a800"``, from
+    published A800 tables) or a cost table JSON file (``hgraph profile --out``); none: profile this
+    machine (under torchrun: the job's own ranks)."""
+    memory_gb: Optional[float] = setting(None, minimum=0)
+    """Memory budget (GB per rank) behind MaxLen of a profiled cost model (none: 0.25); a sequence
+    longer than every strategy's MaxLen cannot run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsSinks:
+    """The ``[metrics]`` table: what becomes the run's ``hgraph.runtime.metrics.MetricsConfig``."""
+
+    dir: Optional[str] = None
+    """Where metrics go; none: ``<out>/metrics``."""
+    jsonl: bool = True
+    """One record per iteration in ``metrics.jsonl`` (loss, grad norm, lr, tokens/s, TFLOPs/MFU, peak
+    memory and exposed communication per rank, strategy, predicted / measured time)."""
+    tensorboard: bool = True
+    """The same figures as TensorBoard event files in ``<dir>/tensorboard``."""
+    console: bool = True
+    """One console line per iteration on rank 0 (log records go to ``out/logs/rank<r>.log``)."""
+    wandb: bool = False
+    """The TensorBoard scalars to a Weights & Biases run too (project ``$WANDB_PROJECT``, default
+    ``hgraph``; files in ``$WANDB_DIR``, default ``dir``; ``WANDB_MODE=offline`` keeps it local); needs
+    ``pip install wandb``, refused without it."""
+    peak_tflops: Optional[float] = None
+    """The per-rank peak TFLOP/s the maker states, for MFU; none: no MFU."""
+
+    def __post_init__(self) -> None:
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise InputError(f"metrics.peak_tflops: {self.peak_tflops}; give the per-rank peak in TFLOP/s (> 0)")
+        if self.wandb:
+            require_wandb("metrics.wandb = true")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str
-    strategies: tuple[str, ...]  # ("auto",): profile + propose
-    world_size: int = 4
-    iterations: int = 10
-    optimizer: AdamWConfig = AdamWConfig(grad_clip=1.0)  # [optimizer]
-    lr_schedule: LRScheduleConfig = LRScheduleConfig()  # [lr_schedule]
-    compile: CompileOptions = CompileOptions()  # [compile] with its nested tables
-    run: RunConfig = RunConfig()  # [run]
-    seed: int = 0  # model initialisation (factories and HF configs)
-    # synthetic sequences (no data.paths)
-    lengths: str = "wikipedia"
-    tokens_per_iteration: int = 2048
-    max_len: int = 512
-    length_scale: int = 8
-    data: Optional[DataConfig] = None
-    eval_paths: tuple[str, ...] = ()
-    eval_interval: int = 0
-    eval_batches: int = 4
-    checkpoint_dir: Optional[str] = None
-    checkpoint_interval: int = 0
-    resume: bool = False
-    checkpoint_keep: int = 2
-    checkpoint_async: bool = True
-    export_dir: Optional[str] = None
-    planner: str = "auto"  # PLANNERS
-    cost_table: Optional[str] = None  # a preset name or a JSON file; None: profile this machine (cached)
-    memory_gb: Optional[float] = None  # the memory budget behind MaxLen of a profiled cost model
+    """Everything ``hgraph train`` runs: the model, its strategies and the tables below."""
+
+    model: str = field(metadata={"resolve": "file_or_name"})
+    """``"module:factory"`` (a function returning the model), an HF ``config.json`` (random init with
+    ``seed``), or an HF checkpoint directory (``from_pretrained``): a local one, or a hub id
+    (``"gpt2"``, ``"org/name"``) in the local HF cache (never downloaded: ``hf download ID``)."""
+    strategies: tuple[str, ...]
+    """The strategies to compile (``["tp2,pp2 + 2x tp1", "4x tp1"]``: pipelines joined by ``+``,
+    ``Nx`` repeats, degrees ``tp``, ``pp``, ``cp``, ``vpp``; each covers ``world_size`` ranks), or
+    ``"auto"``: profile this machine and propose strategies from the data's lengths (needs
+    ``data.paths``; not under torchrun)."""
+    world_size: int = setting(4, minimum=1)
+    """Local ranks to start; under torchrun ``WORLD_SIZE`` decides."""
+    iterations: int = setting(10, minimum=1)
+    """Training iterations (the run stops earlier when the data are over)."""
+    seed: int = 0
+    """Model initialisation (factories and HF configs) and synthetic batches."""
     out: str = "runs/train"
-    backend: str = "auto"
-    device: str = "auto"
-    metrics_dir: Optional[str] = None  # None: <out>/metrics
-    metrics_jsonl: bool = True
-    metrics_tensorboard: bool = True
-    metrics_console: bool = True
-    metrics_wandb: bool = False
-    peak_tflops: Optional[float] = None
+    """Run folder: ``config.toml`` (this config, resolved), ``history.json``, ``eval.json``,
+    ``summary.json``, ``loss.png``."""
+    backend: str = setting("auto", choices=("auto", "nccl", "gloo"))
+    """``"auto"``: NCCL when CUDA is available with a GPU per local rank, else gloo."""
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"))
+    """``"auto"`` follows the backend (NCCL: each rank's GPU; gloo: CPU); ``"cuda"`` asks for NCCL,
+    ``"cpu"`` for gloo."""
+    data: DataConfig = DataConfig()
+    """Training data: documents from local files (with ``paths``; nothing is downloaded), else learnable
+    synthetic sequences with lengths drawn from a length file (``lengths``, ``max_len``, ``length_scale``)."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out loss (forward only) on documents of their own."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints: the shards, the data position and the planner state (docs/long_runs.md)."""
+    export: ExportConfig = ExportConfig()
+    """The trained model, written at the end."""
+    planner: PlannerConfig = PlannerConfig()
+    """How each iteration's strategy, dispatch and packing are chosen."""
+    metrics: MetricsSinks = MetricsSinks()
+    """Per-iteration metrics rank 0 writes (``hgraph.runtime.metrics``)."""
+    optimizer: AdamWConfig = AdamWConfig(grad_clip=1.0)
+    """The sharded AdamW (``hgraph.AdamWConfig``; ``hgraph train`` clips at 1.0)."""
+    lr_schedule: LRScheduleConfig = LRScheduleConfig()
+    """The learning-rate schedule (``LRScheduleConfig``, handed to the optimizer as its ``lr_scheduler``)."""
+    compile: CompileOptions = CompileOptions()
+    """How the model is compiled (``hgraph.CompileOptions``)."""
+    run: RunConfig = RunConfig()
+    """How the ``Trainer`` runs (``hgraph.RunConfig``; device, metrics and weights come from the keys above)."""
     source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        where = f"config {self.source}: " if self.source else ""
+        object.__setattr__(self, "strategies", tuple(self.strategies))
+        if not self.strategies:
+            raise InputError(f'{where}strategies: expected "auto" or a non-empty list like ["tp2", "2x tp1"]')
+        if (self.backend, self.device) in (("nccl", "cpu"), ("gloo", "cuda")):
+            raise InputError(f"{where}backend = {self.backend!r} with device = {self.device!r}: NCCL runs on GPUs, "
+                             "gloo here on CPUs; set device = \"auto\" (or backend = \"auto\")")
+        if self.planner.mode == "none" and (self.planner.cost_table or self.planner.memory_gb):
+            raise InputError(f"{where}planner: \"none\" rotates the strategies; drop [planner] cost_table / "
+                             "memory_gb or plan with planner = \"auto\"")
+        if (self.checkpoint.interval or self.checkpoint.resume) and self.checkpoint.dir is None:
+            raise InputError(f"{where}checkpoint.dir: missing (checkpoint.interval/resume need a directory)")
+        if self.eval.paths and not self.data.paths:
+            raise InputError(f"{where}eval.paths: held-out evaluation needs data.paths and data.tokenizer "
+                             "(real documents)")
+        if self.auto and not self.data.paths:
+            raise InputError(f'{where}strategies: "auto" proposes strategies from the lengths of real documents; '
+                             "set data.paths")
 
     @property
     def auto(self) -> bool:
         return self.strategies == ("auto",)
 
     @property
+    def documents(self) -> bool:
+        """Whether the run trains on documents (``data.paths``), not synthetic sequences."""
+        return bool(self.data.paths)
+
+    @property
     def context(self) -> int:
         """The longest sequence a batch may hold: ``data.context``, or ``data.max_len`` (synthetic)."""
-        return self.data.context if self.data is not None else self.max_len
+        return self.data.context if self.documents else self.data.max_len
 
 
-def check_choices(cfg: TrainConfig) -> TrainConfig:
-    """``InputError`` naming the field for a value outside ``CHOICES`` or a combination that cannot
-    run; ``cfg`` otherwise (also after command-line overrides)."""
-    where = f"config {cfg.source}: " if cfg.source else ""
-    for key, allowed in CHOICES.items():
-        value = getattr(cfg, key)
-        if value not in allowed:
-            raise InputError(f"{where}{key}: {value!r}; expected one of {', '.join(map(repr, allowed))}")
-    if cfg.planner not in PLANNERS:
-        raise InputError(f"{where}planner: {cfg.planner!r}; expected \"auto\", \"none\" or a [planner] table")
-    if (cfg.backend, cfg.device) in (("nccl", "cpu"), ("gloo", "cuda")):
-        raise InputError(f"{where}backend = {cfg.backend!r} with device = {cfg.device!r}: NCCL runs on GPUs, gloo "
-                         "here on CPUs; set device = \"auto\" (or backend = \"auto\")")
-    if cfg.planner == "none" and (cfg.cost_table or cfg.memory_gb):
-        raise InputError(f"{where}planner: \"none\" rotates the strategies; drop [planner] cost_table / memory_gb "
-                         "or plan with planner = \"auto\"")
-    return cfg
+def train_keys() -> list[ConfigKey]:
+    """Every key of the config, table by table."""
+    return all_keys(config_tables(TrainConfig))
 
 
 def _load(path: str) -> dict[str, Any]:
@@ -165,59 +272,8 @@ def _load(path: str) -> dict[str, Any]:
     return raw
 
 
-class _Fields:
-    """Typed reads from one table of the config, with errors naming ``table.key``."""
-
-    def __init__(self, path: str, table: dict[str, Any], prefix: str = "") -> None:
-        self.path, self.table, self.prefix = path, table, prefix
-
-    def fail(self, key: str, message: str) -> InputError:
-        return InputError(f"config {self.path}: {self.prefix}{key}: {message}")
-
-    def get(self, key: str, kind: type, default: Any = None, minimum: Optional[float] = None) -> Any:
-        if key not in self.table:
-            return default
-        value = self.table[key]
-        if value is None and default is None:
-            return None
-        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise self.fail(key, f"expected {kind.__name__}, got {value!r}")
-        if kind is float and not math.isfinite(value):
-            raise self.fail(key, f"{value}; expected a finite number")
-        if minimum is not None and value < minimum:
-            raise self.fail(key, f"{value} is below the minimum {minimum:g}")
-        return value
-
-    def paths(self, key: str) -> tuple[str, ...]:
-        value = self.table.get(key, [])
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.fail(key, f"expected a path or a list of paths, got {value!r}")
-        base = Path(self.path).parent
-        return tuple(v if v == STDLIB or os.path.isabs(os.path.expanduser(v)) else str(base / v) for v in value)
-
-    def path_or_hub_id(self, key: str) -> str:
-        """One path relative to the config file, or a hub id (``"gpt2"``) as written when no such file is there."""
-        value = self.paths(key)[0]
-        written = self.table[key] if isinstance(self.table[key], str) else self.table[key][0]
-        return written if is_hub_id(written) and not os.path.exists(value) else value
-
-
-def _cost_table(planner: _Fields) -> Optional[str]:
-    """``planner.cost_table``: a preset name as is, a file relative to the config."""
-    value = planner.get("cost_table", str)
-    if value is None or "/" not in value and not value.endswith(".json"):
-        return value
-    return planner.paths("cost_table")[0]
-
-
-def read_config(path: str) -> TrainConfig:
-    """Parse and check a config file (JSON, or TOML when it ends in ``.toml``)."""
-    raw = _load(path)
+def _refuse_moved(path: str, raw: dict[str, Any]) -> None:
+    """Keys of an older config format: where they are now."""
     moved = sorted(set(raw) & set(MOVED))
     if moved:
         raise InputError(f"config {path}: " + "; ".join(
@@ -225,95 +281,69 @@ def read_config(path: str) -> TrainConfig:
     if "schedule" in raw:
         raise InputError(f"config {path}: schedule: now the [compile.schedule.overlap] table (present: overlap on); "
                          "see docs/config.md")
-    if "lr_schedule" in raw and isinstance(raw["lr_schedule"], str):
+    if isinstance(raw.get("lr_schedule"), str):
         raise InputError(f"config {path}: lr_schedule: now a table, lr_schedule.kind = {raw['lr_schedule']!r}; "
                          "see docs/config.md")
-    unknown = set(raw) - TOP
-    if unknown:
-        raise InputError(f"config {path}: unknown keys {sorted(unknown)}; known: {sorted(TOP)}")
-    for key in ("model", "strategies"):
-        if key not in raw:
-            raise InputError(f"config {path}: missing required key {key!r}")
-    top = _Fields(path, raw)
-    tables = {}
-    planner = "auto"
-    if isinstance(raw.get("planner"), str):  # planner = "none" | "auto" instead of a [planner] table
-        planner = raw.pop("planner")
-    for name, known in TABLES.items():
-        table = raw.get(name, {})
-        if not isinstance(table, dict):
-            raise top.fail(name, f"expected a table of settings, got {table!r}")
-        extra = set(table) - known
-        if extra:
-            raise top.fail(name, f"unknown keys {sorted(extra)}; known: {sorted(known)}")
-        tables[name] = _Fields(path, table, f"{name}.")
-    strategies = raw["strategies"]
-    if strategies == "auto":
-        strategies = ["auto"]
-    if not isinstance(strategies, list) or not strategies or not all(isinstance(s, str) for s in strategies):
-        raise top.fail("strategies", 'expected "auto" or a non-empty list like ["tp2", "2x tp1"]')
-    d, e, c, m = tables["data"], tables["eval"], tables["checkpoint"], tables["metrics"]
-    data = None
-    if "paths" in d.table:
-        if "tokenizer" not in d.table:
-            raise d.fail("tokenizer", "missing: a tokenizers JSON file, an HF tokenizer directory or hub id")
-        data = DataConfig(
-            paths=d.paths("paths"), tokenizer=d.path_or_hub_id("tokenizer"), format=d.get("format", str, "text"),
-            text_field=d.get("text_field", str, "text"), context=d.get("context", int, 512, 2),
-            tokens_per_iteration=d.get("tokens_per_iteration", int, 4096, 2),
-            long_documents=d.get("long_documents", str, "split"), seed=d.get("seed", int, 0),
-            window=d.get("window", int, 256, 1),
-        )
-        if data.tokens_per_iteration < data.context:
-            raise d.fail("tokens_per_iteration", f"{data.tokens_per_iteration} is below data.context={data.context}")
-    elif e.table.get("paths"):
-        raise e.fail("paths", "held-out evaluation needs data.paths and data.tokenizer (real documents)")
-    checkpoint_dir = c.get("dir", str)
-    model = top.get("model", str)
-    relative = Path(path).parent / os.path.expanduser(model)
-    if not os.path.isabs(os.path.expanduser(model)) and relative.exists():
-        model = str(relative)  # an HF config file or checkpoint directory next to the config
-    cfg = TrainConfig(
-        model=model,
-        strategies=tuple(strategies),
-        world_size=top.get("world_size", int, 4, 1),
-        iterations=top.get("iterations", int, 10, 1),
-        **read_sections(path, raw),
-        seed=top.get("seed", int, 0),
-        lengths=d.get("lengths", str, "wikipedia"),
-        tokens_per_iteration=d.get("tokens_per_iteration", int, 2048, 2),
-        max_len=d.get("max_len", int, 512, 2),
-        length_scale=d.get("length_scale", int, 8, 1),
-        data=data,
-        eval_paths=e.paths("paths"),
-        eval_interval=e.get("interval", int, 0, 0),
-        eval_batches=e.get("batches", int, 4, 1),
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_interval=c.get("interval", int, 0, 0),
-        resume=c.get("resume", bool, False),
-        checkpoint_keep=c.get("keep", int, 2, 0),
-        checkpoint_async=c.get("async", bool, True),
-        export_dir=tables["export"].get("dir", str),
-        planner=planner,
-        cost_table=_cost_table(tables["planner"]),
-        memory_gb=tables["planner"].get("memory_gb", float, None, 0),
-        out=top.get("out", str, "runs/train"),
-        metrics_dir=m.get("dir", str),
-        metrics_jsonl=m.get("jsonl", bool, True),
-        metrics_tensorboard=m.get("tensorboard", bool, True),
-        metrics_console=m.get("console", bool, True),
-        metrics_wandb=m.get("wandb", bool, False),
-        peak_tflops=m.get("peak_tflops", float, None, 0),
-        source=path,
-        **{key: top.get(key, str, allowed[0]) for key, allowed in CHOICES.items()},
-    )
-    check_choices(cfg)
-    if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
-        raise m.fail("peak_tflops", f"{cfg.peak_tflops}; give the per-rank peak in TFLOP/s (> 0)")
-    if cfg.metrics_wandb:
-        require_wandb(f"config {path}: metrics.wandb = true")
-    if (cfg.checkpoint_interval or cfg.resume) and cfg.checkpoint_dir is None:
-        raise InputError(f"config {path}: checkpoint.dir: missing (checkpoint.interval/resume need a directory)")
-    if cfg.auto and cfg.data is None:
-        raise top.fail("strategies", '"auto" proposes strategies from the lengths of real documents; set data.paths')
-    return cfg
+
+
+def resolve_input(key: ConfigKey, value: str, base: Path) -> str:
+    """An input path of ``key`` relative to ``base`` (the config's folder, or the working directory
+    for a flag); a name (hub id, preset, ``module:factory``, ``"wikipedia"``) as written."""
+    expanded = os.path.expanduser(value)
+    if value == STDLIB or os.path.isabs(expanded):
+        return value
+    there = base / expanded
+    if key.resolve == "files" or there.exists():
+        return str(there)
+    if is_hub_id(value) or "/" not in value and not value.endswith(".json"):
+        return value
+    return str(there)
+
+
+def _resolved(key: ConfigKey, value: Any, base: Path) -> Any:
+    """``value`` of ``key`` with its input paths resolved (``resolve_input``); other values as they are."""
+    if key.resolve and isinstance(value, str):
+        return resolve_input(key, value, base)
+    if key.resolve and isinstance(value, (list, tuple)):
+        return [resolve_input(key, v, base) if isinstance(v, str) else v for v in value]
+    return value
+
+
+def _resolve_inputs(values: dict[str, Any], base: Path) -> None:
+    """Every input path in the nested ``values``, resolved in place."""
+    for key in train_keys():
+        value = get_dotted(values, key.name)
+        if key.resolve and value is not None:
+            set_dotted(values, key.name, _resolved(key, value, base))
+
+
+def read_config(path: str, overrides: Optional[Mapping[str, Any]] = None) -> TrainConfig:
+    """Parse and check a config file (JSON, or TOML when it ends in ``.toml``); ``overrides`` (dotted
+    key -> value, the command line's) replace its keys, their paths relative to the working directory."""
+    raw = _load(path)
+    _refuse_moved(path, raw)
+    if isinstance(raw.get("planner"), str):  # planner = "none" | "auto": short for [planner] mode
+        raw["planner"] = {"mode": raw["planner"]}
+    _resolve_inputs(raw, Path(path).parent)
+    keys = {k.name: k for k in train_keys()}
+    for name, on in (overrides or {}).items():  # a switch table: on keeps (or makes) it, off drops it
+        if name not in keys:
+            _switch(raw, name, on)
+    for name, value in (overrides or {}).items():
+        if name in keys:
+            set_dotted(raw, name, _resolved(keys[name], value, Path.cwd()))
+    cfg = read_table(path, raw, config_tables(TrainConfig))
+    return replace(cfg, source=path)
+
+
+def _switch(raw: dict[str, Any], name: str, on: bool) -> None:
+    parent, _, last = name.rpartition(".")
+    table = get_dotted(raw, parent) if parent else raw
+    if on and not isinstance(get_dotted(raw, name), dict):
+        set_dotted(raw, name, {})
+    elif not on and isinstance(table, dict):
+        table.pop(last, None)
+
+
+__all__ = ["STDLIB", "CheckpointConfig", "DataConfig", "EvalConfig", "ExportConfig", "MetricsSinks", "PlannerConfig",
+           "TrainConfig", "read_config", "resolve_input", "train_keys"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -33,6 +32,7 @@ from hgraph.planner.experts import layer_imbalance
 from hgraph.planner.plan import Dispatch
 from hgraph.frontend.meta import release_parameters
 from hgraph.runtime import preemption
+from hgraph.runtime.clock import DeviceClock, Mark
 from hgraph.runtime.kernels.comm import Communicator
 from hgraph.runtime.kernels.process_group_comm import ProcessGroupComm
 from hgraph.runtime.kernels.expert_dispatch import expert_dispatch
@@ -164,10 +164,11 @@ class Trainer(TrainerState):
     # ------------------------------------------------------------------ training
     def step(self, sequences: Sequence[torch.Tensor], strategy: Union[int, Any, None] = None) -> float:
         """One iteration on the global batch ``sequences``; returns the token-mean loss."""
-        start = time.perf_counter()
+        clock = DeviceClock(self.device)
+        start = clock.mark()
         lengths = self._check_sequences(sequences)
         self._check_same_batch(sequences)
-        return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), start)
+        return self._train_on(lengths, sequences, self.dispatch(lengths, strategy), clock, start)
 
     def _check_same_batch(self, sequences: Sequence[torch.Tensor]) -> None:
         """``InputError`` on every rank unless every rank passed this batch (a 63-bit digest of the
@@ -195,13 +196,14 @@ class Trainer(TrainerState):
         """One iteration on ``loader``'s next batch (an ``hgraph.data.TokenLoader``; only rank 0
         reads it, every rank receives just its pipeline's tokens); ``None`` when the data are over.
         ``save`` then stores the loader's position."""
-        start = time.perf_counter()
+        clock = DeviceClock(self.device)
+        start = clock.mark()
         self.data = loader
         lengths = share_lengths(self, lambda: self._checked(loader.next_batch()))
         if lengths is None:
             return None
         d = self.dispatch(lengths, strategy)
-        return self._train_on(lengths, scatter_sequences(self, d, lengths), d, start)
+        return self._train_on(lengths, scatter_sequences(self, d, lengths), d, clock, start)
 
     def evaluate(self, batches: Optional[Sequence[Sequence[torch.Tensor]]],
                  strategy: Union[int, Any, None] = None) -> float:
@@ -271,9 +273,11 @@ class Trainer(TrainerState):
         ep = len(program.groups["ep"])
         return {"expert_counts": counts.tolist(), "expert_imbalance": layer_imbalance(counts.tolist(), ep)}
 
-    def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, start: float) -> float:
-        """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences)."""
-        run_start = time.perf_counter()  # measured_ms: from here (after planning) to the optimizer's end
+    def _train_on(self, lengths: list[int], sequences: Any, d: Dispatch, clock: DeviceClock, start: Mark) -> float:
+        """Run dispatch ``d`` of a batch with ``lengths`` (this rank needs only its pipeline's sequences).
+        Times are marks of ``clock`` (``hgraph.runtime.clock``): on CUDA they end when the optimizer's
+        kernels have finished, not when they were launched."""
+        run_start = clock.mark()  # measured_ms: from here (after planning) to the optimizer's end
         program = self.compiled.program(d.strategy_index, self.rank)
         tokens = sum(l - 1 for l in lengths)
         mbs = self._local_micro_batches(d, sequences)
@@ -283,7 +287,8 @@ class Trainer(TrainerState):
         if timeline is not None:
             timeline.iteration = self.iteration
             first_event = len(timeline.events)
-        out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline, comm=self.comm)
+        out = run_iteration(program, self.optimizer.shards, mbs, 1.0 / tokens, timeline=timeline, comm=self.comm,
+                            clock=clock)
         routed = self._routing_statistics(program, out.routing if "ep" in program.groups else None)
         # One all-reduce ends the iteration: [loss sum, stop requests, peak memory per rank, exposed
         # communication per rank] (each rank fills its own slots; -1: not measured)
@@ -308,7 +313,7 @@ class Trainer(TrainerState):
                 "(lower the learning rate or check the data)"
             )
         grads = {n: None if n in self.frozen else g for n, g in out.grad_shards.items()}
-        optimizer_start = time.perf_counter()
+        optimizer_start = clock.mark()
         norm = self.optimizer.global_grad_norm(grads, self.comm, self.world)
         if not math.isfinite(norm):
             raise TrainingError(
@@ -322,7 +327,7 @@ class Trainer(TrainerState):
         self.optimizer.apply(grads, scale)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        end = time.perf_counter()
+        end = clock.mark()
         record = {
             "iteration": self.iteration,
             "loss": loss,
@@ -332,9 +337,9 @@ class Trainer(TrainerState):
             "predicted_ms": d.predicted_ms,
             "predicted_raw_ms": None if d.prediction is None else d.prediction.total_ms,
             "prediction": None if d.prediction is None else asdict(d.prediction),
-            "measured_ms": (end - run_start) * 1e3,
-            "optimizer_ms": (end - optimizer_start) * 1e3,
-            "seconds": end - start,
+            "measured_ms": clock.elapsed_ms(run_start, end),
+            "optimizer_ms": clock.elapsed_ms(optimizer_start, end),
+            "seconds": clock.elapsed_ms(start, end) / 1e3,
             "lengths": lengths,
             "dispatch": [[list(mb) for mb in p] for p in d.micro_batches],
             "lr": float(lr),

@@ -15,6 +15,13 @@ from that one class, and ``choose_kernel`` picks a kernel that implements all of
   ``score_mod``: every variant; where varlen cannot serve (context parallelism: local queries against
   gathered keys; fp32; a variant varlen lacks).
 
+FlexAttention runs compiled on CUDA (``torch.compile(flex_attention, dynamic=True)`` and a compiled
+``create_block_mask``, as torchtitan does): eager flex writes out the full score matrix and a dense
+mask, on exactly the longest sequences (context parallelism always takes flex). Elsewhere it runs
+eagerly (CPU: measured in ``benchmarks/flex_bench.py``, the decision is in docs/attention.md);
+``HGRAPH_FLEX_COMPILE=1|0`` forces either. A compile that fails is logged once as a warning and
+FlexAttention runs eagerly from then on in this process (``CompiledFlex``).
+
 ``HGRAPH_ATTENTION_KERNEL=sdpa|varlen|flex`` forces one; a kernel that cannot serve the case (varlen off
 CUDA or with a soft-cap, FlexAttention's backward on CPU) is an ``HGraphError`` naming the fix. The
 backward of ``hgraph.packed_attention`` recomputes its forward with the same kernel and differentiates it.
@@ -23,9 +30,10 @@ backward of ``hgraph.packed_attention`` recomputes its forward with the same ker
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +45,9 @@ from hgraph.errors import HGraphError
 Tensor = torch.Tensor
 KERNELS = ("sdpa", "varlen", "flex")
 _ENV = "HGRAPH_ATTENTION_KERNEL"
+FLEX_COMPILE_ENV = "HGRAPH_FLEX_COMPILE"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -313,8 +324,72 @@ def flex(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, query_stream: Tenso
     def score(scores, b, h, qi, ki):  # noqa: ANN001 - FlexAttention's score_mod signature
         return variant.score(scores, h, in_document[b, query_stream[qi]], in_document[b, ki])
 
-    block = create_block_mask(mask, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    make_mask, attention = FLEX.functions(q.device)
+    block = make_mask(mask, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
     if not torch.is_grad_enabled():  # no graph is recorded; FlexAttention on CPU refuses leaves needing grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    return flex_attention(q, k, v, score_mod=score if variant.changes_scores else None, block_mask=block,
-                          scale=scale, enable_gqa=enable_gqa)
+    return attention(q, k, v, score_mod=score if variant.changes_scores else None, block_mask=block,
+                     scale=scale, enable_gqa=enable_gqa)
+
+
+class CompiledFlex:
+    """``create_block_mask`` and ``flex_attention`` under ``torch.compile(dynamic=True)`` where they
+    should be compiled (``compiles``), eager elsewhere. The compiled functions are made on first use;
+    a call whose compile fails (no Triton, no C++ compiler, an unsupported mask) is logged once as a
+    warning, runs eagerly, and so does every later call (``failure`` says why). One per process
+    (``FLEX``): torch.compile's caches are the process's."""
+
+    def __init__(self, backend: Union[str, Callable[..., Any]] = "inductor") -> None:
+        self.backend = backend
+        self.failure: Optional[str] = None
+        self._compiled: dict[str, Callable[..., Any]] = {}
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether FlexAttention on ``device`` runs compiled: CUDA unless ``HGRAPH_FLEX_COMPILE`` says
+        otherwise, and no compile has failed in this process."""
+        forced = os.environ.get(FLEX_COMPILE_ENV)
+        if forced not in (None, "", "0", "1"):
+            raise HGraphError(f"{FLEX_COMPILE_ENV}={forced!r}; expected 1 (compile FlexAttention), 0 (run it "
+                              "eagerly) or unset (compile on CUDA only)")
+        wanted = device.type == "cuda" if forced in (None, "") else forced == "1"
+        return wanted and self.failure is None
+
+    def functions(self, device: torch.device) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``(create_block_mask, flex_attention)`` for tensors on ``device``."""
+        if not self.compiles(device):
+            return create_block_mask, flex_attention
+        return (lambda *a, **kw: self._call(create_block_mask, a, kw),
+                lambda *a, **kw: self._call(flex_attention, a, kw))
+
+    def _call(self, eager: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.failure is None:
+            name = eager.__name__
+            try:
+                if name not in self._compiled:
+                    self._compiled[name] = torch.compile(eager, dynamic=True, backend=self.backend)
+                return self._compiled[name](*args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise  # eager flex needs more memory, not less
+            except Exception as exc:  # noqa: BLE001 - any compile failure: fall back, said once
+                self.failure = f"compiling {name} failed ({_cause(exc)})"
+                log.warning("%s; FlexAttention runs eagerly from now on in this process, writing out the full "
+                            "score matrix (set %s=0 to skip compiling, or fix the torch.compile backend)",
+                            self.failure, FLEX_COMPILE_ENV)
+        return eager(*args, **kwargs)
+
+
+def _cause(exc: BaseException) -> str:
+    """``Type: first line`` of the exception and of its root cause (torch.compile wraps the backend's
+    error in ``BackendCompilerFailed.inner_exception``)."""
+    root, seen = exc, {id(exc)}
+    while True:
+        inner = root.__cause__ or getattr(root, "inner_exception", None) or root.__context__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        root = inner
+        seen.add(id(inner))
+    text = [f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}" for e in dict.fromkeys((exc, root))]
+    return " <- ".join(text)
+
+
+FLEX = CompiledFlex()

@@ -49,8 +49,22 @@ def test_non_finite_numbers_stop_before_ranks_start(capsys, tmp_path, section, k
     assert f"{section}.{key}" in err and "expected a finite number" in err
 
 
-def test_world_size_zero_is_refused(capsys, tmp_path):
-    assert "--world-size 0; expected an integer >= 1" in train(capsys, tmp_path, TINY, "--world-size", "0")
+@pytest.mark.parametrize("flags, match", [
+    (["--world-size", "0"], "--world_size: 0 is below the minimum 1"),
+    (["--data.max_len", "1"], "--data.max_len: 1 is below the minimum 2"),
+    (["--optimizer.lr", "nan"], "--optimizer.lr: nan; expected a finite number"),
+    (["--optimizer.lr", "-1"], "config .*: optimizer: invalid AdamW settings lr=-1.0"),
+    (["--compile.compute_dtype", "float64"], None),  # argparse's own choices: exit 2
+])
+def test_bad_key_flags_are_refused(capsys, tmp_path, flags, match):
+    import re
+
+    if match is None:
+        with pytest.raises(SystemExit) as stop:
+            train(capsys, tmp_path, TINY, *flags)
+        assert stop.value.code == 2 and "invalid choice: 'float64'" in capsys.readouterr().err
+        return
+    assert re.search(match, train(capsys, tmp_path, TINY, *flags))
 
 
 @pytest.mark.slow

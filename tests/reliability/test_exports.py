@@ -16,7 +16,7 @@ from hgraph.cli.train_cli import export_over_source
 from hgraph.core.checkpoint_files import INDEX_NAME, SINGLE_NAME, SafetensorsCheckpoint
 from hgraph.core.sharded_writer import ShardedWriter, TensorSpec
 from hgraph.errors import InputError
-from hgraph.training.train_config import read_config
+from hgraph.training.train_config import ExportConfig, read_config
 
 
 def export(directory, tensors, max_shard_bytes):
@@ -99,7 +99,7 @@ def test_an_export_into_the_folder_the_model_loads_from_says_so(tmp_path):
     cfg = read_config(str(path))
     source = tmp_path / "hf-model"
     source.mkdir()
-    assert export_over_source(replace(cfg, model=str(source), export_dir=str(tmp_path / "elsewhere"))) == ""
-    assert export_over_source(replace(cfg, export_dir=str(source))) == ""  # a factory, not a folder
-    notice = export_over_source(replace(cfg, model=str(source), export_dir=str(source / ".." / "hf-model")))
+    assert export_over_source(replace(cfg, model=str(source), export=ExportConfig(dir=str(tmp_path / "elsewhere")))) == ""
+    assert export_over_source(replace(cfg, export=ExportConfig(dir=str(source)))) == ""  # a factory, not a folder
+    notice = export_over_source(replace(cfg, model=str(source), export=ExportConfig(dir=str(source / ".." / "hf-model"))))
     assert str(source / ".." / "hf-model") in notice and "replaced when the export completes" in notice

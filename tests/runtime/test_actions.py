@@ -143,9 +143,13 @@ def test_one_vocabulary_of_schedules():
     """The config, the planner's terms and the bubble read the one registry's names."""
     from hgraph.errors import CostModelError
     from hgraph.planner.terms import StrategyTerms
-    from hgraph.cli.train_cli import COMPILE_FLAGS
+    from hgraph.cli.command import build_parser
+    from hgraph.program.options import ScheduleConfig
 
-    assert COMPILE_FLAGS["pipeline_schedule"][1] == PIPELINE_SCHEDULES and COMPILE_FLAGS["schedule"][1] == PLACEMENTS
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    assert next(a for a in train._actions if "--schedule" in a.option_strings).choices == PLACEMENTS
+    for name in PIPELINE_SCHEDULES:
+        assert ScheduleConfig(pipeline=name).pipeline == name  # the [compile.schedule] key takes every schedule
     assert set(PIPELINE_SCHEDULES) < set(LOWERINGS) and lowering_name("1f1b", 2) == "interleaved"
     assert [lowering_name(s, 1) for s in PIPELINE_SCHEDULES] == list(PIPELINE_SCHEDULES)
     with pytest.raises(ScheduleError, match="pipeline_schedule='gpipe'; expected one of 1f1b, zb1p"):

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/gpu_bench.py: without CUDA (or with --smoke) it trains a tiny HF Llama with
 hgraph and with the hand-written loop on the same packed Wikipedia-length batches, prints its JSON and
-says what it skipped; the two loops learn the same thing."""
+says what it skipped; the two loops learn the same thing; the planner's prediction and the measured
+step times are reported side by side, and the cp flex section runs its eager path."""
 
 import json
 import sys
@@ -11,7 +12,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 def test_gpu_bench_smoke_mode(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.delitem(sys.modules, "gpu_bench", raising=False)
@@ -29,3 +30,10 @@ def test_gpu_bench_smoke_mode(monkeypatch, capsys):
     assert "error" not in variants, variants.get("traceback")
     for name in ("causal", "window=256", "softcap=30.0", "window=256, softcap=30.0"):
         assert variants[name]["ok"] and variants[name]["kernel"] == "sdpa", (name, variants[name])
+    prediction = report["prediction"]
+    assert "error" not in prediction, prediction.get("traceback")
+    assert len(prediction["steps"]) == 4 and prediction["measured_over_predicted"]["min"] > 0
+    assert all(r["measured_ms"] >= r["optimizer_ms"] > 0 and r["predicted_ms"] > 0 for r in prediction["steps"])
+    flex = report["flex_cp_memory"]
+    assert "error" not in flex and "error" not in flex["eager"], flex
+    assert flex["query_tokens"] == 512 and flex["eager"]["measured_ms"] > 0 and not flex["compiled_used"]

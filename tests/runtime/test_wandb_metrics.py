@@ -77,9 +77,9 @@ def test_metrics_wandb_key_is_read_and_refused_without_wandb(tmp_path, monkeypat
                                                      "num_hidden_layers": 2, "num_attention_heads": 4}))
     path = tmp_path / "train.toml"
     path.write_text('model = "model.json"\nstrategies = ["tp1"]\n[metrics]\nwandb = true\n')
-    assert read_config(str(path)).metrics_wandb
+    assert read_config(str(path)).metrics.wandb
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    with pytest.raises(InputError, match=r"config .*train.toml: metrics.wandb = true logs to Weights & Biases, "
+    with pytest.raises(InputError, match=r"config .*train.toml: metrics: metrics.wandb = true logs to Weights & Biases, "
                                          r"but the wandb package is not installed; pip install wandb"):
         read_config(str(path))
     with pytest.raises(InputError, match=r"MetricsConfig wandb=True logs to Weights & Biases, but the wandb "
