@@ -26,7 +26,7 @@ docs/big_models.md (hidden 2048, 16 heads / 4 KV heads, ffn 5632, vocab 32000; 6
 parameters). Its bf16 weights are written once (``big_model_bench.write_checkpoint``); for each
 direction, a child process launches the saving world (meta model, compile ``Wx tp1``, ``Trainer(weights=)``
 reading its slices, ``trainer.save``) and then the loading world, whose ranks report the peak RSS of the
-whole process (``ru_maxrss``) and of the load alone (``VmHWM`` after ``/proc/self/clear_refs``), next to
+whole process and of the load alone (``VmHWM`` before, and after ``/proc/self/clear_refs``), next to
 the rank's share of parameters and optimizer state (12 bytes per element of its ZeRO shards) + 1 GiB.
 The same children run the code of ``--baseline`` (a commit of this repository, extracted with
 ``git archive`` and put first on ``PYTHONPATH``: the per-rank ``torch.load`` reader), interleaved with
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -141,7 +140,8 @@ def _resume_rank(spec: dict) -> dict:
     start = time.perf_counter()
     trainer.load(spec["checkpoint"])
     seconds = time.perf_counter() - start
-    in_load, peak = _hwm(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    in_load = _hwm()
+    peak = max(before, in_load)  # clear_refs resets ru_maxrss as well: the whole run's peak is the larger
     return {"rank": dist.get_rank(), "share_gib": round(share / GiB, 3), "limit_gib": round((share + GiB) / GiB, 3),
             "peak_gib": round(peak / GiB, 3), "peak_before_load_gib": round(before / GiB, 3),
             "peak_in_load_gib": round(in_load / GiB, 3), "load_s": round(seconds, 1),

@@ -1,4 +1,4 @@
-"""A rank's optimizer shards as ``torch.distributed.checkpoint`` (DCP) chunks, and a DCP save over any communicator.
+"""A rank's optimizer shards as ``torch.distributed.checkpoint`` (DCP) chunks; DCP's save over any communicator.
 
 DCP stores a global tensor as chunks (a box each: global offsets and sizes) and reads back, for each
 box a rank asks for, only the stored chunks that overlap it. hgraph's ZeRO layouts
@@ -20,7 +20,6 @@ load needs no coordination (DCP's global load plan is each rank's own).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import pickle
 import shutil
@@ -76,8 +75,7 @@ class ShardBoxes:
     # DCP's checkpointable protocol (planner_helpers: write items and chunk lists of an object)
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(view),
-                                                      size=self.size()))
+                          tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(view), self.size()))
                 for chunk, (_, view) in zip(self.chunks(), self.boxes)]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
@@ -144,8 +142,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module in _METADATA_MODULES or (module, name) in _SAFE_BUILTINS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
         raise pickle.UnpicklingError(f"global {module}.{name} is not part of DCP's metadata")
 
 
@@ -212,7 +211,7 @@ def save(state: dict[str, Any], directory: Path, comm: Communicator, world: tupl
     results.wait()
     everyone = _all_gather_objects(results.value(), comm, world)
     if coordinator:
-        writer.finish(dataclasses.replace(metadata), everyone)
+        writer.finish(metadata, everyone)
 
 
 def load(state: dict[str, Any], directory: Path, metadata: Metadata) -> None:

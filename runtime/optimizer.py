@@ -146,7 +146,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live master shard and Adam moments per parameter, not copies: a checkpoint is read into
         them in place (then ``load_shard_state`` with them sets the step counts)."""
-        return {name: {"param": p.detach(), "exp_avg": self.state[p]["exp_avg"], "exp_avg_sq": self.state[p]["exp_avg_sq"]}
+        return {name: {"param": p.detach(), **{key: self.state[p][key] for key in ("exp_avg", "exp_avg_sq")}}
                 for name, p in zip(self.names, self.param_groups[0]["params"])}
 
     @torch.no_grad()
