@@ -43,36 +43,19 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from hgraph.errors import CheckpointError, HGraphError
 from hgraph.core import atomic_files
 from hgraph.core.layout import Layout
-from hgraph.core.placement import parse_placement, Replicate
+from hgraph.core.placement import Replicate
 from hgraph.lnk import solve
 from hgraph.runtime import checkpoint_dcp
 from hgraph.runtime.checkpoint_dcp import METADATA, ShardBoxes
 from hgraph.runtime.kernels.reshard import execute
-from hgraph.runtime.checkpoint_manifest import FORMAT, MANIFEST, MANIFEST_KEYS, rank_file, read_manifest
+from hgraph.runtime.checkpoint_manifest import (FORMAT, MANIFEST, MANIFEST_KEYS, check_file, digest_tensor,
+                                                layout_json, rank_file, read_manifest, saved_layouts, sha256)
 
 __all__ = ["FORMAT", "MANIFEST", "MANIFEST_KEYS", "Snapshot", "full_state", "load", "rank_file", "read_manifest",
            "resolve", "run_identity", "save", "snapshot", "verify", "write", "write_async"]
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 PathLike = Union[str, os.PathLike]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _layout_json(layout: Layout) -> dict[str, Any]:
-    placements = [str(p) for p in layout.placements]
-    return {"mesh": list(layout.mesh), "ranks": list(layout.ranks), "placements": placements}
-
-
-def _layout_from_json(shape: list[int], entry: dict[str, Any]) -> Layout:
-    return Layout(tuple(shape), tuple(entry["ranks"]), tuple(entry["mesh"]),
-                  tuple(parse_placement(p) for p in entry["placements"]))
 
 
 def run_identity(trainer: Any, data: Any = None) -> dict[str, Any]:
@@ -85,11 +68,6 @@ def run_identity(trainer: Any, data: Any = None) -> dict[str, Any]:
     return {"model": type(trainer.compiled.model).__name__,
             "parameters": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "data": json.loads(json.dumps(loader)) if loader is not None else None}
-
-
-def _digest_tensor(hexdigest: str, size: int) -> torch.Tensor:
-    """sha256 and file size as int64s, so every rank's can be all-gathered (gloo has no strings)."""
-    return torch.tensor(list(bytes.fromhex(hexdigest)) + [size], dtype=torch.int64)
 
 
 def _rank_state(trainer: Any) -> dict[str, torch.Tensor]:
@@ -140,7 +118,7 @@ def snapshot(trainer: Any, extra: Optional[dict[str, Any]] = None) -> Snapshot:
         "strategies": [str(s) for s in compiled.strategies],
         "parameters": {
             fqn: {"shape": list(layout.shape), "dtype": "torch.float32",
-                  "optimizer_layout": _layout_json(layout)}
+                  "optimizer_layout": layout_json(layout)}
             for fqn, layout in compiled.optimizer_layouts.items()
         },
         "optimizer": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"},
@@ -176,14 +154,10 @@ def _rng_key(kind: str, rank: int) -> str:
     return f"rng/{kind}/rank{rank:05d}"
 
 
-def _saved_layouts(manifest: dict[str, Any]) -> dict[str, Layout]:
-    return {fqn: _layout_from_json(p["shape"], p["optimizer_layout"]) for fqn, p in manifest["parameters"].items()}
-
-
 def _dcp_state(snap: Snapshot) -> dict[str, Any]:
     """What ``snap``'s rank gives DCP: its boxes of every state tensor, its RNG under its rank's name, the
     step counts (the same on every rank; DCP writes each once)."""
-    layouts = _saved_layouts(snap.manifest)
+    layouts = saved_layouts(snap.manifest)
     state: dict[str, Any] = {}
     for key, value in snap.tensors.items():
         kind, name = key.split("/", 1)
@@ -236,7 +210,7 @@ def commit(snap: Snapshot, final: Path, comm: Any) -> Path:
     file = partial / rank_file(rank)
     if not file.is_file():
         raise CheckpointError(f"rank {rank} did not write {file}; the checkpoint is incomplete")
-    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
+    digests = comm.all_gather(digest_tensor(sha256(file), file.stat().st_size).to(comm.device), world)
     if rank == world[0]:
         _write_manifest(snap, partial, digests.cpu())
         if final.exists():
@@ -275,7 +249,7 @@ def _write_manifest(snap: Snapshot, partial: Path, digests: torch.Tensor) -> Non
         row = digests[rank].tolist()
         files[rank_file(rank)] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32]}
     metadata = partial / METADATA
-    files[METADATA] = {"sha256": _sha256(metadata), "bytes": metadata.stat().st_size}
+    files[METADATA] = {"sha256": sha256(metadata), "bytes": metadata.stat().st_size}
     manifest["files"] = files
     text = json.dumps(manifest, indent=1, sort_keys=True)
     atomic_files.write_text(partial / MANIFEST, text)
@@ -290,21 +264,6 @@ def resolve(path: PathLike) -> Path:
     if not (final / MANIFEST).is_file() and (old / MANIFEST).is_file():
         return old
     return final
-
-
-def _check_file(path: Path, manifest: dict[str, Any], name: str) -> None:
-    """``name`` is listed in the manifest, present, and has the manifest's sha256."""
-    file = path / name
-    entry = manifest["files"].get(name)
-    if entry is None:
-        raise CheckpointError(f"{name} is not listed in {path / MANIFEST}")
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing; the manifest lists it")
-    digest = _sha256(file)
-    if digest != entry["sha256"]:
-        raise CheckpointError(
-            f"{file} is corrupt: sha256 {digest} does not match the manifest's {entry['sha256']}"
-        )
 
 
 def _check_model(manifest: dict[str, Any], trainer: Any, path: PathLike) -> None:
@@ -354,11 +313,11 @@ def _verified(trainer: Any, path: Path) -> tuple[dict[str, Any], Metadata]:
     file this rank would read from were checked (``CheckpointError``)."""
     manifest = read_manifest(path)
     _check_model(manifest, trainer, path)
-    _check_file(path, manifest, METADATA)
+    check_file(path, manifest, METADATA)
     metadata = checkpoint_dcp.read_metadata(path)
     state = _load_state(trainer, manifest, metadata, _placeholders(trainer), path)
     for name in checkpoint_dcp.files_read(metadata, state):
-        _check_file(path, manifest, name)
+        check_file(path, manifest, name)
     return manifest, metadata
 
 

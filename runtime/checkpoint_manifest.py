@@ -1,14 +1,20 @@
 """The manifest of a checkpoint (``hgraph.runtime.checkpoint``): hgraph's record on top of a DCP checkpoint
 (run identity, layouts, planner and data state, file digests), its format, and its validation by key and
-by type, so that a well-formed but wrong manifest is refused by name, not inside ``load``."""
+by type, so that a well-formed but wrong manifest is refused by name, not inside ``load``; the digests
+and layout encodings it records, and the check of a file against it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any, Union
 
+import torch
+
+from hgraph.core.layout import Layout
+from hgraph.core.placement import parse_placement
 from hgraph.errors import CheckpointError
 from hgraph.runtime.checkpoint_dcp import METADATA
 
@@ -22,6 +28,51 @@ MANIFEST_KEYS = ("format", "world_size", "iteration", "strategies", "parameters"
 def rank_file(rank: int) -> str:
     """The file DCP's writer gives ``rank`` (one per rank: ``single_file_per_rank``, one writer thread)."""
     return f"__{rank}_0.distcp"
+
+
+def sha256(path: Path) -> str:
+    """The hex sha256 of file ``path`` (read 1 MB at a time)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def layout_json(layout: Layout) -> dict[str, Any]:
+    """An optimizer layout as the manifest records it (its shape is recorded beside it)."""
+    placements = [str(p) for p in layout.placements]
+    return {"mesh": list(layout.mesh), "ranks": list(layout.ranks), "placements": placements}
+
+
+def layout_from_json(shape: list[int], entry: dict[str, Any]) -> Layout:
+    return Layout(tuple(shape), tuple(entry["ranks"]), tuple(entry["mesh"]),
+                  tuple(parse_placement(p) for p in entry["placements"]))
+
+
+def digest_tensor(hexdigest: str, size: int) -> torch.Tensor:
+    """sha256 and file size as int64s, so every rank's can be all-gathered (gloo has no strings)."""
+    return torch.tensor(list(bytes.fromhex(hexdigest)) + [size], dtype=torch.int64)
+
+
+def saved_layouts(manifest: dict[str, Any]) -> dict[str, Layout]:
+    """The optimizer layouts the checkpoint was saved in, by parameter."""
+    return {fqn: layout_from_json(p["shape"], p["optimizer_layout"]) for fqn, p in manifest["parameters"].items()}
+
+
+def check_file(path: Path, manifest: dict[str, Any], name: str) -> None:
+    """``name`` is listed in the manifest, present, and has the manifest's sha256."""
+    file = path / name
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{name} is not listed in {path / MANIFEST}")
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing; the manifest lists it")
+    digest = sha256(file)
+    if digest != entry["sha256"]:
+        raise CheckpointError(
+            f"{file} is corrupt: sha256 {digest} does not match the manifest's {entry['sha256']}"
+        )
 
 
 def read_manifest(path: PathLike) -> dict[str, Any]:
