@@ -23,9 +23,9 @@ within one run only.
 
 Peak RSS per rank of a resume at another world size, 4 ranks to 2 and 2 to 4, with the HF Llama of
 docs/big_models.md (hidden 2048, 16 heads / 4 KV heads, ffn 5632, vocab 32000; 6 layers: 0.40 B
-parameters). Its bf16 weights are written once (``big_model_bench.write_checkpoint``); for each
-direction, a child process launches the saving world (meta model, compile ``Wx tp1``, ``Trainer(weights=)``
-reading its slices, ``trainer.save``) and then the loading world, whose ranks report the peak RSS of the
+parameters). For each direction, a child process launches the saving world (meta model, compile
+``Wx tp1``, a Trainer initialised layer by layer from a seed as ``hgraph train`` builds one for a config
+model, ``trainer.save``) and then the loading world, whose ranks report the peak RSS of the
 whole process and of the load alone (``VmHWM`` before, and after ``/proc/self/clear_refs``), next to
 the rank's share of parameters and optimizer state (12 bytes per element of its ZeRO shards) + 1 GiB.
 The same children run the code of ``--baseline`` (a commit of this repository, extracted with
@@ -122,15 +122,14 @@ def _reset_hwm() -> None:
 
 
 def _resume_rank(spec: dict) -> dict:
-    """One rank: build on meta, compile, read its slices of the weights; then save, or load and measure."""
+    """One rank: build on meta, compile, initialise its shards; then save, or load and measure."""
     import transformers
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**spec["config"])).eval()
     world = dist.get_world_size()
     compiled = hgraph.compile(model, [f"{world}x tp1"], example_inputs=torch.randint(0, 8, (1, 16)))
-    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-5),
-                             run=hgraph.RunConfig(weights=spec["weights"]))
+    trainer = hgraph.Trainer(compiled, optimizer=hgraph.AdamWConfig(lr=1e-5))  # initialised layer by layer
     share = 12 * sum(s.numel() for s in trainer.optimizer.shards.values())
     if spec["save"]:
         trainer.save(spec["checkpoint"])
@@ -172,25 +171,23 @@ def _code_tree(commit: str, into: Path) -> Path:
 def resume_rss(args: argparse.Namespace) -> dict:
     """The ``--resume-rss`` report: per size, direction and code, each loading rank's figures."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from big_model_bench import llama_config, parameter_count, write_checkpoint
+    from big_model_bench import llama_config, parameter_count
 
     report: dict = {"baseline": args.baseline, "runs": []}
     with tempfile.TemporaryDirectory(prefix="hgraph-resume-rss-") as scratch:
         old = _code_tree(args.baseline, Path(scratch) / "old") if args.baseline else None
-        for layers in dict.fromkeys([args.baseline_layers, args.layers]):
+        for layers in dict.fromkeys([args.layers, args.baseline_layers]):
             config = llama_config(layers)
-            weights = Path(scratch) / f"weights-{layers}"
-            written = write_checkpoint(config, weights)
             codes = [("today", None)] + ([("baseline", old)] if old and layers in (args.baseline_layers,
                                                                                   args.layers_for_baseline) else [])
             for source, target in ((4, 2), (2, 4)):
                 for code, tree in codes:
                     env = dict(os.environ, PYTHONPATH=str(tree)) if tree else dict(os.environ)
-                    spec = {"config": config, "weights": str(weights), "from": source, "to": target}
+                    spec = {"config": config, "from": source, "to": target}
                     child = subprocess.run([sys.executable, __file__, "--resume-child", json.dumps(spec)],
                                            env=env, capture_output=True, text=True)
-                    run = {"layers": layers, "parameters": parameter_count(config), "weights_gb": written["bytes"] / 1e9,
-                           "from": source, "to": target, "code": code}
+                    run = {"layers": layers, "parameters": parameter_count(config), "from": source, "to": target,
+                           "code": code}
                     if child.returncode:
                         run["error"] = child.stderr.strip().splitlines()[-3:]
                     else:
