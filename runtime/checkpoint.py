@@ -1,21 +1,28 @@
 """Sharded checkpoints of the optimization side: atomic to write, verified to read, reshardable.
 
-A checkpoint is a directory::
+A checkpoint is a directory: a ``torch.distributed.checkpoint`` (DCP) checkpoint and hgraph's
+manifest on top::
 
     manifest.json        format, world size, iteration, parameter shapes and optimizer layouts,
-                         per-file tensor shapes/dtypes and sha256, learning-rate state, data
-                         position, planner state (online correction), user ``extra``
-    rank00000.pt ...     per rank: fp32 master shards, Adam moments and steps, RNG state (CPU, CUDA)
+                         sha256 and size of every file below, learning-rate state, data position,
+                         planner state (online correction), run identity, user ``extra``
+    .metadata            DCP's: every tensor's chunks (global offsets and sizes) and where they lie
+    __0_0.distcp ...     per rank (DCP's names): its boxes of the fp32 master weights and Adam moments
+                         (one chunk per box: ``checkpoint_dcp.ShardBoxes``), its RNG state (CPU, CUDA),
+                         the step counts (written once)
 
 Only the optimizer side is saved (the propagation side is rebuilt by Pull Parameter), so a
 checkpoint does not depend on the strategies that trained it. A save is ``snapshot`` (host copies of
-the state: the only part on the training path) then ``write`` (in this thread, or in the background:
-``checkpoint_manager.py``). Atomicity: every rank writes into ``.<name>.partial``; after a barrier
-rank 0 checks nothing is missing, writes the manifest last and renames the directory to ``<name>``;
-a crash anywhere before the rename leaves no directory that ``load`` accepts, and a crash while a
-save replaces ``<name>`` leaves the previous checkpoint at ``.<name>.old`` (``resolve``). Safety: rank files are read with ``torch.load(weights_only=True)`` after their
-checksum matched, the manifest is JSON. ``load`` into another world size or optimizer layout
-reshards every shard with the LNK solver (``hgraph.lnk.solve`` + ``simulate``) from the saved layout.
+the state: the only part on the training path) then ``write`` (in this thread, or in the background
+with DCP's ``async_save``: ``checkpoint_manager.py``). Atomicity: every rank writes into
+``.<name>.partial``; once DCP has written ``.metadata`` rank 0 writes the manifest last and renames the
+directory to ``<name>``; a crash anywhere before the rename leaves no directory that ``load`` accepts,
+and a crash while a save replaces ``<name>`` leaves the previous checkpoint at ``.<name>.old``
+(``resolve``). Safety: a file's checksum is checked against the manifest before it is read;
+``.metadata`` is unpickled by an unpickler that builds DCP's metadata types only, tensors are read with
+``torch.load(weights_only=True)``. ``load`` at any world size or optimizer layout asks DCP for this
+rank's boxes of each tensor: it reads only the stored chunks that overlap them, from the files that
+hold those, straight into the optimizer's tensors.
 """
 
 from __future__ import annotations
@@ -24,45 +31,31 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from hgraph.errors import CheckpointError, HGraphError
 from hgraph.core import atomic_files
 from hgraph.core.layout import Layout
-from hgraph.core.placement import parse_placement, Replicate
-from hgraph.core.progress import progress_writes
-from hgraph.runtime.kernels.simulate import simulate
+from hgraph.core.placement import Replicate
 from hgraph.lnk import solve
+from hgraph.runtime import checkpoint_dcp
+from hgraph.runtime.checkpoint_dcp import METADATA, ShardBoxes
 from hgraph.runtime.kernels.reshard import execute
-from hgraph.runtime.checkpoint_manifest import FORMAT, MANIFEST, MANIFEST_KEYS, rank_file, read_manifest
+from hgraph.runtime.checkpoint_manifest import (FORMAT, MANIFEST, MANIFEST_KEYS, check_file, digest_tensor,
+                                                layout_json, rank_file, read_manifest, saved_layouts, sha256)
 
 __all__ = ["FORMAT", "MANIFEST", "MANIFEST_KEYS", "Snapshot", "full_state", "load", "rank_file", "read_manifest",
-           "read_rank_file", "resolve", "run_identity", "save", "snapshot", "verify", "write"]
+           "resolve", "run_identity", "save", "snapshot", "verify", "write", "write_async"]
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 PathLike = Union[str, os.PathLike]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _layout_json(layout: Layout) -> dict[str, Any]:
-    placements = [str(p) for p in layout.placements]
-    return {"mesh": list(layout.mesh), "ranks": list(layout.ranks), "placements": placements}
-
-
-def _layout_from_json(shape: list[int], entry: dict[str, Any]) -> Layout:
-    return Layout(tuple(shape), tuple(entry["ranks"]), tuple(entry["mesh"]),
-                  tuple(parse_placement(p) for p in entry["placements"]))
 
 
 def run_identity(trainer: Any, data: Any = None) -> dict[str, Any]:
@@ -75,11 +68,6 @@ def run_identity(trainer: Any, data: Any = None) -> dict[str, Any]:
     return {"model": type(trainer.compiled.model).__name__,
             "parameters": hashlib.sha256(shapes.encode()).hexdigest()[:16],
             "data": json.loads(json.dumps(loader)) if loader is not None else None}
-
-
-def _digest_tensor(hexdigest: str, size: int) -> torch.Tensor:
-    """sha256 and file size as int64s, so every rank's can be all-gathered (gloo has no strings)."""
-    return torch.tensor(list(bytes.fromhex(hexdigest)) + [size], dtype=torch.int64)
 
 
 def _rank_state(trainer: Any) -> dict[str, torch.Tensor]:
@@ -133,7 +121,7 @@ def snapshot(trainer: Any, extra: Optional[dict[str, Any]] = None) -> Snapshot:
         "strategies": [str(s) for s in compiled.strategies],
         "parameters": {
             fqn: {"shape": list(layout.shape), "dtype": "torch.float32",
-                  "optimizer_layout": _layout_json(layout)}
+                  "optimizer_layout": layout_json(layout)}
             for fqn, layout in compiled.optimizer_layouts.items()
         },
         "optimizer": {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"},
@@ -143,7 +131,6 @@ def snapshot(trainer: Any, extra: Optional[dict[str, Any]] = None) -> Snapshot:
         "data": trainer.data.state_dict() if getattr(trainer, "data", None) is not None else None,
         # what the planner learnt (its online correction); rank 0's is the one that plans
         "planner": planner.state_dict() if hasattr(planner, "state_dict") else None,
-        "tensors": {key: {"shape": list(v.shape), "dtype": str(v.dtype)} for key, v in tensors.items()},
         "run": run_identity(trainer),
     }
     try:
@@ -162,22 +149,71 @@ def save(trainer: Any, path: PathLike, extra: Optional[dict[str, Any]] = None) -
     return write(snapshot(trainer, extra), path, trainer.comm)
 
 
+def _partial(final: Path) -> Path:
+    return final.with_name(f".{final.name}.partial")
+
+
+def _rng_key(kind: str, rank: int) -> str:
+    return f"rng/{kind}/rank{rank:05d}"
+
+
+def _dcp_state(snap: Snapshot) -> dict[str, Any]:
+    """What ``snap``'s rank gives DCP: its boxes of every state tensor, its RNG under its rank's name, the
+    step counts (the same on every rank; DCP writes each once)."""
+    layouts = saved_layouts(snap.manifest)
+    state: dict[str, Any] = {}
+    for key, value in snap.tensors.items():
+        kind, name = key.split("/", 1)
+        if kind in STATE_KEYS:
+            state[key] = ShardBoxes.of(layouts[name], snap.rank, value)
+        elif kind == "rng":
+            state[_rng_key(name, snap.rank)] = value
+        else:
+            state[key] = value
+    return state
+
+
 def write(snap: Snapshot, path: PathLike, comm: Any) -> Path:
-    """Put ``snap`` (every rank's, at the same iteration) on disk at ``path``: each rank its file in
-    ``.<name>.partial``, then the first rank the manifest and the rename. ``comm``: any communicator
-    of the ranks (``all_gather`` and ``barrier`` over ``snap.world``) that no other thread is using."""
+    """Put ``snap`` (every rank's, at the same iteration) on disk at ``path``: DCP writes each rank's
+    file and ``.metadata`` into ``.<name>.partial``, then ``commit``. ``comm``: any communicator of the
+    ranks (``all_gather`` and ``barrier`` over ``snap.world``) that no other thread is using."""
     final = Path(path)
-    partial = final.with_name(f".{final.name}.partial")
-    world, rank = snap.world, snap.rank
-    if rank == world[0]:
-        shutil.rmtree(partial, ignore_errors=True)  # leftovers of a crashed save
-        partial.mkdir(parents=True)
-    comm.barrier(world)
+    checkpoint_dcp.save(_dcp_state(snap), _partial(final), comm, snap.world, snap.rank)
+    return commit(snap, final, comm)
+
+
+def write_async(snap: Snapshot, path: PathLike, comm: Any,
+                then: Optional[Callable[[Path], None]] = None) -> "Future[Path]":
+    """``write`` in the background: DCP's ``async_save`` on ``comm.group`` (a gloo group that only the
+    checkpoint writer uses), then ``commit`` and ``then(path)`` in its thread. The future holds the
+    path once all of that is done, or the error."""
+    final = Path(path)
+    upload = dcp.async_save(_dcp_state(snap), storage_writer=checkpoint_dcp.FreshWriter(_partial(final)),
+                            planner=checkpoint_dcp.BoxSavePlanner(), process_group=comm.group)
+    done: Future[Path] = Future()
+
+    def then_commit(saved: Future) -> None:
+        try:
+            saved.result()
+            commit(snap, final, comm)
+            if then is not None:
+                then(final)
+            done.set_result(final)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            done.set_exception(exc)
+
+    upload.add_done_callback(then_commit)
+    return done
+
+
+def commit(snap: Snapshot, final: Path, comm: Any) -> Path:
+    """After DCP wrote ``.<name>.partial``: the files' digests are all-gathered, the first rank writes
+    the manifest and renames the directory to ``final``; every rank returns once it is there."""
+    partial, world, rank = _partial(final), snap.world, snap.rank
     file = partial / rank_file(rank)
-    with atomic_files.atomic_open(file, "wb") as fh, progress_writes(
-            fh, desc=f"writing checkpoint {final.name}", total=snap.nbytes, show=rank == world[0]) as counted:
-        torch.save(snap.tensors, counted)
-    digests = comm.all_gather(_digest_tensor(_sha256(file), file.stat().st_size).to(comm.device), world)
+    if not file.is_file():
+        raise CheckpointError(f"rank {rank} did not write {file}; the checkpoint is incomplete")
+    digests = comm.all_gather(digest_tensor(sha256(file), file.stat().st_size).to(comm.device), world)
     if rank == world[0]:
         _write_manifest(snap, partial, digests.cpu())
         if final.exists():
@@ -210,21 +246,13 @@ def _fsync_directory(path: Path) -> None:
 
 
 def _write_manifest(snap: Snapshot, partial: Path, digests: torch.Tensor) -> None:
-    manifest = {k: v for k, v in snap.manifest.items() if k != "tensors"}
-    layouts = {fqn: _layout_from_json(p["shape"], p["optimizer_layout"]) for fqn, p in manifest["parameters"].items()}
+    manifest = dict(snap.manifest)
     files = {}
     for rank in snap.world:
-        name = rank_file(rank)
-        if not (partial / name).is_file():
-            raise CheckpointError(f"rank {rank} did not write {partial / name}; the checkpoint is incomplete")
         row = digests[rank].tolist()
-        tensors = {}
-        for key, spec in snap.manifest["tensors"].items():
-            if key.startswith("rng/") or key.startswith("step/"):
-                tensors[key] = spec
-                continue
-            tensors[key] = {"shape": list(layouts[key.split("/", 1)[1]].local_shape(rank)), "dtype": spec["dtype"]}
-        files[name] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32], "tensors": tensors}
+        files[rank_file(rank)] = {"sha256": bytes(row[:32]).hex(), "bytes": row[32]}
+    metadata = partial / METADATA
+    files[METADATA] = {"sha256": sha256(metadata), "bytes": metadata.stat().st_size}
     manifest["files"] = files
     text = json.dumps(manifest, indent=1, sort_keys=True)
     atomic_files.write_text(partial / MANIFEST, text)
@@ -239,37 +267,6 @@ def resolve(path: PathLike) -> Path:
     if not (final / MANIFEST).is_file() and (old / MANIFEST).is_file():
         return old
     return final
-
-
-def read_rank_file(path: PathLike, manifest: dict[str, Any], name: str) -> dict[str, torch.Tensor]:
-    """One rank file, verified: checksum first, then ``weights_only`` load, then shapes and dtypes."""
-    file = Path(path) / name
-    entry = manifest["files"].get(name)
-    if entry is None:
-        raise CheckpointError(f"{name} is not listed in {Path(path) / MANIFEST}")
-    if not file.is_file():
-        raise CheckpointError(f"{file} is missing; the manifest lists it")
-    digest = _sha256(file)
-    if digest != entry["sha256"]:
-        raise CheckpointError(
-            f"{file} is corrupt: sha256 {digest} does not match the manifest's {entry['sha256']}"
-        )
-    try:
-        state = torch.load(file, weights_only=True, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
-        raise CheckpointError(f"{file} cannot be read safely ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, dict) or set(state) != set(entry["tensors"]):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{file} holds {got}; the manifest lists {sorted(entry['tensors'])}")
-    for key, spec in entry["tensors"].items():
-        value = state[key]
-        ok = isinstance(value, torch.Tensor) and list(value.shape) == spec["shape"]
-        if not ok or str(value.dtype) != spec["dtype"]:
-            got = f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}"
-            raise CheckpointError(
-                f"{file}: {key} is {got}; the manifest says {spec['dtype']} {spec['shape']}"
-            )
-    return state
 
 
 def _check_model(manifest: dict[str, Any], trainer: Any, path: PathLike) -> None:
@@ -287,71 +284,79 @@ def _check_model(manifest: dict[str, Any], trainer: Any, path: PathLike) -> None
             )
 
 
-def _same_layouts(manifest: dict[str, Any], trainer: Any) -> bool:
-    """Whether the checkpoint was saved at this world size and optimizer layout (no resharding)."""
-    layouts = trainer.compiled.optimizer_layouts
-    return int(manifest["world_size"]) == len(trainer.world) and all(
-        _layout_from_json(p["shape"], p["optimizer_layout"]) == layouts[fqn]
-        for fqn, p in manifest["parameters"].items()
-    )
+def _load_state(trainer: Any, manifest: dict[str, Any], metadata: Metadata,
+                tensors: dict[str, dict[str, torch.Tensor]], path: Path) -> dict[str, Any]:
+    """What this rank asks DCP for: its boxes of every state tensor (views of ``tensors``, its local
+    tensors in today's layouts), the step counts, and the RNG state of saved rank ``rank % saved world``."""
+    rank, layouts = trainer.rank, trainer.compiled.optimizer_layouts
+    state: dict[str, Any] = {}
+    for name, layout in layouts.items():
+        for key in STATE_KEYS:
+            state[f"{key}/{name}"] = ShardBoxes.of(layout, rank, tensors[name][key])
+        state[f"step/{name}"] = torch.zeros((), dtype=torch.int64)
+    source = rank % int(manifest["world_size"])
+    kinds = ("cpu", "cuda") if trainer.device.type == "cuda" else ("cpu",)
+    for kind in kinds:
+        stored = metadata.state_dict_metadata.get(_rng_key(kind, source))
+        if isinstance(stored, TensorStorageMetadata):
+            state[_rng_key(kind, source)] = torch.empty(stored.size, dtype=torch.uint8)
+        elif kind == "cpu":
+            raise CheckpointError(f"checkpoint {path} holds no CPU RNG state of rank {source}")
+    return state
 
 
-def _files_to_read(manifest: dict[str, Any], trainer: Any) -> list[str]:
-    """The rank files ``load`` reads on this rank: its own at the same layouts, else all."""
-    if _same_layouts(manifest, trainer):
-        return [rank_file(trainer.rank)]
-    return [rank_file(r) for r in range(int(manifest["world_size"]))]
+def _placeholders(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Storage-free local tensors of today's layouts (to plan a load without touching the optimizer)."""
+    return {name: {key: torch.empty(layout.local_shape(trainer.rank), device="meta") for key in STATE_KEYS}
+            for name, layout in trainer.compiled.optimizer_layouts.items()}
+
+
+def _verified(trainer: Any, path: Path) -> tuple[dict[str, Any], Metadata]:
+    """The manifest and DCP metadata of checkpoint ``path``, after the model, ``.metadata`` and every
+    file this rank would read from were checked (``CheckpointError``)."""
+    manifest = read_manifest(path)
+    _check_model(manifest, trainer, path)
+    check_file(path, manifest, METADATA)
+    metadata = checkpoint_dcp.read_metadata(path)
+    state = _load_state(trainer, manifest, metadata, _placeholders(trainer), path)
+    for name in checkpoint_dcp.files_read(metadata, state):
+        check_file(path, manifest, name)
+    return manifest, metadata
 
 
 def verify(trainer: Any, path: PathLike) -> None:
     """Check, on this rank, that ``load(trainer, path)`` can read checkpoint ``path``: the manifest by
-    type, the model, and the checksum and contents of every rank file this rank reads (``CheckpointError``)."""
-    path = resolve(path)
-    manifest = read_manifest(path)
-    _check_model(manifest, trainer, path)
-    for name in _files_to_read(manifest, trainer):
-        read_rank_file(path, manifest, name)
+    type, the model, and the checksum of ``.metadata`` and of every file this rank reads (``CheckpointError``)."""
+    _verified(trainer, resolve(path))
 
 
 def load(trainer: Any, path: PathLike) -> dict[str, Any]:
     """Restore ``trainer`` from checkpoint ``path`` on every rank; returns the saved ``extra``.
 
-    Same world and layouts: each rank reads its own file. Otherwise every rank reads all rank files
-    and reshards each tensor from the saved optimizer layout to its own (LNK plan, simulated).
+    Each rank asks DCP for its boxes of every tensor in today's optimizer layouts, which reads the
+    overlapping stored chunks into the optimizer's own tensors (at the saved world size and layouts:
+    exactly the rank's own file). A read that fails after the checks leaves the optimizer state partly
+    loaded: the ``CheckpointError`` says so; build the Trainer anew.
     """
     path = resolve(path)
-    manifest = read_manifest(path)
-    _check_model(manifest, trainer, path)
-    rank = trainer.rank
-    saved_world = int(manifest["world_size"])
-    layouts = trainer.compiled.optimizer_layouts
-    if _same_layouts(manifest, trainer):
-        mine = read_rank_file(path, manifest, rank_file(rank))
-        rng, cuda_rng = mine["rng/cpu"], mine.get("rng/cuda")
-        shards = {name: {key: mine[f"{key}/{name}"] for key in STATE_KEYS + ("step",)} for name in layouts}
-    else:
-        files = [read_rank_file(path, manifest, rank_file(r)) for r in range(saved_world)]
-        rng, cuda_rng = files[rank % saved_world]["rng/cpu"], files[rank % saved_world].get("rng/cuda")
-        shards = {}
-        for name, layout in layouts.items():
-            entry = manifest["parameters"][name]
-            src = _layout_from_json(entry["shape"], entry["optimizer_layout"])
-            plan = solve(src, layout, itemsize=4)
-            shards[name] = {
-                key: simulate(plan, {r: files[r][f"{key}/{name}"] for r in src.ranks})[rank]
-                for key in STATE_KEYS
-            }
-            shards[name]["step"] = files[0][f"step/{name}"]
-    trainer.optimizer.load_shard_state(shards)
-    group = trainer.optimizer.param_groups[0]
-    for key, value in manifest["optimizer"].items():
-        group[key] = tuple(value) if isinstance(value, list) else value
+    manifest, metadata = _verified(trainer, path)
     if (manifest["lr_scheduler"] is None) != (trainer.lr_scheduler is None):
         saved_with = "without" if manifest["lr_scheduler"] is None else "with"
         raise CheckpointError(
             f"checkpoint {path} was saved {saved_with} a learning-rate scheduler; "
             "construct the Trainer the same way to resume"
         )
+    live = trainer.optimizer.state_tensors()
+    state = _load_state(trainer, manifest, metadata, live, path)
+    try:
+        checkpoint_dcp.load(state, path, metadata)
+    except Exception as exc:  # noqa: BLE001 - an unreadable chunk, whatever DCP raises for it
+        raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc}); the "
+                              "optimizer state is partly loaded: build the Trainer anew") from None
+    trainer.optimizer.load_shard_state({name: {**live[name], "step": state[f"step/{name}"]} for name in live})
+    group = trainer.optimizer.param_groups[0]
+    for key, value in manifest["optimizer"].items():
+        group[key] = tuple(value) if isinstance(value, list) else value
     if trainer.lr_scheduler is not None:
         trainer.lr_scheduler.load_state_dict(manifest["lr_scheduler"])
     planner, planner_state = getattr(trainer, "planner", None), manifest.get("planner")
@@ -360,9 +365,10 @@ def load(trainer: Any, path: PathLike) -> dict[str, Any]:
             planner.load_state_dict(planner_state)
         except HGraphError as exc:
             raise CheckpointError(f"checkpoint {path}: {exc}") from None
-    torch.set_rng_state(rng)
-    if cuda_rng is not None and trainer.device.type == "cuda":
-        torch.cuda.set_rng_state(cuda_rng, trainer.device)
+    source = trainer.rank % int(manifest["world_size"])
+    torch.set_rng_state(state[_rng_key("cpu", source)])
+    if _rng_key("cuda", source) in state:
+        torch.cuda.set_rng_state(state[_rng_key("cuda", source)], trainer.device)
     trainer.iteration = int(manifest["iteration"])
     trainer.comm.barrier(trainer.world)  # no rank trains on until every rank has its state
     return manifest["extra"]

@@ -26,10 +26,11 @@ A folder belongs to one run (``checkpoint.run_identity``: the model and the data
   never another run's.
 
 Asynchronous writes (``async_write=True``, the default on process groups): ``save`` copies the
-rank's shards to host memory on the training thread (``checkpoint.snapshot``), then a background
-thread writes the file, fsyncs it and takes part in the commit (``checkpoint.write``: the digests are
-all-gathered, rank 0 writes the manifest and renames ``.step-N.partial`` to ``step-N``). The thread
-uses a gloo process group of its own, so its collectives never interleave with the training's. At
+rank's shards to host memory on the training thread (``checkpoint.snapshot``), then DCP's
+``async_save`` writes them in its background thread (the rank's file, fsynced, and ``.metadata``) and
+the same thread takes part in the commit (``checkpoint.write_async``: the digests are all-gathered,
+rank 0 writes the manifest and renames ``.step-N.partial`` to ``step-N``). The writer uses a gloo
+process group of its own, so its collectives never interleave with the training's. At
 most one write is in flight: a second ``save`` first waits for the first. A write that failed raises
 its error at the next ``save``, ``wait`` or ``close``. A kill at any moment leaves every complete
 checkpoint as it was. On simulated ranks (threads) or a single process the write is synchronous.
@@ -40,9 +41,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional
 
@@ -129,7 +130,8 @@ def latest(directory: str | Path) -> Optional[Path]:
 
 
 class _SideComm:
-    """``all_gather`` and ``barrier`` over a gloo group of all ranks that only the writer thread uses."""
+    """``all_gather`` and ``barrier`` over a gloo group of all ranks that only the writer thread uses
+    (DCP's ``async_save`` runs on ``group`` too)."""
 
     device = torch.device("cpu")
 
@@ -157,8 +159,7 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.interval, self.keep, self.async_write = interval, keep, async_write
         self._side: Optional[_SideComm] = None
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self._write: Optional[Future] = None
         self._pending: Optional[Path] = None
         self.saved: list[Path] = []  # checkpoints this manager completed, oldest first
         self._resumed: Optional[Path] = None  # the checkpoint resume() loaded
@@ -256,9 +257,8 @@ class CheckpointManager:
         if self._side is None:
             self._side = _SideComm()  # collective: every rank reaches its first save together
         self._pending = path
-        self._thread = threading.Thread(target=self._write, args=(snap, path, started), name="hgraph-checkpoint",
-                                        daemon=True)
-        self._thread.start()
+        self._write = checkpoint.write_async(snap, path, self._side,
+                                             then=lambda done: self._completed(done, snap.rank, started))
         if blocking:
             self.wait()
         return path
@@ -289,13 +289,6 @@ class CheckpointManager:
             raise CheckpointError(message)
         self._identity = mine
 
-    def _write(self, snap: checkpoint.Snapshot, path: Path, started: float) -> None:
-        try:
-            checkpoint.write(snap, path, self._side)
-            self._completed(path, snap.rank, started)
-        except BaseException as exc:  # noqa: BLE001 - raised in the training thread by wait()
-            self._error = exc
-
     def _completed(self, path: Path, rank: int, started: float) -> None:
         self.write_seconds.append(time.perf_counter() - started)
         self.saved.append(path)
@@ -308,15 +301,13 @@ class CheckpointManager:
     @property
     def in_flight(self) -> bool:
         """Whether a background write has not finished yet."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._write is not None and not self._write.done()
 
     def wait(self) -> None:
         """Wait for the write in flight (if any); raise its error as a ``CheckpointError``."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            exc, self._error = self._error, None
+        write, self._write = self._write, None
+        exc = write.exception() if write is not None else None
+        if exc is not None:
             if isinstance(exc, HGraphError):
                 raise exc
             raise CheckpointError(f"writing checkpoint {self._pending} failed: {type(exc).__name__}: {exc}") from exc

@@ -143,6 +143,12 @@ class ShardedAdamW(torch.optim.Optimizer):
             }
         return out
 
+    def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live master shard and Adam moments per parameter, not copies: a checkpoint is read into
+        them in place (then ``load_shard_state`` with them sets the step counts)."""
+        return {name: {"param": p.detach(), **{key: self.state[p][key] for key in ("exp_avg", "exp_avg_sq")}}
+                for name, p in zip(self.names, self.param_groups[0]["params"])}
+
     @torch.no_grad()
     def load_shard_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of ``shard_state``; shapes must match this rank's shards."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-import contextlib
-from collections.abc import Iterable, Iterator
-from typing import IO, Any, Optional, TypeVar
+from collections.abc import Iterable
+from typing import Any, Optional, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -47,27 +46,4 @@ def progress(iterable: Optional[Iterable[T]] = None, *, desc: str, total: Option
                 disable=not (show and progress_enabled()), dynamic_ncols=True, **scale, **options)
 
 
-@contextlib.contextmanager
-def progress_writes(stream: IO[bytes], *, desc: str, total: int, show: bool = True) -> Iterator[IO[bytes]]:
-    """``stream`` with a bytes bar that advances as it is written to (for writers that take a file,
-    such as ``torch.save``)."""
-    with progress(desc=desc, total=total, unit="B", show=show) as bar:
-        yield _CountingWriter(stream, bar)
-
-
-class _CountingWriter:
-    """A binary stream that advances ``bar`` by the bytes each ``write`` takes; the rest is ``stream``'s."""
-
-    def __init__(self, stream: IO[bytes], bar: Any) -> None:
-        self._stream, self.bar = stream, bar
-
-    def write(self, data: Any) -> int:
-        written = self._stream.write(data)
-        self.bar.update(written if written is not None else memoryview(data).nbytes)
-        return written
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-__all__ = ["DELAY_S", "PROGRESS_ENV", "progress", "progress_enabled", "progress_writes"]
+__all__ = ["DELAY_S", "PROGRESS_ENV", "progress", "progress_enabled"]

@@ -115,7 +115,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         name="checkpoint_sha256_unchecked",
         why="loading a checkpoint file skips its sha256 check: a corrupt shard is loaded into the model "
             "and training resumes from damaged weights.",
-        path="runtime/checkpoint.py",
+        path="runtime/checkpoint_manifest.py",
         find='    if digest != entry["sha256"]:\n',
         replace='    if not entry["sha256"]:\n',
         tests=("tests/reliability/test_checkpoint.py::test_corrupt_byte_and_bad_manifest_are_rejected",),

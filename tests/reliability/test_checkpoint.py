@@ -3,6 +3,7 @@
 import hashlib
 import json
 import pickle
+import re
 
 import pytest
 import torch
@@ -134,20 +135,23 @@ def test_crash_before_manifest_keeps_previous_checkpoint(compiled4, tmp_path, mo
 def test_corrupt_byte_and_bad_manifest_are_rejected(compiled4, tmp_path):
     path = tmp_path / "ck"
     _save_then(compiled4, lambda t: t.save(path))
-    victim = path / "rank00002.pt"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    with pytest.raises(hgraph.errors.CheckpointError, match=r"rank00002\.pt is corrupt: sha256"):
-        _save_then(compiled4, lambda t: t.load(path))
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    for victim in (path / checkpoint.rank_file(2), path / ".metadata"):
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        with pytest.raises(hgraph.errors.CheckpointError, match=rf"{re.escape(victim.name)} is corrupt: sha256"):
+            _save_then(compiled4, lambda t: t.load(path))
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
     manifest = json.loads((path / "manifest.json").read_text())
-    key = next(k for k in manifest["files"]["rank00001.pt"]["tensors"] if k.startswith("exp_avg/"))
-    manifest["files"]["rank00001.pt"]["tensors"][key]["shape"] = [999]
+    manifest["format"] = "hgraph-checkpoint-v1"
     (path / "manifest.json").write_text(json.dumps(manifest))
-    message = rf"rank00001\.pt: {key} is torch.float32 \[.*\]; the manifest says torch.float32 \[999\]"
-    with pytest.raises(hgraph.errors.CheckpointError, match=message):
+    with pytest.raises(hgraph.errors.CheckpointError, match=r"hgraph-checkpoint-v1 checkpoint \(rankNNNNN.pt"):
+        _save_then(compiled4, lambda t: t.load(path))
+    manifest["format"] = checkpoint.FORMAT
+    del manifest["files"][".metadata"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(hgraph.errors.CheckpointError, match=r"files lacks \.metadata"):
         _save_then(compiled4, lambda t: t.load(path))
     del manifest["files"]
     (path / "manifest.json").write_text(json.dumps(manifest))
@@ -163,17 +167,20 @@ class _Exploit:
         return (print, ("unpickled untrusted code",))
 
 
-def test_loading_never_unpickles_code(compiled4, tmp_path):
+def test_loading_never_unpickles_code(compiled4, tmp_path, capsys):
+    """DCP's .metadata is a pickle: one that names any global but DCP's metadata types is refused
+    before it is built, even with a matching digest in the manifest."""
     path = tmp_path / "ck"
     _save_then(compiled4, lambda t: t.save(path))
-    victim = path / "rank00000.pt"
+    victim = path / ".metadata"
     with open(victim, "wb") as fh:
-        pickle.dump({"rng/cpu": _Exploit()}, fh)
+        pickle.dump(_Exploit(), fh)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["rank00000.pt"]["sha256"] = hashlib.sha256(victim.read_bytes()).hexdigest()
+    manifest["files"][".metadata"]["sha256"] = hashlib.sha256(victim.read_bytes()).hexdigest()
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(hgraph.errors.CheckpointError, match=r"rank00000\.pt cannot be read safely"):
+    with pytest.raises(hgraph.errors.CheckpointError, match=r"\.metadata cannot be read safely .*builtins.print"):
         _save_then(compiled4, lambda t: t.load(path))
+    assert "unpickled untrusted code" not in capsys.readouterr().out
 
 
 def test_mismatched_model_is_rejected(tmp_path):

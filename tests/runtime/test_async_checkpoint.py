@@ -14,7 +14,7 @@ import torch
 
 import hgraph
 from hgraph.models import Llama, LlamaConfig
-from hgraph.runtime import checkpoint
+from hgraph.runtime import checkpoint, checkpoint_dcp
 from hgraph.runtime.checkpoint_manager import CheckpointManager, complete_steps, latest
 from hgraph.runtime.kernels.thread_comm import run_threads
 from test_metrics import SMALL, _planner
@@ -42,16 +42,19 @@ def _train_save_and_get_killed(directory, record):
     trainer = make_trainer()
     rank = trainer.rank
     events = []
-    original = checkpoint.write
+    write_data, commit = checkpoint_dcp.FreshWriter.write_data, checkpoint.commit
 
-    def slow_write(snap, path, comm):  # the background thread's work, timed and held back
-        events.append(("write_start", path.name, time.monotonic()))
+    def slow_write_data(writer, plan, planner):  # DCP's background write, timed and held back
+        events.append(("write_start", writer.path.name.split(".")[1], time.monotonic()))
         time.sleep(WRITE_DELAY)
-        out = original(snap, path, comm)
+        return write_data(writer, plan, planner)
+
+    def timed_commit(snap, path, comm):  # the end of the background work
+        out = commit(snap, path, comm)
         events.append(("write_end", path.name, time.monotonic()))
         return out
 
-    checkpoint.write = slow_write
+    checkpoint_dcp.FreshWriter.write_data, checkpoint.commit = slow_write_data, timed_commit
     manager = CheckpointManager(directory, keep=0)
     step(trainer)
     step(trainer)
@@ -66,14 +69,14 @@ def _train_save_and_get_killed(directory, record):
     manager.save(trainer)  # step-3: waits for step-2's write first
     events.append(("save_3_returned", "", time.monotonic()))
     manager.wait()
-    checkpoint.write = original
+    checkpoint_dcp.FreshWriter.write_data, checkpoint.commit = write_data, commit
     if rank == 0:
         torch.save(params, record / "params.pt")
         (record / "events.json").write_text(json.dumps({"events": events, "in_flight": in_flight_at_return,
                                                          "trained_during_write": trained_during_write}))
     step(trainer)
     step(trainer)
-    if rank == 1:  # killed in the middle of writing its file of step-5
+    if rank == 1:  # killed in the middle of writing its file of step-5 (DCP writes it with torch.save)
         def torn_save(obj, fh):
             fh.write(b"PK\x03\x04 half a checkpoint")
             fh.flush()
@@ -109,10 +112,12 @@ def test_async_write_in_background_one_in_flight_and_a_kill_mid_write_leaves_the
     # one write in flight at most: step-3's write began only after step-2's had ended
     assert events[("write_start", "step-00000003")] >= events[("write_end", "step-00000002")]
     assert [i for i, _ in complete_steps(directory)] == [2, 3]  # step-5 never became a checkpoint
-    # the kill really hit the write: rank 1's half-written file (under atomic_open's temporary name, so
-    # never under the rank file's own name)
-    torn = [f for f in (directory / ".step-00000005.partial").iterdir() if f.read_bytes().startswith(b"PK\x03\x04 half")]
-    assert torn and not (directory / ".step-00000005.partial" / checkpoint.rank_file(1)).exists(), torn
+    # the kill really hit the write: rank 1's file was open (what reached it of the torn write is DCP's
+    # stream's business) in a folder that never got a manifest
+    partial = directory / ".step-00000005.partial"
+    torn = partial / checkpoint.rank_file(1)
+    assert torn.exists() and not (partial / checkpoint.MANIFEST).exists(), sorted(partial.iterdir())
+    assert torn.stat().st_size < (directory / "step-00000003" / checkpoint.rank_file(1)).stat().st_size
     assert latest(directory) == directory / "step-00000003"
 
     path, iteration, params, params_2 = hgraph.launch(_resume, 2, args=(str(directory),), timeout=500)[0]
