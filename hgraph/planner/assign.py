@@ -289,23 +289,27 @@ class Planner:
 
     def _settle(self, best: tuple, eligible: list[int], pieces: list[int], longest: int, start: float) -> tuple:
         """With a correction: the incumbent's plan unless ``best`` beats it by more than the margin;
-        records every homogeneous candidate's predicted time for ``observe`` (inf where it cannot
-        take the batch)."""
+        records every homogeneous candidate's greedy predicted time for ``observe`` (inf where it
+        cannot take the batch). Only the plan that may run is searched, so settling costs little."""
         if self.correction is None:
             return best
-        found = {best[1]: best}
-        for k in self.homogeneous:
-            if k not in found and k in eligible:
-                found[k] = self._heuristic([k], pieces, longest, start)
-        self._pending_ms = {k: found[k][0] if k in found else math.inf for k in self.homogeneous}
+        self._pending_ms = {k: self._greedy_ms(k, pieces) if k in eligible else math.inf for k in self.homogeneous}
         ranked = self._ranked_homogeneous()
-        if not ranked or ranked[0] not in found:
+        if not ranked or ranked[0] not in eligible:
             return best  # no incumbent yet, or one that cannot take this batch
-        others = [k for k in ranked[1:] if k in found]
+        others = [k for k in ranked[1:] if k in eligible]
         if self.explore_every and others and self.correction.observations % self.explore_every == 0:
-            return found[others[0]]  # measure the runner-up now and then: the correction learns only what runs
-        kept = found[ranked[0]]
-        return best if best[1] == ranked[0] or best[0] < kept[0] * (1.0 - self.switch_margin()) else kept
+            return self._heuristic([others[0]], pieces, longest, start)  # the correction learns only what runs
+        if best[1] == ranked[0]:
+            return best
+        kept = self._heuristic([ranked[0]], pieces, longest, start)
+        return best if best[0] < kept[0] * (1.0 - self.switch_margin()) else kept
+
+    def _greedy_ms(self, k: int, pieces: list[int]) -> float:
+        """Candidate ``k``'s predicted time with the greedy dispatch and packing (no search)."""
+        assigner = Assigner(self.pipeline_costs[k], pieces)
+        members = assigner.greedy()
+        return self.predicted(k, [assigner.time_of(p, m) for p, m in enumerate(members)])
 
     def _heuristic(self, eligible: list[int], pieces: list[int], longest: int, start: float):
         values, counts = np.unique(np.asarray(pieces, dtype=np.float64), return_counts=True)
