@@ -5,14 +5,16 @@ type (``wandb_internal_pb2.Record``) and compared with the event files read by t
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
 import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from hgraph.errors import InputError
-from hgraph.runtime.metrics import MB, MetricsConfig, MetricsWriter
+from hgraph.runtime.metrics import MetricsConfig
 from hgraph.training.train_config import read_config
 
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -46,19 +48,27 @@ def logged_history(run_file) -> list[dict]:
     return rows
 
 
-def test_wandb_gets_the_scalars_tensorboard_gets(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+WRITE = """
+import sys
+from hgraph.runtime.metrics import MB, MetricsConfig, MetricsWriter
+writer = MetricsWriter(MetricsConfig(sys.argv[1], jsonl=False, wandb=True, peak_tflops=1.0),
+                       world_size=2, flops=None, iterations=3)
+for i in range(3):
+    writer.record({"iteration": i, "seconds": 0.25 + i, "lengths": [8, 3 + i], "loss": 2.0 / (i + 1),
+                   "grad_norm": 0.5 + i, "lr": 1e-3 * (i + 1), "peak_memory_bytes": [MB, (2 + i) * MB],
+                   "exposed_comm_ms": [0.1, 0.2 * i], "strategy": "tp2", "strategy_index": i % 2,
+                   "predicted_ms": None if i == 0 else 9.5, "measured_ms": 10.0 + i})
+writer.close()
+"""
+
+
+def test_wandb_gets_the_scalars_tensorboard_gets(tmp_path):
+    """The run is written by a fresh interpreter, as ``hgraph train``'s rank 0 is: wandb's service
+    process belongs to the process that started it, and one shared by earlier tests in the same
+    worker has lost history records."""
     (tmp_path / "wandb-dir").mkdir()
-    writer = MetricsWriter(MetricsConfig(str(tmp_path / "metrics"), jsonl=False, wandb=True, peak_tflops=1.0),
-                           world_size=2, flops=None, iterations=3)
-    for i in range(3):
-        writer.record({"iteration": i, "seconds": 0.25 + i, "lengths": [8, 3 + i], "loss": 2.0 / (i + 1),
-                       "grad_norm": 0.5 + i, "lr": 1e-3 * (i + 1), "peak_memory_bytes": [MB, (2 + i) * MB],
-                       "exposed_comm_ms": [0.1, 0.2 * i], "strategy": "tp2", "strategy_index": i % 2,
-                       "predicted_ms": None if i == 0 else 9.5, "measured_ms": 10.0 + i})
-    writer.close()
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb-dir"), "WANDB_SILENT": "true"}
+    subprocess.run([sys.executable, "-c", WRITE, str(tmp_path / "metrics")], env=env, check=True, timeout=300)
     events = EventAccumulator(str(tmp_path / "metrics" / "tensorboard"))
     events.Reload()
     tensorboard = {(tag, e.step): e.value for tag in events.Tags()["scalars"] for e in events.Scalars(tag)}
