@@ -36,19 +36,19 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_default_demo_switches_strategy_with_the_batch_and_compares(tmp_path, monkeypatch, capsys):
+def test_default_demo_keeps_long_files_off_one_rank_and_compares_interleaved(tmp_path, monkeypatch, capsys):
     """`make demo`'s settings (files cut at 2048 tokens, 4096 tokens per iteration, 2 ranks, a memory
-    budget under which a file of 2048 tokens does not fit a tp1 pipeline), fewer iterations: batches
-    with a long file need tp/pp ranks and batches of short files do not, so the planner uses more
-    than one strategy and never puts a long file on a tp1 pipeline; then the planner and the best
-    homogeneous strategies run the same batches interleaved and the ratio is printed."""
+    budget under which a file of 2048 tokens does not fit a tp1 pipeline), fewer iterations: a
+    2048-token file never runs on a tp1 pipeline (9 of these 10 batches have one), the best homogeneous
+    strategy compared is one that takes every file, and the planner and the best homogeneous strategies
+    run the same batches interleaved, repeated, and the ratio is printed."""
     monkeypatch.setenv("HGRAPH_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     assert main(["demo", "--iterations", "10", "--eval-interval", "0", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "measured speedup (best homogeneous / hgraph)" in text
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["strategies_used"]) >= 2, summary["strategy_counts"]
+    assert summary["strategies_used"], summary["strategy_counts"]
     comparison = summary["comparison"]
     assert summary["measured_speedup"] > 0 and comparison["best_homogeneous"] != "2x tp1"
     assert len(comparison["ratio_per_repetition"]) == 3
