@@ -140,9 +140,10 @@ def files_read(metadata: Metadata, state: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- reading .metadata safely
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
                      "torch.distributed.checkpoint.planner")
-_SAFE_BUILTINS = {("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "str", "bytes")}
-_SAFE_BUILTINS |= {("collections", "OrderedDict"), ("torch", "Size"), ("pathlib", "PosixPath"),
-                   ("torch.serialization", "_get_layout")}  # a layout by its name (a table lookup)
+_SAFE_BUILTINS = frozenset(
+    [("builtins", name) for name in ("dict", "list", "tuple", "set", "frozenset", "int", "str", "bytes")]
+    + [("collections", "OrderedDict"), ("torch", "Size"), ("pathlib", "PosixPath"),
+       ("torch.serialization", "_get_layout")])  # _get_layout: a layout by its name (a table lookup)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
