@@ -21,6 +21,9 @@ measured best, and the picks' total measured time against the best single homoge
 profiled on that device (``hgraph.profiling.profile_single.measure``), the trainer on the same device; with
 ``--device cpu`` the same path runs on CPU (what the tests run).
 
+``--busy``: one busy process (half of a 2-core machine) runs while the ranks measure, not while they
+profile: a load that came after profiling, which the online correction is for.
+
 Run: ``OMP_NUM_THREADS=1 python benchmarks/fidelity_bench.py --decisions`` (a few minutes on 2 cores).
 """
 
@@ -34,6 +37,7 @@ import time
 from typing import Any
 
 import torch
+from background_load import background_load
 
 from hgraph.program.options import OverlapConfig
 from hgraph.training.configs import AdamWConfig, RunConfig
@@ -171,6 +175,7 @@ def run_world(args: argparse.Namespace) -> dict[str, Any]:
     strategies = [s.strip() for s in args.strategies.split(";") if s.strip()]
     batches = wikipedia_batches(args.lengths, args.batches, args.tokens, args.context, args.seed)
     result: dict[str, Any] = {"world_size": args.world_size, "schedule": args.schedule, "strategies": strategies,
+                              "background_load": args.busy,
                               "batches": args.batches, "tokens_per_batch": args.tokens, "context": args.context,
                               "repeats": args.repeats, "sizes": {}}
     all_rows, names = [], None
@@ -181,8 +186,9 @@ def run_world(args: argparse.Namespace) -> dict[str, Any]:
         table, text = profile_table(size, args.world_size, strategies, args.profile_repeats, profile_batches)
         print(text, file=sys.stderr)
         profile_s = time.perf_counter() - start
-        out = launch(_rank_run, args.world_size, timeout=args.timeout,
-                     args=(size, strategies, table, batches, args.repeats, args.schedule, "cpu"))[0]
+        with background_load(args.busy):
+            out = launch(_rank_run, args.world_size, timeout=args.timeout,
+                         args=(size, strategies, table, batches, args.repeats, args.schedule, "cpu"))[0]
         names = out["strategies"]
         summary = summarize(out["rows"], names, args.decisions)
         summary.update(profile_s=profile_s, run_s=time.perf_counter() - start - profile_s,
@@ -257,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda with --world-size 1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", default=None, help="also write every measured (batch, strategy, repeat) here")
+    parser.add_argument("--busy", action="store_true",
+                        help="a busy process on the machine while the ranks measure (profiled without it)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args(argv)
     if args.world_size == 1:

@@ -25,21 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
 import torch
+from background_load import background_load
 
 from hgraph.cli.demo import DemoConfig, corpus_loaders, factory_of, profiled_cost_table, with_iteration_terms
-from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, rank_compare, ratios
+from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, probing_batches, rank_compare, ratios
 from hgraph.core.degrees import Degrees
+from hgraph.planner.settling import PROBE_ROUNDS
 from hgraph.planner.cost import CostModel
 from hgraph.planner.memory import budget_below
 from hgraph.planner.proposal import propose
 from hgraph.runtime.launch import launch
 
-BUSY = "import time\nwhile True:\n    sum(range(10000))\n"
+MOST_WARMUP = 2 + PROBE_ROUNDS * 6  # 6: the most homogeneous strategies of 4 ranks
 
 
 def _corpus(cfg: DemoConfig, count: int) -> list[tuple[torch.Tensor, ...]]:
@@ -54,8 +55,8 @@ def _uniform(cfg: DemoConfig, count: int, length: int) -> list[tuple[torch.Tenso
 
 
 def regime(name: str, args: argparse.Namespace) -> tuple[DemoConfig, list, float | None]:
-    """The demo config, the batches (warm-up first) and the memory budget of a regime."""
-    n = args.batches + args.warmup
+    """The demo config, the batches (room for the longest warm-up first) and the memory budget of a regime."""
+    n = args.batches + MOST_WARMUP
     if name == "uniform":
         cfg = DemoConfig(world_size=2, max_len=2048)
         return cfg, _uniform(cfg, n, args.uniform_len), None
@@ -81,25 +82,26 @@ def measure(name: str, args: argparse.Namespace, loaded: bool) -> dict:
     candidates = list(dict.fromkeys(proposed + fitting))  # every homogeneous strategy that fits is a candidate
     table = with_iteration_terms(cfg, table, candidates, lengths[:3])
     costed = CostModel.from_table(table).with_world_size(cfg.world_size)
-    arms = homogeneous_arms(costed if budget is None else costed.with_gpu_memory(budget), cfg.world_size, lengths)
+    costed = costed if budget is None else costed.with_gpu_memory(budget)
+    arms = homogeneous_arms(costed, cfg.world_size, lengths)
+    # the warm-up covers the planner's probing (each homogeneous candidate measured PROBE_ROUNDS times)
+    probing = probing_batches(costed, candidates)
+    warmup = args.warmup if args.warmup is not None else 2 + probing
     spec = CompareSpec(model_factory=factory_of(cfg), candidates=tuple(candidates), homogeneous=tuple(arms),
-                       cost_table=json.dumps(table), batches=tuple(batches[args.warmup:]),
-                       warmup=tuple(batches[:args.warmup]), repeats=args.repeats, block=args.block,
+                       cost_table=json.dumps(table), batches=tuple(batches[warmup:warmup + args.batches]),
+                       warmup=tuple(batches[:warmup]), repeats=args.repeats, block=args.block,
+                       oracle=tuple(c for c in candidates if c not in arms),
                        gpu_memory=budget)
-    busy = subprocess.Popen([sys.executable, "-c", BUSY]) if loaded else None
-    try:
+    with background_load(loaded):
         start = time.perf_counter()
         result = launch(rank_compare, cfg.world_size, args=(spec,), timeout=args.timeout)[0]
         wall = time.perf_counter() - start
-    finally:
-        if busy is not None:
-            busy.kill()
-            busy.wait()
     out = ratios(result)
     longest = max(flat)
     return {"regime": name, "background_load": loaded, "world_size": cfg.world_size, "max_len": cfg.max_len,
             "longest": longest, "memory_budget_bytes": budget,
             "tp1_max_len": cost_model.max_len(Degrees(1, 1)), "candidates": candidates, "homogeneous": arms,
+            "warmup": warmup, "probe_iterations": probing,
             "wall_s": wall, **out}
 
 
@@ -109,7 +111,8 @@ def main() -> None:
     parser.add_argument("--loads", nargs="+", default=["none", "busy"], choices=["none", "busy"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", type=int, default=8, help="measured batches per repetition")
-    parser.add_argument("--warmup", type=int, default=2, help="batches every arm trains first, not counted")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="batches every arm trains first, not counted (default: 2 + the planner's probing)")
     parser.add_argument("--block", type=int, default=2, help="iterations per arm per turn")
     parser.add_argument("--uniform-len", type=int, default=512)
     parser.add_argument("--binding-max-len", type=int, default=2048)
@@ -123,7 +126,7 @@ def main() -> None:
             row = measure(name, args, load == "busy")
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("regime", "background_load", "best_homogeneous", "ratio_median",
-                                                  "ratio_min", "ratio_max", "planner_strategies", "wall_s")}),
+                                                  "ratio_min", "ratio_max", "gain_bound", "planner_strategies", "wall_s")}),
                   file=sys.stderr, flush=True)
     print(json.dumps({"benchmark": "planner_gain", "repeats": args.repeats, "batches": args.batches,
                       "block": args.block, "results": rows}, indent=1))

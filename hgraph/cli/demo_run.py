@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hgraph.cli import plots
 from hgraph.cli.demo import (MAX_LEN, MEMORY_BINDS, SIZES, TOKENS_PER_ITERATION, WORLD_SIZE, DemoConfig, factory_of,
                              corpus_batches, corpus_loaders, model_factory, profiled_cost_table, with_iteration_terms)
-from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, rank_compare, ratios
+from hgraph.cli.demo_compare import CompareSpec, homogeneous_arms, probing_batches, rank_compare, ratios
 from hgraph.core import atomic_files
 from hgraph.compiler import entry
 from hgraph.errors import HGraphError
@@ -125,9 +125,10 @@ def run(args: argparse.Namespace) -> int:
     comparison = None
     if args.compare:
         train, _ = corpus_loaders(cfg)
-        measured = [tuple(b) for b in train.first_batches(args.compare_batches + 1)]
+        warmup = 1 + probing_batches(costed if budget is None else costed.with_gpu_memory(budget), cfg.candidates)
+        measured = [tuple(b) for b in train.first_batches(args.compare_batches + warmup)]
         spec = CompareSpec(model_factory=factory_of(cfg), candidates=cfg.candidates, homogeneous=tuple(arms),
-                           cost_table=cfg.cost_table, batches=tuple(measured[1:]), warmup=tuple(measured[:1]),
+                           cost_table=cfg.cost_table, batches=tuple(measured[warmup:]), warmup=tuple(measured[:warmup]),
                            repeats=args.compare_repeats, gpu_memory=budget, schedule=cfg.schedule, lr=cfg.lr)
         print(f"      --compare: {spec}, interleaved")
         t3 = time.perf_counter()

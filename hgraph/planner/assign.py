@@ -19,15 +19,11 @@ Every plan carries the lower bound of ``hgraph.planner.bound`` for the candidate
 
 ``exact=True`` replaces 3 by the joint MILP of ``exact.solve_joint`` (small batches only).
 
-With a ``correction`` the planner also *settles*: of the homogeneous candidates (every pipeline the
-same degrees) that have taken every batch trained so far, the one with the smallest total predicted
-time is the incumbent, and another candidate replaces it on a batch only when its predicted time is
-shorter by more than the correction's measured error (``OnlineCorrection.measured_error``, before
-any measurement ``SETTLE_PRIOR_ERROR``). Where no strategy is really faster (uniform lengths, a
-machine where all cost the same) the run stays on the best homogeneous strategy instead of
-switching on noise; where one is (a batch the incumbent cannot take, or a clear predicted gain) it
-switches. Running totals decay (``SETTLE_DECAY``), and every ``explore_every`` batches the runner-up
-homogeneous candidate runs once, so the correction measures more than the incumbent.
+With a ``correction`` the planner also *settles* (``hgraph.planner.settling``): it probes every
+homogeneous candidate, keeps an incumbent, and replaces it on a batch only when another candidate's
+predicted time is shorter by more than the correction's measured error
+(``OnlineCorrection.measured_error``, before any measurement ``SETTLE_PRIOR_ERROR``). Only candidates
+whose greedy plan is predicted faster than the incumbent's are searched.
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ from hgraph.planner.dispatch import Assigner
 from hgraph.planner.exact import solve_joint
 from hgraph.planner.plan import IterationPlan, PipelinePlan
 from hgraph.planner.correction import OnlineCorrection
+from hgraph.planner.settling import EXPLORE_EVERY, PROBE_ROUNDS, SETTLE_PRIOR_ERROR, Settling
 from hgraph.planner.timing import (
     CommModel, IterationPrediction, PipelineCost, comm_model_for, exposed_comm_ms, iteration_from_compute,
 )
@@ -54,9 +51,6 @@ from hgraph.core.strategy import Strategy, as_strategies
 
 EXACT_MAX_VARIABLES = 4000
 REFINE_WITHIN = 0.03  # local search only for greedy plans within 3% of the best greedy plan
-SETTLE_PRIOR_ERROR = 0.05  # the margin a switch away from the incumbent needs before any measurement
-SETTLE_DECAY = 0.9  # weight of the past in the homogeneous candidates' running totals, per batch
-EXPLORE_EVERY = 16  # settling: every this many batches the runner-up homogeneous candidate runs once
 DEFAULT = "default"
 
 
@@ -130,6 +124,7 @@ class Planner:
         correction: Optional[OnlineCorrection] = None,
         pipeline_schedule: str = "1f1b",
         explore_every: int = EXPLORE_EVERY,
+        probe_rounds: int = PROBE_ROUNDS,
     ) -> None:
         self.cost_model = cost_model
         self.candidates = as_strategies(candidates)
@@ -154,27 +149,28 @@ class Planner:
             for s, costs in zip(self.candidates, self.pipeline_costs)
         ]
         self.homogeneous = tuple(k for k, s in enumerate(self.candidates) if len({p.degrees for p in s.pipelines}) == 1)
-        # settling (with a correction): total predicted ms of each homogeneous candidate over the batches
-        # trained so far (inf once one did not fit), and the last plan's figures, committed by ``observe``
-        self.homogeneous_ms: dict[int, float] = {k: 0.0 for k in self.homogeneous}
-        self._pending_ms: dict[int, float] = {}
-        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 0:
-            raise PlanError(f"explore_every={explore_every!r}; expected an integer >= 0 (0: never explore)")
-        self.explore_every = explore_every
+        self.settling = Settling(self.homogeneous, probe_rounds, explore_every)
+        self._index = {str(s): k for k, s in enumerate(self.candidates)}
 
-    def _ranked_homogeneous(self) -> list[int]:
-        """The homogeneous candidates that took every batch trained so far, by their running total of
-        predicted time (the past decayed by ``SETTLE_DECAY`` per batch), smallest first."""
-        if self.correction is None or self.correction.observations == 0:
-            return []
-        return [k for ms, k in sorted((ms, k) for k, ms in self.homogeneous_ms.items() if math.isfinite(ms))]
+    @property
+    def homogeneous_ms(self) -> dict[int, float]:
+        """Running total of predicted ms of each homogeneous candidate (``Settling.totals``)."""
+        return self.settling.totals
 
     @property
     def incumbent(self) -> Optional[int]:
-        """The homogeneous candidate the planner settles on (None without a correction, before the
-        first measurement, or when none took every batch)."""
-        ranked = self._ranked_homogeneous()
-        return ranked[0] if ranked else None
+        """The homogeneous candidate the planner settles on (None without a correction, while
+        probing, or when none took every batch)."""
+        return self.settling.incumbent if self.correction is not None else None
+
+    @property
+    def probe_iterations(self) -> int:
+        """Batches probing takes (with a correction) when every batch fits every homogeneous candidate."""
+        return self.settling.probe_iterations if self.correction is not None else 0
+
+    def probing(self) -> bool:
+        """Whether the planner still probes its homogeneous candidates (``Settling.probing``)."""
+        return self.correction is not None and self.settling.probing()
 
     def switch_margin(self) -> float:
         """The relative predicted gain a switch away from the incumbent needs: the correction's
@@ -192,16 +188,14 @@ class Planner:
         """Feed one measured iteration to the correction (no-op without one or without terms)."""
         if self.correction is not None and prediction is not None:
             self.correction.observe(prediction, measured_ms)
-            for k in self.homogeneous:
-                self.homogeneous_ms[k] = SETTLE_DECAY * self.homogeneous_ms[k] + self._pending_ms.get(k, math.inf)
-            self._pending_ms = {}
+            self.settling.observe(self._index.get(str(prediction.strategy)), self.switch_margin())
 
     def state_dict(self) -> dict[str, Any]:
         """What the planner learns while it runs (the online correction), as JSON-able data; the
         cost model, terms and candidates are inputs, rebuilt by whoever constructs the planner."""
         return {"candidates": [str(s) for s in self.candidates],
                 "correction": self.correction.state_dict() if self.correction is not None else None,
-                "homogeneous_ms": {str(k): ms for k, ms in self.homogeneous_ms.items()}}
+                **self.settling.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state_dict()`` (same candidates; a correction only if saved with one)."""
@@ -215,8 +209,7 @@ class Planner:
                             + " an online correction; construct the Planner the same way to resume")
         if self.correction is not None:
             self.correction.load_state_dict(saved)
-        totals = state.get("homogeneous_ms") or {}  # absent in states saved before 0.3
-        self.homogeneous_ms = {k: float(totals.get(str(k), 0.0)) for k in self.homogeneous}
+        self.settling.load_state_dict(state, self.switch_margin())
 
     def predicted(self, k: int, compute: Sequence[float]) -> float:
         """Predicted time of candidate ``k`` with per-pipeline compute times (adds exposed Pull/Push;
@@ -270,9 +263,8 @@ class Planner:
         if exact:
             best = self._exact(eligible, pieces, time_limit)
         else:
-            best = self._heuristic(eligible, pieces, longest, start)
-        if only is None and not exact:
-            best = self._settle(best, eligible, pieces, longest, start)
+            settled = self._settle(eligible, pieces, longest, start) if only is None else None
+            best = settled if settled is not None else self._heuristic(eligible, pieces, longest, start)
         predicted, k, packs = best
         strategy = self.candidates[k]
         pipelines = tuple(
@@ -287,22 +279,30 @@ class Planner:
             strategy, pipelines, tuple(pieces), tuple(sources), predicted, plan_ms, self.bound(pieces), prediction
         )
 
-    def _settle(self, best: tuple, eligible: list[int], pieces: list[int], longest: int, start: float) -> tuple:
-        """With a correction: the incumbent's plan unless ``best`` beats it by more than the margin;
-        records every homogeneous candidate's greedy predicted time for ``observe`` (inf where it
-        cannot take the batch). Only the plan that may run is searched, so settling costs little."""
+    def _settle(self, eligible: list[int], pieces: list[int], longest: int, start: float) -> Optional[tuple]:
+        """With a correction: a probe while probing; the runner-up when exploration is due; else the
+        incumbent's plan unless another candidate's beats it by more than the margin. Only candidates
+        whose greedy plan is predicted faster than the incumbent's are searched, so a settled planner
+        plans about as fast as one with a single candidate. Records every homogeneous candidate's
+        greedy predicted time for ``observe`` (inf where it cannot take the batch). None: no
+        incumbent (before the first measurement, or one that cannot take this batch); plan as usual."""
         if self.correction is None:
-            return best
-        self._pending_ms = {k: self._greedy_ms(k, pieces) if k in eligible else math.inf for k in self.homogeneous}
-        ranked = self._ranked_homogeneous()
-        if not ranked or ranked[0] not in eligible:
-            return best  # no incumbent yet, or one that cannot take this batch
-        others = [k for k in ranked[1:] if k in eligible]
-        if self.explore_every and others and self.correction.observations % self.explore_every == 0:
+            return None
+        greedy = {k: self._greedy_ms(k, pieces) for k in eligible}
+        probe = self.settling.plan_batch(greedy)
+        if probe is not None:
+            return self._heuristic([probe], pieces, longest, start)  # measure it before choosing the incumbent
+        incumbent = self.settling.incumbent
+        if incumbent is None or incumbent not in eligible:
+            return None
+        others = [k for k in self.settling.ranked() if k in eligible and k != incumbent]
+        if others and self.settling.exploring():
             return self._heuristic([others[0]], pieces, longest, start)  # the correction learns only what runs
-        if best[1] == ranked[0]:
-            return best
-        kept = self._heuristic([ranked[0]], pieces, longest, start)
+        kept = self._heuristic([incumbent], pieces, longest, start)
+        challengers = [k for k in eligible if k != incumbent and greedy[k] < greedy[incumbent]]
+        if not challengers:
+            return kept
+        best = self._heuristic(challengers, pieces, longest, start)
         return best if best[0] < kept[0] * (1.0 - self.switch_margin()) else kept
 
     def _greedy_ms(self, k: int, pieces: list[int]) -> float:

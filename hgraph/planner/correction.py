@@ -38,7 +38,7 @@ TERMS = ("compute", "comm", "fixed")
 class OnlineCorrection:
     """Per-term scales and per-strategy offsets fitted to (predicted terms, measured ms) pairs."""
 
-    def __init__(self, window: int = 48, prior: float = 0.5, huber: float = 0.1, shrink: float = 2.0,
+    def __init__(self, window: int = 48, prior: float = 0.5, huber: float = 0.1, shrink: float = 0.5,
                  bounds: tuple[float, float] = (0.2, 5.0)) -> None:
         if window < 1 or prior < 0 or huber <= 0 or shrink < 0 or not 0 < bounds[0] < 1 < bounds[1]:
             raise CostModelError(

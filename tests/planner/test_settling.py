@@ -7,7 +7,8 @@ import random
 import pytest
 
 from hgraph.core.strategy import Strategy
-from hgraph.planner.assign import EXPLORE_EVERY, Planner
+from hgraph.planner.assign import Planner
+from hgraph.planner.settling import EXPLORE_EVERY, PROBE_ROUNDS
 from hgraph.planner.correction import OnlineCorrection
 from hgraph.planner.terms import AlphaBeta, IterationTerms, StrategyTerms
 from tests.planner.test_fidelity import cost_model
@@ -46,7 +47,7 @@ def test_every_strategy_measured_equal_settles_on_one_homogeneous_strategy():
     late = picks[10:]
     settled = max(set(late), key=late.count)
     assert settled in HOMOGENEOUS
-    # the rest are the runner-up's measurements, one every EXPLORE_EVERY batches
+    # the rest are the runner-up's measurements, EXPLORE_EVERY batches after settling, then after doubling gaps
     assert len(late) - late.count(settled) <= len(late) // EXPLORE_EVERY + 1, picks
 
 
@@ -90,3 +91,50 @@ def test_the_settling_state_resumes():
         assert str(a.strategy) == str(b.strategy) and a.predicted_ms == b.predicted_ms
         p.observe(a.prediction, _equal(lengths, a))
         q.observe(b.prediction, _equal(lengths, b))
+
+
+def _as_predicted_for(reference: str, faster: str):
+    """A machine where every plan takes what the model predicts for ``reference`` on the batch, and
+    ``faster``'s plans 20 % less."""
+    model = _planner()
+    model.correction = None
+    ref = model.candidates.index(Strategy.parse(reference))
+    return lambda lengths, plan: model.plan(lengths, only=[ref]).predicted_ms * (0.8 if str(plan.strategy) == faster else 1)
+
+
+@pytest.mark.parametrize("faster", sorted(HOMOGENEOUS))
+def test_probing_finds_the_strategy_that_measures_fastest_whatever_the_model_ranks_first(faster):
+    """Every strategy takes the same time except ``faster``, 20 % quicker: after probing (each
+    homogeneous candidate measured ``PROBE_ROUNDS`` times) the run settles on it, whichever the
+    profiled model ranked first."""
+    p = _planner()
+    picks = _run(p, _as_predicted_for("2x tp2", faster))
+    assert p.probe_iterations == PROBE_ROUNDS * len(HOMOGENEOUS)
+    assert sorted(set(picks[:p.probe_iterations])) == sorted(HOMOGENEOUS)  # probing measures each
+    late = picks[p.probe_iterations + 12:]
+    assert late.count(faster) >= 0.85 * len(late), picks
+
+
+def test_without_probing_the_model_first_choice_stays_longer():
+    """The control: with ``probe_rounds=0`` only the runner-up's exploration every ``EXPLORE_EVERY``
+    batches can show that another strategy is faster."""
+    fair = _run(_planner(), _equal)
+    first = fair[0]
+    faster = next(s for s in sorted(HOMOGENEOUS) if s != first)
+    p = _planner()
+    p.settling.probe_rounds = 0
+    picks = _run(p, _as_predicted_for("2x tp2", faster))
+    assert picks[:EXPLORE_EVERY].count(faster) <= 2, picks
+
+
+
+def test_exploration_gaps_double_so_its_cost_fades_over_a_long_run():
+    settling = _planner().settling
+    due = []
+    for n in range(1, 20 * EXPLORE_EVERY):
+        settling.settled_batches = n
+        if settling.exploring():
+            due.append(n)
+    assert due == [EXPLORE_EVERY * 2**j for j in range(5)]  # 16, 32, 64, 128, 256
+    settling.explore_every = 0
+    assert not settling.exploring()
