@@ -56,7 +56,7 @@ def _uniform(cfg: DemoConfig, count: int, length: int) -> list[tuple[torch.Tenso
 
 def regime(name: str, args: argparse.Namespace) -> tuple[DemoConfig, list, float | None]:
     """The demo config, the batches (room for the longest warm-up first) and the memory budget of a regime."""
-    n = args.batches + MOST_WARMUP
+    n = args.batches + max(MOST_WARMUP, args.warmup or 0)
     if name == "uniform":
         cfg = DemoConfig(world_size=2, max_len=2048)
         return cfg, _uniform(cfg, n, args.uniform_len), None

@@ -137,24 +137,26 @@ def rank_compare(spec: CompareSpec) -> dict[str, Any]:
     trainers = {name: _trainer(spec, candidates) for name, candidates in arms.items()}
     gc.collect()  # every arm's trainer in one process: see the module docstring
     gc.freeze()
-    names = list(arms)
-    warmup = {name: sum(rec["seconds"] for rec in _train(trainers[name], spec.warmup)) for name in names}
-    seconds: dict[str, list[float]] = {n: [] for n in names}
-    rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    turn = 0
-    for _ in range(spec.repeats):
-        spent = dict.fromkeys(names, 0.0)
-        for start in range(0, len(spec.batches), spec.block):
-            order = names[turn % len(names):] + names[:turn % len(names)]
-            turn += 1
-            for name in order:
-                for rec in _train(trainers[name], spec.batches[start:start + spec.block], start):
-                    spent[name] += rec["seconds"]
-                    rows[name].append({k: rec[k] for k in ("strategy", "seconds", "measured_ms", "predicted_ms",
-                                                           "predicted_raw_ms", "loss", "lengths", "batch")})
-        for name in names:
-            seconds[name].append(spent[name])
-    gc.unfreeze()
+    try:
+        names = list(arms)
+        warmup = {name: sum(rec["seconds"] for rec in _train(trainers[name], spec.warmup)) for name in names}
+        seconds: dict[str, list[float]] = {n: [] for n in names}
+        rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        turn = 0
+        for _ in range(spec.repeats):
+            spent = dict.fromkeys(names, 0.0)
+            for start in range(0, len(spec.batches), spec.block):
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
+                for name in order:
+                    for rec in _train(trainers[name], spec.batches[start:start + spec.block], start):
+                        spent[name] += rec["seconds"]
+                        rows[name].append({k: rec[k] for k in ("strategy", "seconds", "measured_ms", "predicted_ms",
+                                                               "predicted_raw_ms", "loss", "lengths", "batch")})
+            for name in names:
+                seconds[name].append(spent[name])
+    finally:
+        gc.unfreeze()
     return {"seconds": seconds, "rows": rows, "warmup_seconds": warmup, "oracle": list(spec.oracle),
             "warmup_strategies": [rec["strategy"] for rec in trainers[PLANNER].history[:len(spec.warmup)]],
             "planner_state": str(trainers[PLANNER].planner.correction)}

@@ -112,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     table = with_iteration_terms(cfg, table, candidates, batches[:3], fresh=args.fresh_profile)
     costed = CostModel.from_table(table).with_world_size(cfg.world_size)
-    arms = homogeneous_arms(costed if budget is None else costed.with_gpu_memory(budget), cfg.world_size, batches,
-                            most=2, schedule=cfg.schedule)
+    if budget is not None:
+        costed = costed.with_gpu_memory(budget)
+    arms = homogeneous_arms(costed, cfg.world_size, batches, most=2, schedule=cfg.schedule)
     print(f"[2/4] {len(candidates)} candidate strategies: " + "; ".join(candidates)
           + f" (iteration terms measured {time.perf_counter() - t2:.1f}s)")
     cfg = DemoConfig(**{**asdict(cfg), "candidates": tuple(candidates), "cost_table": json.dumps(table),
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     comparison = None
     if args.compare:
         train, _ = corpus_loaders(cfg)
-        warmup = 1 + probing_batches(costed if budget is None else costed.with_gpu_memory(budget), cfg.candidates)
+        warmup = 1 + probing_batches(costed, cfg.candidates)
         measured = [tuple(b) for b in train.first_batches(args.compare_batches + warmup)]
         spec = CompareSpec(model_factory=factory_of(cfg), candidates=cfg.candidates, homogeneous=tuple(arms),
                            cost_table=cfg.cost_table, batches=tuple(measured[warmup:]), warmup=tuple(measured[:warmup]),
